@@ -1,0 +1,256 @@
+"""Speed of the core's hot paths, on the real code.
+
+    python benchmarks/bench_core.py [--json] [--prompts N] [--entries N] [--nodes N]
+
+Keys printed (one JSON object with --json):
+  route_p50_us, route_p99_us   one routing decision (candidate filter + index match +
+                               kvgate policy scoring; hashing excluded) for 32 000-character
+                               prompts, 64 nodes, 1 000 000 indexed (block, node) entries
+  hash_32k_p50_us              hashing one 32 000-character prompt into its chain
+  admit_p50_us, admit_p99_us   stage-1 admission plus the quota book, per request
+  index_bytes_per_entry        traced memory of the whole index / (block, node) entries
+Goals (issue "Core"): route p50 <= 50 us, p99 <= 200 us; hash <= 60 us; admit p50 <= 5 us,
+p99 <= 20 us; <= 300 B per entry. The machine is shared and noisy: read p99 with care.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+
+from kvgate.core.admission import (
+    AdmissionConfig,
+    AdmissionRequest,
+    Admitted,
+    GatewayAdmission,
+    InProcessCoordinator,
+    Priority,
+)
+from kvgate.core.config import ControllerConfig
+from kvgate.core.controller import Controller
+from kvgate.core.hashing import TextChunkHasher
+from kvgate.core.ids import NodeId, RequestId, TenantId
+from kvgate.core.index import ClusterIndex
+from kvgate.core.nodes import NodeSpec
+from kvgate.core.routing import RouteContext
+
+PROMPT_CHARS = 32_000
+ALPHABET = "abcdefghijklmnopqrstuvwxyz      .,\n"
+
+
+def _pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choices(ALPHABET, k=n))
+
+
+def _populate(
+    index: ClusterIndex | Controller,
+    rng: random.Random,
+    hasher: TextChunkHasher,
+    *,
+    nodes: list[NodeId],
+    prompts: int,
+    entries: int,
+) -> list[tuple[tuple[int, ...], int]]:
+    """Index `prompts` query prompts with spread matches, then fill to `entries`.
+
+    Returns the query chains with their prompt token estimates. Match lengths run
+    from a miss at the first block to a full match; each prefix has 1-16 holders.
+    """
+    idx = index.index if isinstance(index, Controller) else index
+    queries: list[tuple[tuple[int, ...], int]] = []
+    # a few shared "system prompts" so that holders overlap across prompts
+    systems = [_text(rng, 256 * rng.randint(1, 8)) for _ in range(8)]
+    now = 0.0
+    for i in range(prompts):
+        head = systems[i % len(systems)] if i % 3 else ""
+        text = head + _text(rng, PROMPT_CHARS - len(head))
+        chain = hasher.chain_for_prompt(text)
+        queries.append((chain, hasher.estimate_tokens_prompt(text)))
+        kind = i % 10
+        if kind == 0:
+            continue  # miss at the first block (unless a shared system prompt is held)
+        depth = len(chain) if kind == 9 else rng.randint(1, len(chain))
+        for node in rng.sample(nodes, rng.randint(1, 16)):
+            idx.insert(node, chain[: rng.randint(1, depth)], now)
+    # filler: other prompts' chains on random nodes, up to the entry target
+    while idx.num_entries() < entries:
+        chain = hasher.chain_for_prompt(_text(rng, rng.randint(8, 125) * 256))
+        for node in rng.sample(nodes, rng.randint(1, 16)):
+            idx.insert(node, chain, now)
+            if idx.num_entries() >= entries:
+                break
+    return queries
+
+
+def bench_route(args: argparse.Namespace, out: dict[str, float]) -> None:
+    rng = random.Random(1)
+    hasher = TextChunkHasher(block_chars=256)
+    ctl = Controller(ControllerConfig(policy="kvgate", index_ttl_s=None), rng=random.Random(2))
+    nodes = [NodeId(f"node-{i:02d}") for i in range(args.nodes)]
+    per_node = 2 * args.entries // args.nodes + 1000
+    for n in nodes:
+        ctl.add_node(NodeSpec(node_id=n, cache_blocks=per_node, capacity=64), 0.0)
+    queries = _populate(ctl, rng, hasher, nodes=nodes, prompts=args.prompts, entries=args.entries)
+    out["index_entries"] = ctl.index.num_entries()
+    for i, n in enumerate(nodes):
+        ctl.on_load_report(n, waiting=i % 5, running=8 + i % 7, kv_util=(i % 10) / 10, now=1.0)
+    ctxs = [
+        RouteContext(chain=c, prompt_tokens=t, tokens_per_block=hasher.tokens_per_block)
+        for c, t in queries
+    ]
+    samples: list[float] = []
+    route = ctl.route
+    gc.collect()
+    gc.disable()
+    try:
+        for rep in range(args.reps):
+            for ctx in ctxs:
+                t0 = time.perf_counter_ns()
+                d = route(ctx, 1.5)
+                t1 = time.perf_counter_ns()
+                if rep:
+                    samples.append((t1 - t0) / 1000)
+                assert d is not None
+    finally:
+        gc.enable()
+    out["route_p50_us"] = round(statistics.median(samples), 2)
+    out["route_p99_us"] = round(_pct(samples, 0.99), 2)
+    out["route_samples"] = len(samples)
+    matched = [len(ctl.index.match(ctx.chain, 1.5)) for ctx in ctxs]
+    out["route_prompts_with_a_holder"] = sum(1 for m in matched if m)
+
+
+def bench_hash(out: dict[str, float]) -> None:
+    rng = random.Random(3)
+    hasher = TextChunkHasher(block_chars=256)
+    texts = [_text(rng, PROMPT_CHARS) for _ in range(50)]
+    samples = []
+    for _ in range(20):
+        for t in texts:
+            t0 = time.perf_counter_ns()
+            hasher.chain_for_prompt(t)
+            samples.append((time.perf_counter_ns() - t0) / 1000)
+    out["hash_32k_p50_us"] = round(statistics.median(samples), 2)
+
+
+def bench_admit(out: dict[str, float]) -> None:
+    cfg = AdmissionConfig(budget=512, tenant_quotas={TenantId(f"t{i}"): 64 for i in range(8)})
+    coord = InProcessCoordinator(cfg)
+    gw = GatewayAdmission(cfg, gateway_id="gw0")
+    gw.set_cluster_capacity(healthy_capacity=1024, healthy_nodes=16, now=0.0)
+    now = 0.0
+    for _ in range(3):  # a few refreshes so the lease and tenant grants are active
+        gw.apply_grant(coord.refresh(gw.make_refresh(now), now), now)
+        now += 0.1
+    reqs = [
+        AdmissionRequest(
+            request_id=RequestId(f"r{i}"),
+            tenant=TenantId(f"t{i % 8}"),
+            priority=Priority(i % 2),
+            prompt_tokens=1000,
+            max_seq_len=32768,
+        )
+        for i in range(2000)
+    ]
+    samples: list[float] = []
+    admit, release = gw.admit, gw.release
+    gc.disable()
+    try:
+        for rep in range(5):
+            held = []
+            for r in reqs:
+                t0 = time.perf_counter_ns()
+                v = admit(r, now)
+                t1 = time.perf_counter_ns()
+                if rep:
+                    samples.append((t1 - t0) / 1000)
+                if isinstance(v, Admitted):
+                    held.append(v.ticket)
+                if len(held) >= 32:  # keep the book busy but under its lease
+                    release(held.pop(0), now)
+            for t in held:
+                release(t, now)
+            now += 0.01
+    finally:
+        gc.enable()
+    out["admit_p50_us"] = round(statistics.median(samples), 2)
+    out["admit_p99_us"] = round(_pct(samples, 0.99), 2)
+
+
+def bench_memory(args: argparse.Namespace, out: dict[str, float]) -> None:
+    rng = random.Random(4)
+    hasher = TextChunkHasher(block_chars=256)
+    nodes = [NodeId(f"node-{i:02d}") for i in range(args.nodes)]
+    # chains are hashed before tracing starts, so only the index is measured
+    chains = []
+    total = 0
+    while total < args.entries * 1.02:
+        chain = hasher.chain_for_prompt(_text(rng, rng.randint(8, 125) * 256))
+        holders = rng.sample(nodes, rng.randint(1, 16))
+        chains.append((chain, holders))
+        total += len(chain) * len(holders)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    index = ClusterIndex(ttl_s=600.0)
+    per_node = 2 * args.entries // args.nodes + 1000
+    for n in nodes:
+        index.add_node(n, per_node)
+    for chain, holders in chains:
+        for n in holders:
+            index.insert(n, chain, 0.0)
+            if index.num_entries() >= args.entries:
+                break
+        if index.num_entries() >= args.entries:
+            break
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    out["index_bytes_per_entry"] = round(used / index.num_entries(), 1)
+    out["index_memory_entries"] = index.num_entries()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--prompts", type=int, default=1000, help="distinct query prompts (1000)")
+    p.add_argument("--entries", type=int, default=1_000_000, help="indexed (block, node) entries")
+    p.add_argument("--nodes", type=int, default=64)
+    p.add_argument("--reps", type=int, default=4, help="passes over the prompts (first is warm-up)")
+    args = p.parse_args(argv)
+    out: dict[str, float] = {}
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("hash", lambda: bench_hash(out)),
+        ("admit", lambda: bench_admit(out)),
+        ("route", lambda: bench_route(args, out)),
+        ("memory", lambda: bench_memory(args, out)),
+    ]
+    for name, step in steps:
+        t0 = time.perf_counter()
+        step()
+        if not args.json:
+            print(f"[{name}: {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    else:
+        for k, v in sorted(out.items()):
+            print(f"{k:32s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""`kvgate` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvgate import __version__
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate",
+        description="KV-cache-aware routing and global admission control for LLM clusters.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="route a few requests through the core and explain each decision",
+        description="Route a few chat requests through kvgate's core on 4 in-memory nodes "
+        "and print each decision with its reason and score parts.",
+    )
+    demo.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from kvgate.demo import run_demo
+
+        return run_demo(seed=args.seed)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

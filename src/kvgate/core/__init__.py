@@ -1,0 +1,1 @@
+"""The pure, synchronous scheduling core: no I/O, no clock, no global randomness."""

@@ -1,0 +1,176 @@
+"""Admission configuration: one frozen value, validated at construction (ConfigError).
+
+Defaults follow admission-anchors section 8 and the design brief; each knob says
+what it does and where its number comes from. ``AdmissionConfig()`` is a sane
+single-gateway setup with a budget of 256 concurrent requests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from kvgate.core.admission.retry import RetryBudget
+from kvgate.core.admission.types import NUM_CLASSES
+from kvgate.core.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClassConfig:
+    """One priority class (APF arithmetic: NominalCL = ceil(C x share))."""
+
+    share: float  # nominal share of the class capacity
+    lendable: float  # fraction of NominalCL other classes may borrow (APF lendablePercent)
+    queue_limit: int = 1024  # queued requests of this class at one gateway
+    queue_timeout_s: float = 30.0  # longest wait in the queue before QUEUE_TIMEOUT
+
+
+def _default_classes() -> tuple[ClassConfig, ClassConfig, ClassConfig]:
+    return (
+        ClassConfig(share=0.7, lendable=0.5, queue_timeout_s=30.0),
+        ClassConfig(share=0.3, lendable=1.0, queue_timeout_s=30.0),
+        ClassConfig(share=0.0, lendable=1.0, queue_timeout_s=60.0),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BreakerConfig:
+    """The cluster breaker: opens on error rate, or while no node is healthy."""
+
+    error_rate: float = 0.5  # open when failures / outcomes >= this ...
+    window_s: float = 10.0  # ... over this sliding window ...
+    min_outcomes: int = 20  # ... with at least this many outcomes in it
+    buckets: int = 10  # window resolution (window_s / buckets per bucket)
+    open_s: float = 5.0  # stay open this long, then half-open
+    half_open_probes: int = 3  # admits allowed half-open; that many successes close it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseConfig:
+    """The quota book's lease timing (Doorman leases, RLQS states)."""
+
+    refresh_s: float = 0.5  # periodic refresh (x(1 +- jitter) when an rng is given)
+    jitter: float = 0.1
+    ttl_s: float = 2.0  # the coordinator keeps a gateway's record this long (3-4 refreshes)
+    margin_s: float = 0.2  # local_deadline = t_sent + ttl - margin (monotonic clock)
+    reuse_timeout_s: float = 5.0  # EXPIRED_REUSING: keep the last lease this long, then SAFE
+    low_watermark_fraction: float = 0.1  # early refresh when free < max(min, fraction x lease)
+    low_watermark_min: int = 2
+    early_refresh_min_interval_s: float = 0.05  # coalescing: at most one early refresh per 50 ms
+    expected_gateways: int = 1  # NO_ASSIGNMENT capacity = C / expected_gateways (P0 only)
+    tenant_first_sight_allowance: int = 1  # credits for a quota tenant not yet in any grant
+    reclaim_grace_s: float = 0.0  # coordinator keeps an expired gateway's inuse held this long
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SafeModeConfig:
+    """SAFE: limit = min(last lease, C / gateways last seen); P2 off; dispatch gated."""
+
+    p2_enabled: bool = False  # the brief: P2 off in safe mode (rejected DEGRADED)
+    retry_after_s: float = 5.0  # Retry-After on DEGRADED rejections
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SloConfig:
+    """The P0 TTFT SLO loop: AIMD on the P1 ceiling, with a hysteresis band."""
+
+    p0_ttft_p99_s: float = 2.0  # the SLO
+    window_s: float = 10.0
+    min_samples: int = 5  # a window with fewer P0 samples reports no data (= healthy)
+    healthy_fraction: float = 0.9  # healthy only when p99 <= 0.9 x SLO (the band in between
+    # counts as neither breach nor healthy: this is the hysteresis)
+    breach_windows: int = 2  # consecutive breached windows before a decrease
+    decrease: float = 0.8  # multiplicative decrease of the P1 ceiling
+    floor: float = 0.1
+    healthy_windows: int = 3  # consecutive healthy windows before an increase
+    increase: float = 0.05  # additive increase
+    cap: float = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionConfig:
+    budget: int = 256  # configured cluster concurrency C (C_eff = min(C, healthy capacity))
+    classes: tuple[ClassConfig, ClassConfig, ClassConfig] = field(default_factory=_default_classes)
+    bypass_fraction: float = 0.03  # bypass pool carved out of C (at least 1 credit)
+    tenant_quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> max concurrency
+    default_tenant_quota: int | None = None  # unknown tenants; None = unlimited
+    tenant_retry_after_s: float = 1.0  # Retry-After on TENANT_QUOTA
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    safe_mode: SafeModeConfig = field(default_factory=SafeModeConfig)
+    retry: RetryBudget = field(default_factory=RetryBudget)
+    slo: SloConfig = field(default_factory=SloConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenant_quotas", MappingProxyType(dict(self.tenant_quotas)))
+        _validate(self)
+
+    def quota_for(self, tenant: str) -> int | None:
+        return self.tenant_quotas.get(tenant, self.default_tenant_quota)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+
+def bypass_pool(capacity: int, fraction: float) -> int:
+    """Credits of C reserved for the bypass lane: max(1, floor(fraction x C)).
+
+    0 when the fraction is 0 or C < 2 (one credit cannot be split between lanes).
+    """
+    if fraction <= 0.0 or capacity < 2:
+        return 0
+    return min(capacity - 1, max(1, math.floor(capacity * fraction + 1e-9)))
+
+
+def ceil_fraction(value: int, fraction: float) -> int:
+    """ceil(value x fraction), immune to float noise such as 100 x 0.7 = 70.00000000000001."""
+    return math.ceil(round(value * fraction, 9))
+
+
+def floor_fraction(value: int, fraction: float) -> int:
+    return math.floor(round(value * fraction, 9))
+
+
+def _validate(cfg: AdmissionConfig) -> None:
+    if cfg.budget < 1:
+        raise ConfigError(f"admission budget must be >= 1, got {cfg.budget}", param="budget")
+    if len(cfg.classes) != NUM_CLASSES:
+        raise ConfigError("admission needs exactly three classes (P0, P1, P2)", param="classes")
+    shares = [c.share for c in cfg.classes]
+    if any(s < 0.0 for s in shares) or shares[0] <= 0.0 or sum(shares) > 1.0 + 1e-9:
+        raise ConfigError(f"class shares must be >= 0, P0 > 0, sum <= 1: {shares}")
+    for i, c in enumerate(cfg.classes):
+        if not 0.0 <= c.lendable <= 1.0:
+            raise ConfigError(f"P{i} lendable must be in [0, 1], got {c.lendable}")
+        if c.queue_limit < 0 or c.queue_timeout_s <= 0.0:
+            raise ConfigError(f"P{i} queue limit must be >= 0 and timeout > 0")
+    if not 0.0 <= cfg.bypass_fraction <= 0.5:
+        raise ConfigError(f"bypass_fraction must be in [0, 0.5], got {cfg.bypass_fraction}")
+    quotas = list(cfg.tenant_quotas.values())
+    if cfg.default_tenant_quota is not None:
+        quotas.append(cfg.default_tenant_quota)
+    if any(q < 0 for q in quotas):
+        raise ConfigError("tenant quotas must be >= 0", param="tenant_quotas")
+    b = cfg.breaker
+    if not 0.0 < b.error_rate <= 1.0 or b.window_s <= 0 or b.buckets < 1 or b.open_s <= 0:
+        raise ConfigError("breaker: error_rate in (0, 1], window_s, buckets, open_s > 0")
+    if b.min_outcomes < 1 or b.half_open_probes < 1:
+        raise ConfigError("breaker: min_outcomes and half_open_probes must be >= 1")
+    lc = cfg.lease
+    if lc.refresh_s <= 0 or lc.ttl_s <= lc.refresh_s:
+        raise ConfigError("lease: need 0 < refresh_s < ttl_s", param="lease")
+    if not 0.0 <= lc.margin_s < lc.ttl_s or lc.reuse_timeout_s < 0 or not 0 <= lc.jitter < 1:
+        raise ConfigError("lease: need 0 <= margin_s < ttl_s, reuse_timeout_s >= 0, jitter < 1")
+    if lc.expected_gateways < 1 or lc.tenant_first_sight_allowance < 0:
+        raise ConfigError("lease: expected_gateways >= 1, tenant_first_sight_allowance >= 0")
+    if lc.low_watermark_min < 0 or lc.early_refresh_min_interval_s < 0 or lc.reclaim_grace_s < 0:
+        raise ConfigError("lease: watermark, early interval and reclaim grace must be >= 0")
+    s = cfg.slo
+    if s.p0_ttft_p99_s <= 0 or s.window_s <= 0 or not 0 < s.healthy_fraction <= 1:
+        raise ConfigError("slo: p0_ttft_p99_s, window_s > 0 and healthy_fraction in (0, 1]")
+    if not 0 < s.decrease < 1 or not 0 < s.floor <= s.cap <= 1 or s.increase <= 0:
+        raise ConfigError("slo: 0 < decrease < 1, 0 < floor <= cap <= 1, increase > 0")
+    if s.breach_windows < 1 or s.healthy_windows < 1 or s.min_samples < 1:
+        raise ConfigError("slo: breach_windows, healthy_windows, min_samples >= 1")

@@ -1,0 +1,364 @@
+"""The coordinator: hands out leases so that the gateways together never exceed C.
+
+:class:`Coordinator` is the contract (the Redis Lua script will implement it too);
+:class:`InProcessCoordinator` is the reference implementation of admission-anchors
+8.2, one call per gateway refresh:
+
+1. Expire gateway records past their TTL (with ``reclaim_grace_s`` > 0 an expired
+   record's last reported in-use stays counted as held for that long).
+2. Upsert the caller. C_eff is the latest C_eff any gateway reported (each sees the
+   node health itself; the newest report wins), clamped to the configured budget.
+   The bypass pool R = max(1, floor(3 % of C_eff)) is carved out first; the class
+   capacity is K = C_eff - R.
+3. Class budgets B[c] (``allocation.class_budgets``): P0's demand is at least its
+   unlendable reserve (spread over the live gateways: burst room for P0 everywhere),
+   P1 is capped by the SLO ceiling, P2 gets only what is idle.
+4. The caller's grant per class: a max-min fair share of B[c] by wants (Doorman
+   FAIR_SHARE); capacity nobody wants is spread evenly as ``headroom``. Then the
+   clamps, with **held = max(lease granted, lease the gateway reports it holds,
+   inuse)** for every other gateway:
+
+   - grant[c] <= B[c] - sum of the others' held[c];
+   - sum(grant) + headroom <= K - sum of the others' held totals (headroom is cut
+     first, then P2, P1, P0);
+   - bypass grant <= R - the others' held bypass; tenant t's grant <= quota(t) - the
+     others' held for t.
+
+   Why "reported has" on top of the brief's max(lease, inuse): a refresh is
+   asynchronous, and until the new grant lands the gateway keeps admitting against
+   its old lease. Counting only the new lease would let another gateway receive the
+   credits the first one is still spending (the invariant test shows it).
+
+Result: sum of in-flight <= C while every gateway reaches the coordinator.
+
+Learning mode (Doorman): for one TTL a gateway is granted max(has, inuse) as it
+reports them, clamped by what the others already reported holding; a newcomer (has 0)
+gets nothing. It runs
+
+- after an epoch change (``reset_epoch``: the Redis coordinator lost its state);
+- for a gateway still reporting an older epoch, one TTL from its first such report;
+- for the first TTL after the coordinator starts, if ``learn_on_start``: a fresh
+  coordinator cannot know what gateways admitted in NO_ASSIGNMENT, and without
+  learning the first gateway to report is lent all idle capacity while the others
+  still run on their start-up allowance.
+
+Start-up bounds. With ``learn_on_start`` and ``expected_gateways`` at least the real
+gateway count, the sum of in-flight never exceeds C from the first request on. Without
+it (the default: one gateway, or gateways that refresh before taking traffic, lose
+nothing, and the first TTL is not spent echoing start-up allowances), the overshoot is
+at most the NO_ASSIGNMENT admits (P0 only, K / expected_gateways per gateway) made
+before each gateway's first report, and ends when those requests finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvgate.core.admission.allocation import (
+    class_budgets,
+    max_min_share,
+    share_with_slack,
+    spread,
+)
+from kvgate.core.admission.config import AdmissionConfig, bypass_pool
+from kvgate.core.admission.slo import SloController
+from kvgate.core.admission.types import LeaseGrant, RefreshRequest, TenantUsage, Triple
+
+
+class Coordinator(Protocol):
+    def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
+        """Report usage, receive a lease; may raise ``CoordinatorUnavailable``."""
+        ...
+
+    def release_gateway(self, gateway_id: str) -> None:
+        """Graceful shutdown: forget the gateway's lease now instead of at TTL."""
+        ...
+
+
+@dataclass(slots=True)
+class GatewayRecord:
+    gateway_id: str
+    expires_at: float
+    inuse: Triple = (0, 0, 0)
+    wants: Triple = (0, 0, 0)
+    has: Triple = (0, 0, 0)
+    has_total: int = 0
+    lease: Triple = (0, 0, 0)
+    lease_total: int = 0
+    bypass_inuse: int = 0
+    bypass_has: int = 0
+    bypass_lease: int = 0
+    tenants: Mapping[str, TenantUsage] = field(default_factory=dict)
+    tenant_lease: dict[str, int] = field(default_factory=dict)
+    learning_until: float = 0.0
+    ghost: bool = False  # expired; only its last in-use is held until expires_at
+
+    def held(self, c: int) -> int:
+        if self.ghost:
+            return self.inuse[c]
+        return max(self.lease[c], self.has[c], self.inuse[c])
+
+    def held_total(self) -> int:
+        used = self.inuse[0] + self.inuse[1] + self.inuse[2]
+        if self.ghost:
+            return used
+        return max(self.lease_total, self.has_total, used)
+
+    def held_bypass(self) -> int:
+        if self.ghost:
+            return self.bypass_inuse
+        return max(self.bypass_lease, self.bypass_has, self.bypass_inuse)
+
+    def held_tenant(self, tenant: str) -> int:
+        usage = self.tenants.get(tenant)
+        inuse = usage.inuse if usage is not None else 0
+        if self.ghost:
+            return inuse
+        has = usage.has if usage is not None else 0
+        return max(self.tenant_lease.get(tenant, 0), has, inuse)
+
+
+class InProcessCoordinator:
+    """Doorman-style lease server in process (one gateway, the simulator, tests)."""
+
+    def __init__(
+        self, config: AdmissionConfig, *, epoch: str = "epoch-0", learn_on_start: bool = False
+    ) -> None:
+        self.config = config
+        self.epoch = epoch
+        self._learn_on_start = learn_on_start
+        self.capacity = config.budget
+        self.slo = SloController(config.slo)
+        self.records: dict[str, GatewayRecord] = {}
+        self.learning_until = -1.0
+        self.refreshes = 0
+        self._slo_seen: dict[str, int] = {}
+        self._slo_pending: dict[str, float | None] = {}
+        self._slo_next: float | None = None
+
+    # ----------------------------------------------------------------- public
+    def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
+        if self._learn_on_start:
+            self._learn_on_start = False
+            self.learning_until = now + self.config.lease.ttl_s
+        self.refreshes += 1
+        self._expire(now)
+        if req.c_eff_seen is not None:
+            self.capacity = max(0, min(self.config.budget, req.c_eff_seen))
+        self._observe_slo(req, now)
+        rec = self._upsert(req, now)
+        if now < max(self.learning_until, rec.learning_until):
+            return self._echo(rec)
+        return self._allocate(rec)
+
+    def release_gateway(self, gateway_id: str) -> None:
+        self.records.pop(gateway_id, None)
+        self._slo_seen.pop(gateway_id, None)
+        self._slo_pending.pop(gateway_id, None)
+
+    def reset_epoch(self, epoch: str, now: float) -> None:
+        """Simulate lost coordinator state (a Redis restart): forget all, learn for a TTL."""
+        self.epoch = epoch
+        self.records.clear()
+        self.learning_until = now + self.config.lease.ttl_s
+
+    @property
+    def ceilings(self) -> tuple[float, float, float]:
+        return self.slo.ceilings
+
+    def live(self) -> list[GatewayRecord]:
+        return [r for r in self.records.values() if not r.ghost]
+
+    def held_total(self) -> int:
+        """Sum of held class credits over all records (for tests and metrics)."""
+        return sum(self._held_total(r) for r in self.records.values())
+
+    # ----------------------------------------------------------------- held (overridable)
+    def _held(self, rec: GatewayRecord, c: int) -> int:
+        return rec.held(c)
+
+    def _held_total(self, rec: GatewayRecord) -> int:
+        return rec.held_total()
+
+    # ----------------------------------------------------------------- steps
+    def _expire(self, now: float) -> None:
+        grace = self.config.lease.reclaim_grace_s
+        for gid in list(self.records):
+            rec = self.records[gid]
+            if rec.expires_at >= now:
+                continue
+            if rec.ghost or grace <= 0.0:
+                del self.records[gid]
+            else:
+                rec.ghost = True
+                rec.expires_at = now + grace
+
+    def _upsert(self, req: RefreshRequest, now: float) -> GatewayRecord:
+        rec = self.records.get(req.gateway_id)
+        if rec is None or rec.ghost:
+            rec = GatewayRecord(gateway_id=req.gateway_id, expires_at=0.0)
+            self.records[req.gateway_id] = rec
+        rec.expires_at = now + self.config.lease.ttl_s
+        rec.inuse, rec.wants, rec.has = req.inuse, req.wants, req.has
+        rec.has_total = req.has_total
+        rec.bypass_inuse, rec.bypass_has = req.bypass_inuse, req.bypass_has
+        rec.tenants = dict(req.tenants)
+        if req.epoch is not None and req.epoch != self.epoch and rec.learning_until <= 0.0:
+            rec.learning_until = now + self.config.lease.ttl_s
+        return rec
+
+    def _grant(self, rec: GatewayRecord, *, learning: bool, p0_reserve: int) -> LeaseGrant:
+        live = self.live()
+        k = self.capacity - bypass_pool(self.capacity, self.config.bypass_fraction)
+        return LeaseGrant(
+            gateway_id=rec.gateway_id,
+            grants=rec.lease,
+            headroom=rec.lease_total - sum(rec.lease),
+            p0_reserve=min(p0_reserve, rec.lease[0]),
+            bypass=rec.bypass_lease,
+            tenant_grants=dict(rec.tenant_lease),
+            ttl_s=self.config.lease.ttl_s,
+            refresh_s=self.config.lease.refresh_s,
+            safe_capacity=k // max(1, len(live)),
+            capacity=self.capacity,
+            ceilings=self.slo.ceilings,
+            epoch=self.epoch,
+            gateways_live=len(live),
+            learning=learning,
+        )
+
+    def _echo(self, rec: GatewayRecord) -> LeaseGrant:
+        """Learning mode: what the gateway says it has (or uses), clamped by the others.
+
+        The clamp (the same held rule as ``_allocate``) keeps a gateway from being
+        echoed credits another gateway has already reported holding.
+        """
+        cfg = self.config
+        others = [r for r in self.records.values() if r.gateway_id != rec.gateway_id]
+        pool = bypass_pool(self.capacity, cfg.bypass_fraction)
+        k = self.capacity - pool
+        grant = [max(rec.has[c], rec.inuse[c]) for c in range(3)]
+        want_total = max(rec.has_total, sum(rec.inuse), sum(grant))
+        room = max(0, k - sum(self._held_total(o) for o in others))
+        total = min(want_total, room)
+        over = sum(grant) - total
+        for c in (2, 1, 0):
+            cut = min(grant[c], max(0, over))
+            grant[c] -= cut
+            over -= cut
+        rec.lease = (grant[0], grant[1], grant[2])
+        rec.lease_total = total
+        bypass_room = max(0, pool - sum(o.held_bypass() for o in others))
+        rec.bypass_lease = min(max(rec.bypass_has, rec.bypass_inuse), bypass_room)
+        tenant_lease: dict[str, int] = {}
+        for tenant, usage in rec.tenants.items():
+            quota = cfg.quota_for(tenant)
+            if quota is None:
+                continue
+            free = max(0, quota - sum(o.held_tenant(tenant) for o in others))
+            tenant_lease[tenant] = min(max(usage.has, usage.inuse), free)
+        rec.tenant_lease = tenant_lease
+        return self._grant(rec, learning=True, p0_reserve=0)
+
+    def _budgets(self, live: list[GatewayRecord]) -> _BudgetView:
+        cfg = self.config
+        k = self.capacity - bypass_pool(self.capacity, cfg.bypass_fraction)
+        shares = (cfg.classes[0].share, cfg.classes[1].share, cfg.classes[2].share)
+        lendable = (cfg.classes[0].lendable, cfg.classes[1].lendable, cfg.classes[2].lendable)
+        probe = class_budgets(capacity=k, shares=shares, lendable=lendable, demand=(0, 0, 0))
+        reserve_share = spread(probe.reserve[0], (r.gateway_id for r in live))
+        wants0 = {r.gateway_id: max(r.wants[0], reserve_share[r.gateway_id]) for r in live}
+        demand = (
+            sum(wants0.values()),
+            sum(r.wants[1] for r in live),
+            sum(r.wants[2] for r in live),
+        )
+        cb = class_budgets(
+            capacity=k, shares=shares, lendable=lendable, demand=demand, ceilings=self.ceilings
+        )
+        return _BudgetView(
+            k=k, budgets=cb.budgets, idle=cb.idle, wants0=wants0, reserve_share=reserve_share
+        )
+
+    def _allocate(self, rec: GatewayRecord) -> LeaseGrant:
+        cfg = self.config
+        gid = rec.gateway_id
+        live = self.live()
+        others = [r for r in self.records.values() if r.gateway_id != gid]
+        view = self._budgets(live)
+        wants_by_class = (
+            view.wants0,
+            {r.gateway_id: r.wants[1] for r in live},
+            {r.gateway_id: r.wants[2] for r in live},
+        )
+        grant = [0, 0, 0]
+        for c in range(3):
+            fair = max_min_share(view.budgets[c], wants_by_class[c])[gid]
+            free = view.budgets[c] - sum(self._held(o, c) for o in others)
+            grant[c] = max(0, min(fair, free))
+        headroom = spread(view.idle, (r.gateway_id for r in live))[gid]
+        room = max(0, view.k - sum(self._held_total(o) for o in others))
+        over = grant[0] + grant[1] + grant[2] + headroom - room
+        cut = min(headroom, max(0, over))
+        headroom -= cut
+        over -= cut
+        for c in (2, 1, 0):
+            if over <= 0:
+                break
+            cut = min(grant[c], over)
+            grant[c] -= cut
+            over -= cut
+        rec.lease = (grant[0], grant[1], grant[2])
+        rec.lease_total = sum(grant) + headroom
+        pool = bypass_pool(self.capacity, cfg.bypass_fraction)
+        bypass_fair = spread(pool, (r.gateway_id for r in live))[gid]
+        bypass_free = pool - sum(o.held_bypass() for o in others)
+        rec.bypass_lease = max(0, min(bypass_fair, bypass_free))
+        rec.tenant_lease = self._tenant_grants(rec, others, live)
+        return self._grant(rec, learning=False, p0_reserve=view.reserve_share[gid])
+
+    def _tenant_grants(
+        self, rec: GatewayRecord, others: list[GatewayRecord], live: list[GatewayRecord]
+    ) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for tenant in rec.tenants:
+            quota = self.config.quota_for(tenant)
+            if quota is None:
+                continue
+            wants = {
+                r.gateway_id: r.tenants[tenant].wants
+                for r in live
+                if tenant in r.tenants
+                and (r.tenants[tenant].wants > 0 or r.tenants[tenant].inuse > 0)
+            }
+            fair = share_with_slack(quota, wants).get(rec.gateway_id, 0) if wants else 0
+            free = quota - sum(o.held_tenant(tenant) for o in others)
+            out[tenant] = max(0, min(fair, free))
+        return out
+
+    def _observe_slo(self, req: RefreshRequest, now: float) -> None:
+        """Count each gateway window once; close a coordinator window every window_s."""
+        gid = req.gateway_id
+        if req.p0_ttft_window > self._slo_seen.get(gid, -1):
+            self._slo_seen[gid] = req.p0_ttft_window
+            self._slo_pending[gid] = req.p0_ttft_p99_s
+        if self._slo_next is None:
+            self._slo_next = now + self.config.slo.window_s
+            return
+        if now < self._slo_next:
+            return
+        values = [v for v in self._slo_pending.values() if v is not None]
+        self.slo.observe_window(max(values) if values else None)
+        self._slo_pending.clear()
+        self._slo_next = now + self.config.slo.window_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _BudgetView:
+    k: int  # class capacity
+    budgets: Triple
+    idle: int
+    wants0: dict[str, int]
+    reserve_share: dict[str, int]

@@ -1,0 +1,200 @@
+"""``GatewayAdmission``: the stage-1 limiter plus its lease protocol and views.
+
+The driver's loop around it (gateway, simulator, tests)::
+
+    decision = adm.admit(req, now)          # per request, no I/O
+    adm.release(ticket, now)                # when the request ends -> more Admitted
+    adm.poll(now)                           # every 10-100 ms -> Admitted / Rejected
+    if adm.refresh_due(now):                # periodic, or early when credits run low
+        req = adm.make_refresh(now)         # t_sent is taken here, before sending
+        try:
+            adm.apply_grant(coordinator.refresh(req, now2), now3)  # -> more Admitted
+        except CoordinatorUnavailable:
+            adm.refresh_failed(now3)
+
+``set_cluster_capacity`` follows node health: C_eff = min(budget, sum of the healthy
+nodes' capacities); with no healthy node the breaker opens. The next refresh carries
+C_eff to the coordinator, which uses the latest any gateway reported; meanwhile the
+gateway shrinks its own limits in proportion at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from kvgate.core.admission.stage1 import Stage1Limiter
+from kvgate.core.admission.types import (
+    AdmissionStats,
+    Admitted,
+    BreakerState,
+    LeaseGrant,
+    LeaseState,
+    Priority,
+    RefreshRequest,
+    TenantUsage,
+)
+from kvgate.core.errors import InvariantViolation
+
+
+class GatewayAdmission(Stage1Limiter):
+    """One per gateway. Single-threaded: call it from one event loop, no await inside."""
+
+    __slots__ = ()
+
+    def set_cluster_capacity(self, healthy_capacity: int, healthy_nodes: int, now: float) -> None:
+        """C_eff = min(budget, healthy capacity); no healthy node opens the breaker."""
+        c_eff = max(0, min(self.config.budget, healthy_capacity))
+        self._book.set_capacity(c_eff)
+        self._breaker.set_no_healthy(healthy_nodes <= 0)
+        self._apply_limits()
+
+    def record_outcome(self, success: bool, now: float) -> None:
+        self._breaker.record(success, now)
+
+    def record_ttft(self, priority: Priority, ttft_s: float, now: float) -> None:
+        if priority == Priority.P0:
+            self._ttft.add(ttft_s, now)
+
+    # ----------------------------------------------------------------- leases
+    def refresh_due(self, now: float) -> bool:
+        self._advance(now)
+        lc = self.config.lease
+        free = self._total - self._inuse_total
+        watermark = max(lc.low_watermark_min, math.ceil(lc.low_watermark_fraction * self._total))
+        pressure = free < watermark and (self._queued_total > 0 or self._inuse_total > 0)
+        urgent = self._book.state is LeaseState.NO_ASSIGNMENT or self._tenant_unseen
+        return self._book.due(now, pressure=pressure, urgent=urgent)
+
+    def make_refresh(self, now: float) -> RefreshRequest:
+        """The report to send now (t_sent is taken here, before sending)."""
+        self._advance(now)
+        self._book.begin(now)
+        tenants: dict[str, TenantUsage] = {}
+        active: set[str] = set()
+        keys = self._tenant_limits.keys() | self._tenant_denied.keys() | self._tenant_slots.keys()
+        for tenant in keys:
+            quota = self._quotas.get(tenant, self._default_quota)
+            if quota is None:
+                continue
+            slots = self._tenant_slots.get(tenant, 0)
+            wants = min(quota, slots + self._tenant_denied.get(tenant, 0))
+            has = self._tenant_limits.get(tenant, 0)
+            if slots or wants or has:
+                tenants[tenant] = TenantUsage(inuse=slots, wants=wants, has=has)
+                if wants:
+                    active.add(tenant)
+        self._tenant_denied.clear()
+        self._tenant_unseen = False
+        self._reported_active = active
+        window, p99 = self._ttft.last(now)
+        inuse = self._inuse
+        queued = [q.size for q in self._queues]
+        return RefreshRequest(
+            gateway_id=self.gateway_id,
+            epoch=self._book.epoch,
+            inuse=(inuse[0], inuse[1], inuse[2]),
+            wants=(inuse[0] + queued[0], inuse[1] + queued[1], inuse[2] + queued[2]),
+            has=self._has,
+            has_total=self._total,
+            bypass_inuse=self._bypass_inuse,
+            bypass_has=self._bypass_limit,
+            tenants=tenants,
+            c_eff_seen=self._book.c_eff if self._book.c_eff_known else None,
+            p0_ttft_p99_s=p99,
+            p0_ttft_window=window,
+        )
+
+    def apply_grant(self, grant: LeaseGrant, now: float) -> list[Admitted]:
+        """A new lease arrived; returns queued requests it admits."""
+        if grant.gateway_id != self.gateway_id:
+            raise InvariantViolation(
+                f"grant for {grant.gateway_id!r} applied to gateway {self.gateway_id!r}"
+            )
+        self._book.on_grant(grant, now)
+        self._apply_limits()
+        return self._dispatch(now) if self._queued_total else []
+
+    def refresh_failed(self, now: float) -> None:
+        """The coordinator could not be reached; the lease ages toward SAFE."""
+        self._book.on_failure(now)
+        self._apply_limits()
+
+    # ----------------------------------------------------------------- views
+    @property
+    def lease_state(self) -> LeaseState:
+        return self._book.state
+
+    @property
+    def degraded(self) -> bool:
+        """True in NO_ASSIGNMENT and SAFE: gate dispatch by node-reported load."""
+        return self._degraded
+
+    @property
+    def c_eff(self) -> int:
+        return self._book.c_eff
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        return self._breaker.state
+
+    @property
+    def inuse_total(self) -> int:
+        return self._inuse_total
+
+    @property
+    def bypass_inuse(self) -> int:
+        return self._bypass_inuse
+
+    @property
+    def queued_total(self) -> int:
+        return self._queued_total
+
+    @property
+    def lease_total(self) -> int:
+        return self._total
+
+    def tenant_slots(self, tenant: str) -> int:
+        """The tenant's requests here, in flight plus queued (what its quota bounds)."""
+        return self._tenant_slots.get(tenant, 0)
+
+    def tenant_inflight(self) -> Mapping[str, int]:
+        queued: dict[str, int] = {}
+        for q in self._queues:
+            for t, n in q.tenant_depths().items():
+                queued[t] = queued.get(t, 0) + n
+        return {t: n - queued.get(t, 0) for t, n in self._tenant_slots.items()}
+
+    def stats(self) -> AdmissionStats:
+        queued_by_tenant: dict[str, int] = {}
+        for q in self._queues:
+            for t, n in q.tenant_depths().items():
+                queued_by_tenant[t] = queued_by_tenant.get(t, 0) + n
+        inuse, adm = self._inuse, self._admitted
+        grant = self._book.grant
+        return AdmissionStats(
+            gateway_id=self.gateway_id,
+            lease_state=self._book.state,
+            degraded=self._degraded,
+            breaker_state=self._breaker.state,
+            breaker_reason=self._breaker.reason,
+            c_eff=self._book.c_eff,
+            lease_total=self._total,
+            class_caps=(self._caps[0], self._caps[1], self._caps[2]),
+            p0_reserve=self._reserve,
+            bypass_limit=self._bypass_limit,
+            bypass_inuse=self._bypass_inuse,
+            inuse=(inuse[0], inuse[1], inuse[2]),
+            inuse_total=self._inuse_total,
+            queued=(self._queues[0].size, self._queues[1].size, self._queues[2].size),
+            tenant_inflight=self.tenant_inflight(),
+            tenant_queued=queued_by_tenant,
+            tenant_limits=dict(self._tenant_limits),
+            ceilings=grant.ceilings if grant is not None else (1.0, 1.0, 1.0),
+            epoch=self._book.epoch,
+            admitted=(adm[0], adm[1], adm[2]),
+            bypass_admitted=self._bypass_admitted,
+            rejected=dict(self._rejected),
+            refreshes=self._book.refreshes,
+            refresh_failures=self._book.failures,
+        )

@@ -1,0 +1,365 @@
+"""Stage-1 admission at one gateway: the limiter, its queues and its quota book.
+
+``admit`` decides in microseconds from local state only, in this order:
+
+1. bypass lane: never queued; draws from the bypass pool carved out of C, rejected
+   OVERLOADED only when that pool is exhausted;
+2. validation: prompt over max_seq_len -> INVALID_REQUEST (never queued);
+3. the tenant's global concurrency quota (slots = in flight + queued here, against
+   the tenant's lease) -> TENANT_QUOTA with a Retry-After;
+4. the cluster breaker -> BREAKER_OPEN;
+5. the credit check, against the lease and the class rule:
+
+   - P0 may use any free credit;
+   - P1 may use any free credit except P0's unlendable reserve not yet used by P0
+     (a class limit binds only when the gateway's total is in use: Netflix work
+     conservation), but while the SLO loop holds P1 back (ceiling < 1) only its own
+     grant;
+   - P2 only its own grant (which the coordinator gives from idle capacity only) and
+     never P0's reserve, so P0 arrivals never wait for P2;
+
+   -> Admitted, else Queued (P2 in SAFE mode: DEGRADED).
+
+``release`` frees the credit and dispatches queued requests that now fit: highest
+class first, round-robin across tenants inside a class. ``poll`` handles queue
+deadlines, lease-state transitions and evictions, and dispatches when capacity grew.
+
+A queued request holds its tenant slot (the quota bounds a tenant's concurrent
+requests, waiting or running), but no class credit.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvgate.core.admission.breaker import ClusterBreaker
+from kvgate.core.admission.config import AdmissionConfig
+from kvgate.core.admission.queues import FairQueue, QueueEntry
+from kvgate.core.admission.quota_book import QuotaBook
+from kvgate.core.admission.slo import TtftWindow
+from kvgate.core.admission.types import (
+    PRIORITIES,
+    AdmissionRequest,
+    Admitted,
+    BreakerState,
+    LeaseState,
+    Priority,
+    Queued,
+    Rejected,
+    RejectReason,
+    Ticket,
+    admitted,
+    make_rejection,
+)
+from kvgate.core.errors import InvariantViolation
+from kvgate.core.rng import Rng
+
+_CLOSED = BreakerState.CLOSED
+
+
+class Stage1Limiter:
+    """The limiter and its queues; :class:`GatewayAdmission` adds leases and views."""
+
+    __slots__ = (
+        "_admitted",
+        "_book",
+        "_breaker",
+        "_bypass_admitted",
+        "_bypass_inuse",
+        "_bypass_limit",
+        "_caps",
+        "_default_quota",
+        "_degraded",
+        "_has",
+        "_inuse",
+        "_inuse_total",
+        "_live",
+        "_next_transition",
+        "_p2_rejected",
+        "_pending",
+        "_queued_total",
+        "_queues",
+        "_quotas",
+        "_rejected",
+        "_reported_active",
+        "_reserve",
+        "_serial",
+        "_tenant_denied",
+        "_tenant_limits",
+        "_tenant_slots",
+        "_tenant_unseen",
+        "_timeouts",
+        "_total",
+        "_ttft",
+        "config",
+        "gateway_id",
+    )
+
+    def __init__(self, config: AdmissionConfig, gateway_id: str, *, rng: Rng | None = None):
+        self.config = config
+        self.gateway_id = gateway_id
+        self._book = QuotaBook(config, rng)
+        self._breaker = ClusterBreaker(config.breaker)
+        self._ttft = TtftWindow(window_s=config.slo.window_s, min_samples=config.slo.min_samples)
+        self._queues = tuple(FairQueue(c.queue_limit) for c in config.classes)
+        self._timeouts = tuple(c.queue_timeout_s for c in config.classes)
+        self._quotas = dict(config.tenant_quotas)  # a dict: faster than the read-only proxy
+        self._default_quota = config.default_tenant_quota
+        self._inuse = [0, 0, 0]
+        self._inuse_total = 0
+        self._bypass_inuse = 0
+        self._queued_total = 0
+        self._tenant_slots: dict[str, int] = {}
+        self._tenant_limits: dict[str, int] = {}
+        self._tenant_denied: dict[str, int] = {}
+        self._tenant_unseen = False
+        self._reported_active: set[str] = set()
+        self._live: set[int] = set()
+        self._serial = 0
+        self._admitted = [0, 0, 0]
+        self._bypass_admitted = 0
+        self._rejected: dict[tuple[RejectReason, Priority], int] = {}
+        self._pending: list[Rejected] = []
+        self._total = 0
+        self._caps = [0, 0, 0]
+        self._reserve = 0
+        self._bypass_limit = 0
+        self._has = (0, 0, 0)
+        self._p2_rejected = False
+        self._degraded = True
+        self._next_transition = math.inf
+        self._apply_limits()
+
+    # ================================================================= hot path
+    def admit(self, req: AdmissionRequest, now: float) -> Admitted | Queued | Rejected:
+        if req.bypass:
+            return self._admit_bypass(req)
+        mx = req.max_seq_len
+        if req.prompt_tokens < 0 or (mx is not None and req.prompt_tokens > mx):
+            return self._reject(
+                req,
+                RejectReason.INVALID_REQUEST,
+                f"prompt of {req.prompt_tokens} tokens exceeds max_seq_len {mx}",
+                0.0,
+            )
+        tenant = req.tenant
+        quota = self._quotas.get(tenant, self._default_quota)
+        if quota is not None:
+            limit = self._tenant_limits.get(tenant)
+            if limit is None:
+                limit = self._unseen_tenant(quota)
+            if self._tenant_slots.get(tenant, 0) >= limit:
+                self._tenant_denied[tenant] = self._tenant_denied.get(tenant, 0) + 1
+                return self._reject(
+                    req,
+                    RejectReason.TENANT_QUOTA,
+                    f"tenant {tenant!r} is at its concurrency quota ({quota})",
+                    self.config.tenant_retry_after_s,
+                )
+        if self._breaker.state is not _CLOSED and not self._breaker.allow(now):
+            return self._reject(
+                req,
+                RejectReason.BREAKER_OPEN,
+                f"cluster breaker open ({self._breaker.reason})",
+                self._breaker.retry_after(now),
+            )
+        if now >= self._next_transition:
+            self._advance(now)
+        c = req.priority
+        inuse = self._inuse
+        total = self._inuse_total
+        if (
+            total < self._total
+            and inuse[c] < self._caps[c]
+            and (c == 0 or self._total - total - 1 >= self._reserve - inuse[0])
+            and not self._queues[c].size
+        ):
+            self._serial = serial = self._serial + 1
+            self._live.add(serial)
+            inuse[c] += 1
+            self._inuse_total = total + 1
+            slots = self._tenant_slots
+            slots[tenant] = slots.get(tenant, 0) + 1
+            self._admitted[c] += 1
+            return admitted(req.request_id, tenant, c, "class", serial)
+        if c == 2 and self._p2_rejected:
+            return self._reject(
+                req,
+                RejectReason.DEGRADED,
+                "P2 is off while the gateway runs in safe mode",
+                self.config.safe_mode.retry_after_s,
+            )
+        return self._enqueue(req, now)
+
+    def release(self, ticket: Ticket, now: float) -> list[Admitted]:
+        """Give the ticket's credit back; returns queued requests admitted with it."""
+        try:
+            self._live.remove(ticket.serial)
+        except KeyError:
+            raise InvariantViolation(
+                f"ticket {ticket.request_id!r} released twice or not from this gateway"
+            ) from None
+        if ticket.lane == "bypass":
+            self._bypass_inuse -= 1
+            return []
+        self._inuse[ticket.priority] -= 1
+        self._inuse_total -= 1
+        self._drop_slot(ticket.tenant)
+        if self._queued_total:
+            return self._dispatch(now)
+        return []
+
+    # ================================================================= slow paths
+    def _admit_bypass(self, req: AdmissionRequest) -> Admitted | Rejected:
+        if self._bypass_inuse >= self._bypass_limit:
+            return self._reject(req, RejectReason.OVERLOADED, "bypass pool exhausted", 1.0)
+        self._serial = serial = self._serial + 1
+        self._live.add(serial)
+        self._bypass_inuse += 1
+        self._bypass_admitted += 1
+        return admitted(req.request_id, req.tenant, req.priority, "bypass", serial)
+
+    def _reject(
+        self,
+        req: AdmissionRequest,
+        reason: RejectReason,
+        message: str,
+        retry_after_s: float,
+    ) -> Rejected:
+        key = (reason, req.priority)
+        self._rejected[key] = self._rejected.get(key, 0) + 1
+        return make_rejection(
+            reason, message, request_id=req.request_id, retry_after_s=retry_after_s
+        )
+
+    def _unseen_tenant(self, quota: int) -> int:
+        if self._book.state is LeaseState.ACTIVE or self._book.state is LeaseState.EXPIRED_REUSING:
+            self._tenant_unseen = True  # ask the coordinator soon (early refresh)
+        return self._book.tenant_fallback(quota)
+
+    def _drop_slot(self, tenant: str) -> None:
+        slots = self._tenant_slots
+        n = slots[tenant] - 1
+        if n:
+            slots[tenant] = n
+        else:
+            del slots[tenant]
+
+    def _enqueue(self, req: AdmissionRequest, now: float) -> Queued | Rejected:
+        c = req.priority
+        q = self._queues[c]
+        deadline = now + self._timeouts[c]
+        if req.deadline is not None and req.deadline < deadline:
+            deadline = req.deadline
+        if deadline <= now:
+            return self._reject(req, RejectReason.QUEUE_TIMEOUT, "deadline already passed", 1.0)
+        if q.size >= q.limit:
+            victim = q.victim_for(req.tenant)
+            if victim is None:
+                return self._reject(
+                    req, RejectReason.QUEUE_FULL, f"P{int(c)} queue full ({q.limit})", 1.0
+                )
+            q.evict(victim)
+            self._pending.append(
+                self._forget(victim, RejectReason.QUEUE_FULL, "evicted: queue full", 1.0)
+            )
+        q.push(req, now, deadline)
+        self._queued_total += 1
+        self._tenant_slots[req.tenant] = self._tenant_slots.get(req.tenant, 0) + 1
+        return Queued(request_id=req.request_id, deadline=deadline, priority=c)
+
+    def _forget(
+        self, entry: QueueEntry, reason: RejectReason, message: str, retry_after_s: float
+    ) -> Rejected:
+        """A queued entry leaves without a credit: free its tenant slot, say why."""
+        self._queued_total -= 1
+        self._drop_slot(entry.request.tenant)
+        return self._reject(entry.request, reason, message, retry_after_s)
+
+    def _fits(self, c: int) -> bool:
+        total = self._inuse_total
+        if total >= self._total or self._inuse[c] >= self._caps[c]:
+            return False
+        return c == 0 or self._total - total - 1 >= self._reserve - self._inuse[0]
+
+    def _dispatch(self, now: float) -> list[Admitted]:
+        if now >= self._next_transition:
+            self._advance(now)
+        out: list[Admitted] = []
+        breaker = self._breaker
+        for c in PRIORITIES:
+            q = self._queues[c]
+            while q.size and self._fits(c):
+                if breaker.state is not _CLOSED and not breaker.allow(now):
+                    return out
+                entry = q.pop_next()
+                if entry is None:  # pragma: no cover - size and entries agree
+                    break
+                self._queued_total -= 1
+                req = entry.request
+                self._serial = serial = self._serial + 1
+                self._live.add(serial)
+                self._inuse[c] += 1
+                self._inuse_total += 1
+                self._admitted[c] += 1
+                out.append(admitted(req.request_id, req.tenant, c, "class", serial))
+        return out
+
+    def _advance(self, now: float) -> None:
+        if self._book.advance(now):
+            self._apply_limits()
+        self._next_transition = self._book.next_transition
+
+    def _apply_limits(self) -> None:
+        lim = self._book.limits()
+        self._total = lim.total
+        self._caps = list(lim.caps)
+        self._reserve = lim.p0_reserve
+        self._bypass_limit = lim.bypass
+        self._has = lim.has
+        self._p2_rejected = lim.p2_rejected
+        self._degraded = lim.degraded
+        self._next_transition = self._book.next_transition
+        keep = self._tenant_slots.keys() | self._reported_active
+        self._tenant_limits = {
+            t: v for t, v in self._book.tenant_limits().items() if v > 0 or t in keep
+        }
+        if lim.p2_rejected and self._queues[2].size:
+            for entry in self._queues[2].drain():
+                self._pending.append(
+                    self._forget(
+                        entry,
+                        RejectReason.DEGRADED,
+                        "P2 is off while the gateway runs in safe mode",
+                        self.config.safe_mode.retry_after_s,
+                    )
+                )
+
+    # ================================================================= driver API
+    def poll(self, now: float) -> list[Admitted | Rejected]:
+        """Queue deadlines, lease transitions, evictions; dispatch if capacity grew."""
+        self._advance(now)
+        self._breaker.tick(now)
+        out: list[Admitted | Rejected] = []
+        if self._pending:
+            out.extend(self._pending)
+            self._pending = []
+        if self._queued_total:
+            for q in self._queues:
+                for entry in q.expire(now):
+                    out.append(
+                        self._forget(entry, RejectReason.QUEUE_TIMEOUT, "queue timeout", 1.0)
+                    )
+            if self._queued_total:
+                out.extend(self._dispatch(now))
+        return out
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        """The client of a queued request went away; True if it was queued here."""
+        for q in self._queues:
+            entry = q.remove(request_id)
+            if entry is not None:
+                self._queued_total -= 1
+                self._drop_slot(entry.request.tenant)
+                return True
+        return False

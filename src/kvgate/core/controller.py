@@ -1,0 +1,511 @@
+"""The facade every driver calls: events in, decisions out.
+
+Theory of operation
+-------------------
+One ``Controller`` per gateway. The gateway (asyncio), the simulator (virtual
+time) and the tests call it from one thread, never awaiting inside a call, so each
+call is atomic without locks. ``now`` is always passed in and randomness comes
+from the injected ``rng``: the same inputs give the same decisions.
+
+A request's life::
+
+    on_arrival ──► Reject                      (stage 1 said no)
+               ──► Hold ──(credit freed)──► Dispatch   (via on_finished/tick/...)
+               ──► Dispatch ─► on_first_byte ─► on_finished
+                           └─► on_failed ──► Dispatch(attempt=2, another node) | Fail
+
+Stage 1 (admission) runs before any routing work. Routing filters candidates,
+matches the prompt's chain against the cache location table, and asks the
+configured policy. In approximate mode the chosen node is assumed to hold the
+chain from then on (the index learns from our own routing); in precise mode the
+guess is speculative and the engines' KV events confirm or expire it.
+
+Every admitted request holds one credit (its ticket) until it finishes, fails
+for good or is cancelled; a gateway retry reuses the same credit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvgate.core.admission import (
+    AdmissionRequest,
+    Admitted,
+    Coordinator,
+    CoordinatorUnavailable,
+    FailureKind,
+    GatewayAdmission,
+    LeaseGrant,
+    Priority,
+    Queued,
+    RefreshRequest,
+    Rejected,
+    RetryPolicy,
+    Ticket,
+    overloaded_rejection,
+)
+from kvgate.core.config import ControllerConfig, bucket_of
+from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Reject
+from kvgate.core.errors import ClientRequestError, ConfigError
+from kvgate.core.events import RequestArrived
+from kvgate.core.hashing import Hasher, chain_from_ids, make_hasher
+from kvgate.core.ids import BlockChain, NodeId, RequestId
+from kvgate.core.index import ClusterIndex, HotPrefixTracker
+from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
+from kvgate.core.rng import Rng
+from kvgate.core.routing import RouteContext, RouteDecision, make_policy
+from kvgate.core.stats import ControllerStats, DecisionRecord
+
+
+@dataclass(slots=True)
+class _Request:
+    """Per-request state, alive from admission to the terminal outcome."""
+
+    request_id: RequestId
+    ctx: RouteContext
+    arrived: RequestArrived
+    ticket: Ticket | None = None
+    node: NodeState | None = None
+    sent_at: float = 0.0
+    attempts: int = 0
+    excluded: set[NodeId] = field(default_factory=set)
+    first_byte: bool = False
+    predicted_hit_tokens: int = 0
+
+
+class Controller:
+    def __init__(
+        self,
+        config: ControllerConfig | None = None,
+        *,
+        rng: Rng,
+        gateway_id: str = "gw0",
+    ) -> None:
+        self.config = config or ControllerConfig()
+        cfg = self.config
+        self.rng = rng
+        self.hasher: Hasher = make_hasher(cfg.hasher, **dict(cfg.hasher_params))
+        self.nodes = NodeTable(stale_after_s=cfg.stale_after_s)
+        self.index = ClusterIndex(ttl_s=cfg.index_ttl_s, speculative_ttl_s=cfg.speculative_ttl_s)
+        self.hot = HotPrefixTracker(window_s=cfg.hot_window_s)
+        self.policy = make_policy(cfg.policy, cfg.policy_params)
+        self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
+        self.retry_policy = RetryPolicy(cfg.admission)
+        self.stats = ControllerStats()
+        self._requests: dict[RequestId, _Request] = {}
+        self._retries_in_flight = 0
+        self._ejected_until: dict[NodeId, float] = {}
+
+    # ------------------------------------------------------------------ membership
+    def add_node(self, spec: NodeSpec, now: float) -> None:
+        state = self.nodes.add(spec)
+        if self.index.has_node(spec.node_id):
+            self.index.set_capacity(spec.node_id, spec.cache_blocks)
+        else:
+            self.index.add_node(spec.node_id, spec.cache_blocks)
+        del state
+        self._capacity_changed(now)
+
+    def remove_node(self, node_id: NodeId, now: float) -> None:
+        if self.nodes.remove(node_id) is not None:
+            self.index.remove_node(node_id)
+        self._ejected_until.pop(node_id, None)
+        self._capacity_changed(now)
+
+    def set_healthy(self, node_id: NodeId, healthy: bool, now: float) -> None:
+        state = self.nodes.get(node_id)
+        if state is None or state.healthy == healthy:
+            return
+        state.healthy = healthy
+        if healthy:
+            state.consecutive_failures = 0
+            self._ejected_until.pop(node_id, None)
+        self._capacity_changed(now)
+
+    def set_draining(self, node_id: NodeId, draining: bool, now: float) -> None:
+        state = self.nodes.get(node_id)
+        if state is not None and state.draining != draining:
+            state.draining = draining
+            self._capacity_changed(now)
+
+    def _capacity_changed(self, now: float) -> None:
+        healthy = [s for s in self.nodes if s.healthy and not s.draining]
+        self.admission.set_cluster_capacity(
+            healthy_capacity=sum(s.spec.capacity for s in healthy),
+            healthy_nodes=len(healthy),
+            now=now,
+        )
+
+    # ------------------------------------------------------------------ node facts
+    def on_load_report(
+        self, node_id: NodeId, *, waiting: int, running: int, kv_util: float | None, now: float
+    ) -> None:
+        self.nodes.report(node_id, waiting=waiting, running=running, kv_util=kv_util, now=now)
+
+    def on_blocks_stored(self, node_id: NodeId, chain: Sequence[int], now: float) -> None:
+        """Precise mode: the engine cached these blocks (already in our key space)."""
+        if self.index.has_node(node_id):
+            self.index.insert(node_id, chain, now)
+
+    def on_blocks_removed(self, node_id: NodeId, hashes: Iterable[int], now: float) -> None:
+        if self.index.has_node(node_id):
+            self.index.remove_blocks(node_id, hashes)
+
+    def on_cache_cleared(self, node_id: NodeId, now: float) -> None:
+        if self.index.has_node(node_id):
+            self.index.clear_node(node_id)
+
+    def on_eviction_warning(self, node_id: NodeId, now: float) -> None:
+        """The node announced a bulk eviction: stop attracting traffic with its cache."""
+        state = self.nodes.get(node_id)
+        if state is not None:
+            state.cache_weight = self.config.evicting_cache_weight
+            self.stats.eviction_warnings += 1
+
+    def on_eviction_done(self, node_id: NodeId, now: float) -> None:
+        state = self.nodes.get(node_id)
+        if state is not None:
+            state.cache_weight = 1.0
+
+    # ------------------------------------------------------------------ requests
+    def chain_for(self, req: RequestArrived) -> tuple[BlockChain, int]:
+        """The request's block chain and its prompt token count (estimated if unknown)."""
+        h = self.hasher
+        if req.block_ids is not None:
+            chain = chain_from_ids(req.block_ids)
+            tokens = req.prompt_tokens
+            if tokens is None:
+                tokens = len(chain) * h.tokens_per_block
+        elif req.messages is not None:
+            chain = h.chain_for_messages(req.messages)
+            tokens = req.prompt_tokens or h.estimate_tokens_messages(req.messages)
+        else:
+            assert req.prompt is not None
+            chain = h.chain_for_prompt(req.prompt)
+            tokens = req.prompt_tokens or h.estimate_tokens_prompt(req.prompt)
+        return chain, tokens
+
+    def on_arrival(self, req: RequestArrived, now: float) -> Decision:
+        rid = req.request_id
+        if rid in self._requests:
+            raise ClientRequestError(f"duplicate request id {rid!r}", param="request_id")
+        try:
+            priority = Priority(req.priority)
+        except ValueError as exc:
+            raise ClientRequestError(
+                f"priority must be 0, 1 or 2, got {req.priority}", param="priority"
+            ) from exc
+        chain, tokens = self.chain_for(req)
+        verdict = self.admission.admit(
+            AdmissionRequest(
+                request_id=rid,
+                tenant=req.tenant,
+                priority=priority,
+                bypass=req.bypass,
+                prompt_tokens=tokens + req.max_tokens,
+                max_seq_len=self._max_seq_len(req.model),
+            ),
+            now,
+        )
+        if isinstance(verdict, Rejected):
+            self.stats.rejects[verdict.reason.value] += 1
+            return Reject(request_id=rid, rejected=verdict)
+        ctx = self._context(chain, tokens, req, now)
+        record = _Request(request_id=rid, ctx=ctx, arrived=req, excluded=set(req.excluded_nodes))
+        self._requests[rid] = record
+        if isinstance(verdict, Queued):
+            return Hold(request_id=rid, deadline=verdict.deadline)
+        return self._dispatch(record, verdict.ticket, now)
+
+    def _context(
+        self, chain: BlockChain, tokens: int, req: RequestArrived, now: float
+    ) -> RouteContext:
+        hot_key: int | None = None
+        hot_blocks = 0
+        rate = 0.0
+        if chain:
+            hot_blocks = min(self.config.hot_prefix_blocks, len(chain))
+            hot_key = chain[hot_blocks - 1]
+            self.hot.record(hot_key, now)
+            rate = self.hot.rate(hot_key, now)
+        return RouteContext(
+            chain=chain,
+            prompt_tokens=tokens,
+            tokens_per_block=self.hasher.tokens_per_block,
+            max_tokens=req.max_tokens,
+            model=req.model,
+            hot_key=hot_key,
+            hot_blocks=hot_blocks,
+            hot_rate=rate,
+        )
+
+    def _max_seq_len(self, model: str) -> int | None:
+        lens = [s.spec.max_model_len for s in self.nodes if s.serves(model)]
+        return max(lens) if lens else None
+
+    # ------------------------------------------------------------------ routing
+    def candidates(
+        self, ctx: RouteContext, excluded: set[NodeId] | frozenset[NodeId], now: float
+    ) -> list[NodeState]:
+        need = ctx.prompt_tokens + ctx.max_tokens
+        out = [
+            s
+            for s in self.nodes
+            if s.healthy
+            and not s.draining
+            and s.spec.node_id not in excluded
+            and s.spec.max_model_len >= need
+            and (not ctx.model or s.serves(ctx.model))
+        ]
+        if self.admission.degraded:
+            # Safe mode: the global view is gone, so only nodes that say they have room.
+            limit = self.config.safe_mode_max_queue
+            nodes = self.nodes
+            out = [s for s in out if not nodes.is_stale(s, now) and nodes.queue(s, now) < limit]
+        return out
+
+    def route(
+        self,
+        ctx: RouteContext,
+        now: float,
+        excluded: set[NodeId] | frozenset[NodeId] = frozenset(),
+    ) -> RouteDecision | None:
+        """Filter, match and score: one routing decision, with no side effect on the index."""
+        cands = self.candidates(ctx, excluded, now)
+        if not cands:
+            return None
+        matches = self.index.match(ctx.chain, now) if self.policy.uses_cache else {}
+        return self.policy.select(ctx, cands, matches, self.nodes, self.rng, now)
+
+    def _dispatch(self, record: _Request, ticket: Ticket, now: float) -> Decision:
+        record.ticket = ticket
+        decision = self.route(record.ctx, now, record.excluded)
+        if decision is None:
+            return self._finish_rejected(record, now)
+        node = self.nodes.get(decision.node_id)
+        assert node is not None
+        record.node = node
+        record.sent_at = now
+        record.attempts += 1
+        record.first_byte = False
+        ctx = record.ctx
+        record.predicted_hit_tokens = min(
+            decision.matched_blocks * ctx.tokens_per_block, ctx.prompt_tokens
+        )
+        self.nodes.on_sent(node)
+        if ctx.chain:
+            self.index.insert(
+                node.spec.node_id,
+                ctx.chain,
+                now,
+                speculative=self.config.index_mode == "precise",
+            )
+        self.stats.routed[decision.reason.value] += 1
+        self.stats.recent.append(
+            DecisionRecord(
+                at=now,
+                request_id=record.request_id,
+                node_id=node.spec.node_id,
+                reason=decision.reason.value,
+                matched_blocks=decision.matched_blocks,
+                best_matched_blocks=decision.best_matched_blocks,
+                score=decision.score,
+                attempt=record.attempts,
+            )
+        )
+        return Dispatch(request_id=record.request_id, route=decision, attempt=record.attempts)
+
+    def _finish_rejected(self, record: _Request, now: float) -> Decision:
+        """No node can take the request: give the credit back and say overloaded."""
+        self._requests.pop(record.request_id, None)
+        if record.ticket is not None:
+            self._after_release(self.admission.release(record.ticket, now), now)
+        rejected = overloaded_rejection("no healthy node can take this request")
+        self.stats.rejects[rejected.reason.value] += 1
+        return Reject(request_id=record.request_id, rejected=rejected)
+
+    # ------------------------------------------------------------------ outcomes
+    def on_first_byte(self, request_id: RequestId, now: float) -> None:
+        record = self._requests.get(request_id)
+        if record is None or record.first_byte:
+            return
+        record.first_byte = True
+        if record.ticket is not None and record.attempts == 1:
+            self.admission.record_ttft(record.ticket.priority, now - record.sent_at, now)
+
+    def on_finished(
+        self, request_id: RequestId, now: float, *, cached_tokens: int | None = None
+    ) -> list[Decision]:
+        """The request completed; returns queued requests dispatched with its credit."""
+        record = self._requests.pop(request_id, None)
+        if record is None:
+            return []
+        node = record.node
+        if node is not None:
+            node.consecutive_failures = 0
+        self._count_hits(record, cached_tokens)
+        self.stats.outcomes["completed"] += 1
+        self.admission.record_outcome(True, now)
+        return self._close(record, now)
+
+    def on_cancelled(self, request_id: RequestId, now: float) -> list[Decision]:
+        """The client went away (or a queued request expired in the driver)."""
+        record = self._requests.pop(request_id, None)
+        if record is None:
+            return []
+        self.stats.outcomes["cancelled"] += 1
+        return self._close(record, now)
+
+    def on_failed(
+        self,
+        request_id: RequestId,
+        failure: FailureKind,
+        now: float,
+        *,
+        before_first_byte: bool,
+    ) -> list[Decision]:
+        """An attempt failed. First decision: the retry (Dispatch) or the Fail."""
+        record = self._requests.get(request_id)
+        if record is None:
+            return []
+        node = record.node
+        self.stats.failures[failure.value] += 1
+        if node is not None:
+            self.nodes.on_done(node, sent_at=record.sent_at)
+            self.policy.on_finished(node.spec.node_id, now)
+            self._note_node_failure(node, failure, now)
+            record.excluded.add(node.spec.node_id)
+            record.node = None
+        if record.attempts == 2:
+            self._retries_in_flight = max(0, self._retries_in_flight - 1)
+        may_retry = self.retry_policy.decide(
+            failure,
+            before_first_byte=before_first_byte,
+            attempts_so_far=record.attempts,
+            client_named_excluded_node=bool(record.arrived.excluded_nodes),
+            active_requests=len(self._requests),
+            retries_in_flight=self._retries_in_flight,
+        )
+        if may_retry and record.ticket is not None:
+            decision = self._dispatch(record, record.ticket, now)
+            if isinstance(decision, Dispatch):
+                self._retries_in_flight += 1
+                self.stats.retries[failure.value] += 1
+                return [decision]
+            return [decision, *self._drain_released()]
+        self._requests.pop(request_id, None)
+        self.stats.outcomes["failed"] += 1
+        self.admission.record_outcome(False, now)
+        out: list[Decision] = [
+            Fail(
+                request_id=request_id,
+                reason=failure.value,
+                http_status=503 if failure is FailureKind.POOL_OVERLOADED else 502,
+                node_id=node.spec.node_id if node is not None else None,
+            )
+        ]
+        out.extend(self._close(record, now, node_done=False))
+        return out
+
+    def _note_node_failure(self, node: NodeState, failure: FailureKind, now: float) -> None:
+        if failure in (FailureKind.CONNECT_ERROR, FailureKind.UPSTREAM_ERROR, FailureKind.TIMEOUT):
+            node.consecutive_failures += 1
+            if node.consecutive_failures >= self.config.eject_after_failures and node.healthy:
+                self._ejected_until[node.spec.node_id] = now + self.config.eject_s
+                self.set_healthy(node.spec.node_id, False, now)
+
+    def _count_hits(self, record: _Request, cached_tokens: int | None) -> None:
+        if record.attempts == 0:
+            return
+        tokens = record.ctx.prompt_tokens
+        bucket = self.stats.hits[bucket_of(tokens)]
+        bucket.prompt_tokens += tokens
+        bucket.predicted_hit_tokens += record.predicted_hit_tokens
+        if cached_tokens is not None:
+            bucket.measured_prompt_tokens += tokens
+            bucket.measured_hit_tokens += min(cached_tokens, tokens)
+
+    def _close(self, record: _Request, now: float, *, node_done: bool = True) -> list[Decision]:
+        node = record.node
+        if node_done and node is not None:
+            self.nodes.on_done(node, sent_at=record.sent_at)
+            self.policy.on_finished(node.spec.node_id, now)
+        if record.attempts == 2 and node_done:
+            self._retries_in_flight = max(0, self._retries_in_flight - 1)
+        if record.ticket is None:
+            # Still queued: the admission queue must forget it too.
+            self.admission.cancel(record.request_id, now)
+            return []
+        return self._after_release(self.admission.release(record.ticket, now), now)
+
+    def _after_release(self, admitted: list[Admitted], now: float) -> list[Decision]:
+        out: list[Decision] = []
+        for a in admitted:
+            record = self._requests.get(RequestId(a.ticket.request_id))
+            if record is None:  # cancelled while queued; give the credit straight back
+                out.extend(self._after_release(self.admission.release(a.ticket, now), now))
+                continue
+            out.append(self._dispatch(record, a.ticket, now))
+        return out
+
+    def _drain_released(self) -> list[Decision]:
+        return []
+
+    # ------------------------------------------------------------------ time
+    def tick(self, now: float) -> list[Decision]:
+        """Periodic work: queue deadlines, lease transitions, ejection expiry."""
+        for node_id, until in list(self._ejected_until.items()):
+            if now >= until:
+                self.set_healthy(node_id, True, now)
+        out: list[Decision] = []
+        admitted: list[Admitted] = []
+        for item in self.admission.poll(now):
+            if isinstance(item, Admitted):
+                admitted.append(item)
+            else:
+                record = self._requests.pop(RequestId(item.request_id), None)
+                if record is not None:
+                    self.stats.rejects[item.reason.value] += 1
+                    out.append(Reject(request_id=record.request_id, rejected=item))
+        out.extend(self._after_release(admitted, now))
+        return out
+
+    # ------------------------------------------------------------------ leases
+    def refresh_due(self, now: float) -> bool:
+        return self.admission.refresh_due(now)
+
+    def make_refresh(self, now: float) -> RefreshRequest:
+        return self.admission.make_refresh(now)
+
+    def on_lease(self, grant: LeaseGrant, now: float) -> list[Decision]:
+        return self._after_release(self.admission.apply_grant(grant, now), now)
+
+    def on_refresh_failed(self, now: float) -> list[Decision]:
+        self.admission.refresh_failed(now)
+        return self.tick(now)
+
+    def refresh_with(self, coordinator: Coordinator, now: float) -> list[Decision]:
+        """Synchronous refresh against an in-process coordinator (simulator, tests, CLI)."""
+        try:
+            grant = coordinator.refresh(self.make_refresh(now), now)
+        except CoordinatorUnavailable:
+            return self.on_refresh_failed(now)
+        return self.on_lease(grant, now)
+
+    # ------------------------------------------------------------------ views
+    def in_flight(self) -> int:
+        return sum(1 for r in self._requests.values() if r.node is not None)
+
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def request_node(self, request_id: RequestId) -> NodeId | None:
+        record = self._requests.get(request_id)
+        if record is None or record.node is None:
+            return None
+        return record.node.spec.node_id
+
+
+def _unused(*_: object) -> None:  # pragma: no cover - keeps ConfigError imported for docs
+    raise ConfigError("unreachable")

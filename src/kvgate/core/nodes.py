@@ -1,0 +1,185 @@
+"""The controller's view of the inference nodes: static spec plus a live load view.
+
+Theory of operation
+-------------------
+A node's *reported* load (waiting, running, KV utilisation) is a stale snapshot,
+scraped or pushed every ~1 s. Between reports the gateway knows exactly what it
+sent itself, so the routing queue signal is::
+
+    queue = reported waiting + requests this gateway sent since that report
+            that are still in flight
+
+(vLLM's waiting count stays near 0 until its KV cache fills, so the gateway's own
+count carries most of the signal). A report older than ``stale_after_s`` is
+*unknown*, not healthy: the node is then scored as if fully utilised, with its
+queue taken from the gateway's own in-flight count.
+
+Only :class:`NodeTable` mutates :class:`NodeState`; policies get read-only use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvgate.core.errors import ConfigError
+from kvgate.core.ids import NodeId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeSpec:
+    """What is configured or discovered about a node; changes rarely."""
+
+    node_id: NodeId
+    models: frozenset[str] = frozenset()  # empty = serves any model
+    max_model_len: int = 131_072
+    capacity: int = 64  # concurrent requests the node serves well; feeds the budget C
+    cache_blocks: int = 4_000  # index capacity for this node, in index blocks
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ConfigError("node_id must be non-empty")
+        if self.capacity < 1 or self.max_model_len < 1 or self.cache_blocks < 0:
+            raise ConfigError(f"node {self.node_id}: capacity, max_model_len must be >= 1")
+
+
+@dataclass(slots=True)
+class NodeState:
+    """Live state of one node. Mutated only by :class:`NodeTable`."""
+
+    spec: NodeSpec
+    slot: int  # stable small integer, the node's bit in index bitmasks
+    healthy: bool = True
+    draining: bool = False
+    # last report
+    reported_waiting: int = 0
+    reported_running: int = 0
+    kv_util: float = 0.0
+    report_time: float | None = None
+    # the gateway's own counts
+    inflight: int = 0  # all requests this gateway has in flight on the node
+    sent_since_report: int = 0  # of those, sent after the last report
+    cache_weight: float = 1.0  # < 1 while the node has announced a coming eviction
+    consecutive_failures: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def node_id(self) -> NodeId:
+        return self.spec.node_id
+
+    def serves(self, model: str) -> bool:
+        return not self.spec.models or model in self.spec.models
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """The load signals a policy scores with, after the staleness rule."""
+
+    queue: int  # reported waiting + own sends since the report (or own in-flight if stale)
+    running: int
+    utilisation: float  # KV utilisation in [0, 1]; 1.0 when the report is stale or missing
+    inflight: int  # this gateway's in-flight requests on the node
+    stale: bool
+
+
+class NodeTable:
+    """All nodes known to one controller, by id and by slot."""
+
+    def __init__(self, *, stale_after_s: float = 5.0) -> None:
+        self._by_id: dict[NodeId, NodeState] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self.stale_after_s = stale_after_s
+
+    # --- membership -----------------------------------------------------------------
+    def add(self, spec: NodeSpec) -> NodeState:
+        if spec.node_id in self._by_id:
+            state = self._by_id[spec.node_id]
+            state.spec = spec
+            return state
+        slot = self._free_slots.pop() if self._free_slots else self._take_slot()
+        state = NodeState(spec=spec, slot=slot)
+        self._by_id[spec.node_id] = state
+        return state
+
+    def _take_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot += 1
+        return slot
+
+    def remove(self, node_id: NodeId) -> NodeState | None:
+        state = self._by_id.pop(node_id, None)
+        if state is not None:
+            self._free_slots.append(state.slot)
+        return state
+
+    def get(self, node_id: NodeId) -> NodeState | None:
+        return self._by_id.get(node_id)
+
+    def __iter__(self) -> Iterator[NodeState]:
+        return iter(self._by_id.values())
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._by_id
+
+    # --- load -----------------------------------------------------------------------
+    def report(
+        self, node_id: NodeId, *, waiting: int, running: int, kv_util: float | None, now: float
+    ) -> None:
+        state = self._by_id.get(node_id)
+        if state is None:
+            return
+        state.reported_waiting = max(0, waiting)
+        state.reported_running = max(0, running)
+        if kv_util is not None:
+            state.kv_util = min(1.0, max(0.0, kv_util))
+        state.report_time = now
+        state.sent_since_report = 0
+
+    def on_sent(self, state: NodeState) -> None:
+        state.inflight += 1
+        state.sent_since_report += 1
+
+    def on_done(self, state: NodeState, *, sent_at: float) -> None:
+        """A request sent at ``sent_at`` left the node (finished, failed or cancelled)."""
+        state.inflight = max(0, state.inflight - 1)
+        if state.report_time is None or sent_at >= state.report_time:
+            state.sent_since_report = max(0, state.sent_since_report - 1)
+
+    def load(self, state: NodeState, now: float) -> LoadView:
+        rt = state.report_time
+        if rt is None or now - rt > self.stale_after_s:
+            return LoadView(
+                queue=state.inflight,
+                running=state.reported_running,
+                utilisation=1.0,
+                inflight=state.inflight,
+                stale=True,
+            )
+        return LoadView(
+            queue=state.reported_waiting + state.sent_since_report,
+            running=state.reported_running,
+            utilisation=state.kv_util,
+            inflight=state.inflight,
+            stale=False,
+        )
+
+    # Allocation-free accessors for the routing hot path (same rule as load()).
+    def queue(self, state: NodeState, now: float) -> int:
+        rt = state.report_time
+        if rt is None or now - rt > self.stale_after_s:
+            return state.inflight
+        return state.reported_waiting + state.sent_since_report
+
+    def utilisation(self, state: NodeState, now: float) -> float:
+        rt = state.report_time
+        if rt is None or now - rt > self.stale_after_s:
+            return 1.0
+        return state.kv_util
+
+    def is_stale(self, state: NodeState, now: float) -> bool:
+        rt = state.report_time
+        return rt is None or now - rt > self.stale_after_s

@@ -1,0 +1,85 @@
+"""The routing contract: one small Protocol every policy implements.
+
+A policy is handed the request (:class:`RouteContext`), the candidate nodes that
+survived filtering (healthy, not draining, not excluded, serving the model, able
+to fit the request), the index's per-node prefix match, and the load view. It
+returns a :class:`RouteDecision` (the node plus why, with its score parts), or
+``None`` when it has no candidate. Policies keep their own small state (a
+round-robin cursor, a breaker's hysteresis) and never touch the index or the node
+table directly: the controller owns those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar, Protocol
+
+from kvgate.core.ids import BlockChain, NodeId
+from kvgate.core.nodes import NodeState, NodeTable
+from kvgate.core.rng import Rng
+
+
+class RouteReason(StrEnum):
+    CACHE_HIT = "cache_hit"  # the best cache holder won on score
+    SPREAD = "spread"  # another holder of the same prefix, chosen by load
+    BREAKER = "breaker"  # the holder was overloaded; its cache bonus was dropped
+    EXPLORATION = "exploration"  # an idle node that misses, on purpose
+    REPLICATION = "replication"  # a hot prefix given one more holder
+    LOAD = "load"  # no useful match: chosen by load
+    FALLBACK = "fallback"  # a baseline's default branch / nothing better to say
+    HASH = "hash"  # consistent hashing placement
+    ROTATION = "rotation"  # round robin / random
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteContext:
+    """What a policy may know about the request."""
+
+    chain: BlockChain  # full-block hashes of the prompt (the index's key space)
+    prompt_tokens: int  # estimated prompt tokens
+    tokens_per_block: int  # tokens one chain block stands for (about 64 for 256 chars)
+    max_tokens: int = 256  # requested output tokens
+    model: str = ""
+    # set by the controller so policies need not repeat the work
+    hot_key: int | None = None  # the prefix key hot-prefix tracking counts
+    hot_blocks: int = 0  # the hot key's depth in chain blocks (chain[hot_blocks - 1])
+    hot_rate: float = 0.0  # requests/s for that prefix over the tracker's window
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteDecision:
+    node_id: NodeId
+    reason: RouteReason
+    matched_blocks: int = 0  # the chosen node's matched prefix length, in chain blocks
+    best_matched_blocks: int = 0  # the longest match anywhere among candidates
+    score: float = 0.0
+    parts: Mapping[str, float] = field(default_factory=dict)  # score parts, for explaining
+
+
+class RoutingPolicy(Protocol):
+    """One routing algorithm. ``name`` is its key in :data:`kvgate.core.routing.POLICIES`."""
+
+    name: ClassVar[str]
+    uses_cache: ClassVar[bool]  # False: the controller may skip the index match
+
+    def select(
+        self,
+        ctx: RouteContext,
+        candidates: Sequence[NodeState],
+        matches: Mapping[NodeId, int],
+        nodes: NodeTable,
+        rng: Rng,
+        now: float,
+    ) -> RouteDecision | None:
+        """Pick one of ``candidates`` (never another node), or None if there are none.
+
+        ``matches`` maps a node id to its matched prefix length in chain blocks; nodes
+        absent from it match nothing. It may include nodes that are not candidates.
+        """
+        ...
+
+    def on_finished(self, node_id: NodeId, now: float) -> None:
+        """A request routed by this policy left ``node_id``; most policies ignore it."""
+        ...

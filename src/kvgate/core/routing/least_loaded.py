@@ -1,0 +1,70 @@
+"""Least loaded: the shortest queue, cache-blind.
+
+Algorithm
+---------
+The "load-aware" baseline of the anchors: KubeAI's default ``LeastLoad``
+strategy (fewest in-flight requests, routing-anchors.md §8), vidur's ``lor``
+(least outstanding requests, workloads.md §2), SMG ``least_load`` without its
+token/KV terms, and llm-d's queue scorer alone (§4). kvgate's queue signal is
+the one the whole gateway uses, :meth:`NodeTable.queue`:
+
+    queue = reported waiting + this gateway's sends since that report
+            (or this gateway's in-flight count when the report is stale)
+
+Pick ``min(queue)``; ties → fewer in-flight requests from this gateway
+(``state.inflight``, which also counts requests already running) → lower slot.
+No parameters; ``uses_cache = False``; reason ``LOAD``; ``score`` is the queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+from kvgate.core.ids import NodeId
+from kvgate.core.nodes import NodeState, NodeTable
+from kvgate.core.rng import Rng
+from kvgate.core.routing._common import best_match, least_loaded, match_of
+from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
+
+
+class LeastLoadedPolicy:
+    """Minimum queue, then in-flight, then slot."""
+
+    name: ClassVar[str] = "least_loaded"
+    uses_cache: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        return None
+
+    def select(
+        self,
+        ctx: RouteContext,
+        candidates: Sequence[NodeState],
+        matches: Mapping[NodeId, int],
+        nodes: NodeTable,
+        rng: Rng,
+        now: float,
+    ) -> RouteDecision | None:
+        if not candidates:
+            return None
+
+        def queue(state: NodeState) -> float:
+            return float(nodes.queue(state, now))
+
+        def inflight(state: NodeState) -> float:
+            return float(state.inflight)
+
+        chosen = least_loaded(candidates, queue, inflight)
+        q = queue(chosen)
+        return RouteDecision(
+            node_id=chosen.node_id,
+            reason=RouteReason.LOAD,
+            matched_blocks=match_of(matches, chosen.node_id),
+            best_matched_blocks=best_match(candidates, matches),
+            score=q,
+            parts={"queue": q, "inflight": inflight(chosen)},
+        )
+
+    def on_finished(self, node_id: NodeId, now: float) -> None:
+        return None

@@ -1,0 +1,61 @@
+"""Counters the controller keeps for metrics, reports and the dashboard.
+
+Plain integers and floats in dicts keyed by small closed sets (reasons, buckets,
+classes), so the gateway can export them as Prometheus series without per-request
+labels.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from kvgate.core.config import PREFIX_BUCKETS
+
+
+@dataclass(slots=True)
+class HitCounter:
+    """Prompt tokens seen and tokens found cached, predicted and measured."""
+
+    prompt_tokens: int = 0
+    predicted_hit_tokens: int = 0
+    measured_prompt_tokens: int = 0  # prompt tokens of requests whose engine reported usage
+    measured_hit_tokens: int = 0
+
+    @property
+    def predicted_ratio(self) -> float:
+        return self.predicted_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def measured_ratio(self) -> float:
+        if not self.measured_prompt_tokens:
+            return 0.0
+        return self.measured_hit_tokens / self.measured_prompt_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecisionRecord:
+    """One routing decision, kept in a short ring for the dashboard."""
+
+    at: float
+    request_id: str
+    node_id: str
+    reason: str
+    matched_blocks: int
+    best_matched_blocks: int
+    score: float
+    attempt: int
+
+
+@dataclass(slots=True)
+class ControllerStats:
+    routed: Counter[str] = field(default_factory=Counter)  # by route reason
+    outcomes: Counter[str] = field(default_factory=Counter)  # completed/failed/cancelled/...
+    rejects: Counter[str] = field(default_factory=Counter)  # by reject reason
+    retries: Counter[str] = field(default_factory=Counter)  # by failure kind
+    failures: Counter[str] = field(default_factory=Counter)  # attempt failures by kind
+    eviction_warnings: int = 0
+    hits: dict[str, HitCounter] = field(
+        default_factory=lambda: {name: HitCounter() for name, _ in PREFIX_BUCKETS}
+    )
+    recent: deque[DecisionRecord] = field(default_factory=lambda: deque(maxlen=50))

@@ -1,0 +1,385 @@
+"""OpenAI-compatible request bodies: validation as vLLM's server does it, and small edits.
+
+``parse_completion_request`` and ``parse_chat_request`` take the raw body bytes
+and return a frozen value with the fields the gateway needs (model, prompt or
+messages, token limit, streaming, sampling knobs, priority, cache salt) plus the
+parsed JSON object as ``raw``, so the gateway can forward the body unchanged or
+with a few fields edited (:func:`with_fields`). Bad input raises a
+:class:`~kvgate.protocol.errors.ProtocolError` subclass whose ``param`` names
+the offending field in OpenAI's path notation (``messages[2].content[0].type``)
+and whose message follows OpenAI's wording. Nothing is hashed or tokenised here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvgate.protocol.errors import (
+    BatchedPromptError,
+    InvalidJSONError,
+    InvalidTypeError,
+    InvalidValueError,
+    MissingParameterError,
+    RequestTooLargeError,
+    UnsupportedContentError,
+    UnsupportedParameterError,
+    type_name,
+)
+
+__all__ = [
+    "CHAT_ROLES",
+    "DEFAULT_MAX_BODY_BYTES",
+    "REMOVE",
+    "ChatRequest",
+    "CompletionRequest",
+    "parse_chat_request",
+    "parse_completion_request",
+    "parse_json_object",
+    "with_fields",
+]
+
+DEFAULT_MAX_BODY_BYTES: Final = 16 * 1024 * 1024
+CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
+#: Content-part separator; vLLM joins text parts with a newline for string-format templates.
+TEXT_PART_SEPARATOR: Final = "\n"
+
+
+class _Remove:
+    def __repr__(self) -> str:
+        return "REMOVE"
+
+
+#: Pass as a value to :func:`with_fields` to delete a key.
+REMOVE: Final = _Remove()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Common:
+    model: str
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    temperature: float | None
+    top_p: float | None
+    n: int
+    priority: int | None
+    user: str | None
+    stop: tuple[str, ...]
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompletionRequest(_Common):
+    """``POST /v1/completions``. Exactly one of ``prompt_text`` / ``prompt_token_ids`` is set."""
+
+    prompt_text: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    raw: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatRequest(_Common):
+    """``POST /v1/chat/completions``. ``messages`` is ``((role, text), ...)``."""
+
+    messages: tuple[tuple[str, str], ...]
+    raw: Mapping[str, Any]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(
+    body: bytes, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> dict[str, Any]:
+    """Body bytes -> a JSON object (size limit, UTF-8, strict JSON: no NaN/Infinity)."""
+    if len(body) > max_body_bytes:
+        raise RequestTooLargeError(
+            f"Request body is {len(body)} bytes, above the limit of {max_body_bytes} bytes.",
+            code="request_too_large",
+        )
+    try:
+        obj = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise InvalidJSONError(
+            "We could not parse the JSON body of your request. The API expects a JSON "
+            "payload, but what was sent was not valid JSON."
+        ) from exc
+    if not isinstance(obj, dict):
+        raise InvalidJSONError(
+            f"Invalid type for request body: expected an object, but got {type_name(obj)} "
+            "instead.", code="invalid_type")
+    return obj
+
+
+def _missing(param: str) -> MissingParameterError:
+    return MissingParameterError(f"Missing required parameter: '{param}'.", param=param)
+
+
+def _bad_type(param: str, expected: str, value: object) -> InvalidTypeError:
+    return InvalidTypeError(
+        f"Invalid type for '{param}': expected {expected}, but got {type_name(value)} instead.",
+        param=param,
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def _opt_int(d: Mapping[str, Any], name: str, *, minimum: int | None = None) -> int | None:
+    value = d.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise _bad_type(name, "an integer", value)
+    if minimum is not None and value < minimum:
+        raise InvalidValueError(
+            f"Invalid '{name}': integer below minimum value. Expected a value >= {minimum}, "
+            f"but got {value} instead.", param=name, code="integer_below_min_value")
+    return int(value)
+
+
+def _opt_number(d: Mapping[str, Any], name: str, low: float, high: float, *,
+                low_open: bool = False) -> float | None:
+    value = d.get(name)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise _bad_type(name, "a number", value)
+    number = float(value)
+    if not math.isfinite(number) or number < low or (low_open and number <= low):
+        bound = f"> {low:g}" if low_open else f">= {low:g}"
+        raise InvalidValueError(
+            f"Invalid '{name}': decimal below minimum value. Expected a value {bound}, "
+            f"but got {value} instead.", param=name, code="decimal_below_min_value")
+    if number > high:
+        raise InvalidValueError(
+            f"Invalid '{name}': decimal above maximum value. Expected a value <= {high:g}, "
+            f"but got {value} instead.", param=name, code="decimal_above_max_value")
+    return number
+
+
+def _opt_bool(d: Mapping[str, Any], name: str, param: str | None = None) -> bool | None:
+    value = d.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise _bad_type(param or name, "a boolean", value)
+    return value
+
+
+def _opt_str(d: Mapping[str, Any], name: str) -> str | None:
+    value = d.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad_type(name, "a string", value)
+    return value
+
+
+def _common(d: Mapping[str, Any]) -> _Common:
+    model = d.get("model")
+    if model is None:
+        raise _missing("model")
+    if not isinstance(model, str):
+        raise _bad_type("model", "a string", model)
+    if not model:
+        raise InvalidValueError("Invalid 'model': empty string.", param="model",
+                                code="empty_string")
+    max_tokens = _opt_int(d, "max_tokens", minimum=1)
+    max_completion = _opt_int(d, "max_completion_tokens", minimum=1)
+    stream = bool(_opt_bool(d, "stream"))
+    include_usage = False
+    options = d.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad_type("stream_options", "an object", options)
+        if not stream:
+            raise InvalidValueError(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                param="stream_options")
+        include_usage = bool(_opt_bool(options, "include_usage", "stream_options.include_usage"))
+        _opt_bool(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+    n = _opt_int(d, "n", minimum=1)
+    if n is not None and n != 1:
+        raise UnsupportedParameterError(
+            f"Invalid 'n': only n=1 is supported by this gateway, but got {n}.", param="n")
+    return _Common(
+        model=model,
+        max_tokens=max_completion if max_completion is not None else max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        temperature=_opt_number(d, "temperature", 0.0, 2.0),
+        top_p=_opt_number(d, "top_p", 0.0, 1.0, low_open=True),
+        n=1,
+        priority=_opt_int(d, "priority"),
+        user=_opt_str(d, "user"),
+        stop=_stop(d.get("stop")),
+        cache_salt=_opt_str(d, "cache_salt"),
+    )
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list):
+        raise _bad_type("stop", "a string or an array of strings", value)
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise _bad_type(f"stop[{i}]", "a string", item)
+    return tuple(value)
+
+
+def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
+    for i, tok in enumerate(value):
+        if not _is_int(tok):
+            raise _bad_type(f"{param}[{i}]", "an integer", tok)
+        if tok < 0:
+            raise InvalidValueError(f"Invalid '{param}[{i}]': token ids must be >= 0, but got "
+                                    f"{tok} instead.", param=param)
+    return tuple(value)
+
+
+def _prompt(d: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
+    prompt = d.get("prompt")
+    if prompt is None:
+        raise _missing("prompt")
+    if isinstance(prompt, str):
+        return prompt, None
+    if not isinstance(prompt, list):
+        raise _bad_type("prompt", "a string or an array", prompt)
+    if not prompt:
+        raise InvalidValueError("Invalid 'prompt': empty array. Expected an array with minimum "
+                                "length 1, but got an empty array instead.", param="prompt",
+                                code="empty_array")
+    if _is_int(prompt[0]):
+        return None, _token_ids(prompt, "prompt")
+    if len(prompt) > 1:
+        if all(isinstance(p, str | list) for p in prompt):
+            raise BatchedPromptError(
+                f"Invalid 'prompt': batched prompts are not supported (got {len(prompt)} "
+                "prompts); send one prompt per request.", param="prompt")
+        bad = next(i for i, p in enumerate(prompt) if not isinstance(p, str | list))
+        raise _bad_type(f"prompt[{bad}]", "a string or an array of integers", prompt[bad])
+    only = prompt[0]
+    if isinstance(only, str):
+        return only, None
+    if isinstance(only, list):
+        if not only:
+            raise InvalidValueError("Invalid 'prompt[0]': empty array.", param="prompt",
+                                    code="empty_array")
+        return None, _token_ids(only, "prompt[0]")
+    raise _bad_type("prompt[0]", "a string or an array of integers", only)
+
+
+def parse_completion_request(body: bytes, *,
+                             max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body."""
+    d = parse_json_object(body, max_body_bytes=max_body_bytes)
+    c = _common(d)
+    text, tokens = _prompt(d)
+    return CompletionRequest(
+        model=c.model, max_tokens=c.max_tokens, stream=c.stream, include_usage=c.include_usage,
+        temperature=c.temperature, top_p=c.top_p, n=c.n, priority=c.priority, user=c.user,
+        stop=c.stop, cache_salt=c.cache_salt, prompt_text=text, prompt_token_ids=tokens, raw=d,
+    )
+
+
+def _content(message: Mapping[str, Any], role: str, where: str) -> str:
+    content = message.get("content")
+    if content is None:
+        if role == "assistant":  # tool-call turns may carry no content
+            return ""
+        raise _missing(f"{where}.content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad_type(f"{where}.content", "a string or an array of content parts", content)
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise _bad_type(at, "an object", part)
+        kind = part.get("type")
+        if kind is None:
+            raise _missing(f"{at}.type")
+        if kind != "text":
+            raise UnsupportedContentError(
+                f"Invalid '{at}.type': content parts of type {kind!r} are not supported; "
+                "only 'text' parts are.", param=f"{at}.type")
+        text = part.get("text")
+        if text is None:
+            raise _missing(f"{at}.text")
+        if not isinstance(text, str):
+            raise _bad_type(f"{at}.text", "a string", text)
+        texts.append(text)
+    return TEXT_PART_SEPARATOR.join(texts)
+
+
+def _messages(d: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    messages = d.get("messages")
+    if messages is None:
+        raise _missing("messages")
+    if not isinstance(messages, list):
+        raise _bad_type("messages", "an array", messages)
+    if not messages:
+        raise InvalidValueError("Invalid 'messages': empty array. Expected an array with "
+                                "minimum length 1, but got an empty array instead.",
+                                param="messages", code="empty_array")
+    out: list[tuple[str, str]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _bad_type(where, "an object", message)
+        role = message.get("role")
+        if role is None:
+            raise _missing(f"{where}.role")
+        if role not in CHAT_ROLES:
+            supported = ", ".join(f"'{r}'" for r in CHAT_ROLES)
+            raise InvalidValueError(f"Invalid value: {role!r}. Supported values are: "
+                                    f"{supported}.", param=f"{where}.role")
+        out.append((role, _content(message, role, where)))
+    return tuple(out)
+
+
+def parse_chat_request(body: bytes, *,
+                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body."""
+    d = parse_json_object(body, max_body_bytes=max_body_bytes)
+    c = _common(d)
+    messages = _messages(d)
+    return ChatRequest(
+        model=c.model, max_tokens=c.max_tokens, stream=c.stream, include_usage=c.include_usage,
+        temperature=c.temperature, top_p=c.top_p, n=c.n, priority=c.priority, user=c.user,
+        stop=c.stop, cache_salt=c.cache_salt, messages=messages, raw=d,
+    )
+
+
+def with_fields(raw: Mapping[str, Any], **updates: Any) -> bytes:
+    """Re-serialise ``raw`` with top-level ``updates`` (key order kept, new keys appended).
+
+    An object value is merged into an existing object (so
+    ``stream_options={"include_usage": True}`` keeps the client's other stream
+    options); :data:`REMOVE` deletes the key. ``raw`` itself is not modified.
+    """
+    out = dict(raw)
+    for key, value in updates.items():
+        if value is REMOVE:
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":"),
+                      allow_nan=False).encode("utf-8")

@@ -1,0 +1,1 @@
+"""Discrete-event simulator: workloads (synthetic and trace replay) and scenarios."""

@@ -1,0 +1,443 @@
+"""N simulated nodes and G gateways on one virtual clock, driving the real core.
+
+Theory of operation
+-------------------
+Each gateway runs its own :class:`~kvgate.core.controller.Controller` with its
+own, deliberately imperfect view of the cluster:
+
+* load reports: every node's metrics snapshot reaches every gateway every
+  ``report_interval_s``, ``report_delay_s`` late;
+* KV events (precise mode) and eviction announcements arrive ``event_delay_s`` late;
+* health: a crashed node is noticed by the next health check (``health_interval_s``),
+  or at once when a dispatch to it fails;
+* its own in-flight counts are exact (they are its own).
+
+All gateways share one in-process coordinator (refreshing every
+``refresh_interval_s`` unless a scenario cuts them off). Nodes are
+:class:`~kvgate.engine.SimEngine`s stepped by the loop: a step starting at ``t``
+delivers its results at ``t + duration`` and the next step starts then.
+
+Every request ends with exactly one terminal outcome (completed, rejected with
+a reason, failed with a reason); :meth:`SimCluster.check_outcomes` verifies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvgate.core.admission import FailureKind, InProcessCoordinator
+from kvgate.core.config import ControllerConfig
+from kvgate.core.controller import Controller
+from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Reject
+from kvgate.core.events import RequestArrived
+from kvgate.core.ids import NodeId, RequestId, TenantId
+from kvgate.core.nodes import NodeSpec
+from kvgate.core.rng import Rng
+from kvgate.engine import (
+    AdmissionStatus,
+    EngineConfig,
+    EngineRequest,
+    EvictionAnnounced,
+    EvictionDone,
+    RejectKind,
+    SimEngine,
+    StepOutput,
+    get_profile,
+)
+from kvgate.engine.eviction import EvictionConfig
+from kvgate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvgate.engine.node_admission import NodeAdmissionConfig
+from kvgate.sim.loop import EventLoop
+from kvgate.sim.workload import SimRequest, Workload
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    nodes: int = 8
+    gateways: int = 1
+    profile: str = "a100-8b"
+    cache_blocks: int = 1000  # per node, in blocks of the workload's block size
+    node_capacity: int = 64  # concurrent requests a node is counted for in the budget
+    scheduling_policy: str = "priority"
+    report_interval_s: float = 0.5
+    report_delay_s: float = 0.05
+    event_delay_s: float = 0.1
+    network_delay_s: float = 0.001
+    tick_interval_s: float = 0.05
+    health_interval_s: float = 1.0
+    node_admission: NodeAdmissionConfig = field(default_factory=NodeAdmissionConfig)
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """What happened to one workload request (the report's raw material)."""
+
+    req: SimRequest
+    gateway: int
+    status: str = ""  # "completed" | "rejected" | "failed"; "" while open
+    reason: str = ""
+    node: str = ""
+    attempts: int = 0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ended_s: float | None = None
+
+
+@dataclass(slots=True)
+class _Attempt:
+    outcome: RequestOutcome
+    gateway: int
+    node: int
+    attempt: int
+    first_byte: bool = False
+    done: bool = False
+
+
+class SimNode:
+    """One simulated engine plus the loop plumbing that steps it."""
+
+    def __init__(self, index: int, engine: SimEngine) -> None:
+        self.index = index
+        self.node_id = NodeId(f"node-{index}")
+        self.engine = engine
+        self.stepping = False
+        self.timer_at: float | None = None
+        self.crashed = False
+        self.prefill_tokens = 0  # processed (uncached) prefill tokens, for load balance
+        self.decode_tokens = 0
+
+
+class SimCluster:
+    def __init__(self, config: ClusterConfig, workload: Workload, *, rng: Rng) -> None:
+        self.config = config
+        self.workload = workload
+        self.loop = EventLoop()
+        self.rng = rng
+        profile = get_profile(config.profile)
+        block = workload.block_tokens
+        self.block_tokens = block
+        self.nodes = [
+            SimNode(
+                i,
+                SimEngine(
+                    EngineConfig(
+                        num_blocks=config.cache_blocks,
+                        block_size=block,
+                        scheduling_policy="priority"
+                        if config.scheduling_policy == "priority"
+                        else "fcfs",
+                        admission=config.node_admission,
+                        eviction=config.eviction,
+                    ),
+                    profile,
+                ),
+            )
+            for i in range(config.nodes)
+        ]
+        self.max_model_len = config.cache_blocks * block
+        self.coordinator = InProcessCoordinator(config.controller.admission)
+        self.coordinator_up = True
+        ctl_cfg = config.controller
+        self.gateways = [
+            Controller(ctl_cfg, rng=rng, gateway_id=f"gw{g}") for g in range(config.gateways)
+        ]
+        for ctl in self.gateways:
+            for n in self.nodes:
+                ctl.add_node(
+                    NodeSpec(
+                        node_id=n.node_id,
+                        max_model_len=self.max_model_len,
+                        capacity=config.node_capacity,
+                        cache_blocks=config.cache_blocks,
+                    ),
+                    0.0,
+                )
+        self.outcomes: dict[str, RequestOutcome] = {}
+        self._attempts: dict[str, _Attempt] = {}  # engine request id -> attempt
+        self._open = 0
+        self._arrivals_left = len(workload.requests)
+        self.hooks: list[tuple[float, Callable[[SimCluster], None]]] = []
+        self.max_inflight_total = 0
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> None:
+        loop = self.loop
+        for i, req in enumerate(self.workload.requests):
+            g = i % len(self.gateways)
+            loop.at(req.arrival_s, lambda r=req, g=g: self._arrive(r, g))
+        for at, fn in self.hooks:
+            loop.at(at, lambda fn=fn: fn(self))
+        for g in range(len(self.gateways)):
+            loop.at(0.0, lambda g=g: self._tick(g))
+            loop.at(0.0, lambda g=g: self._refresh(g))
+        loop.at(0.0, self._report)
+        loop.at(0.0, self._health)
+        loop.run()
+
+    def _busy(self) -> bool:
+        return self._open > 0 or self._arrivals_left > 0
+
+    # ------------------------------------------------------------------ gateways
+    def _arrive(self, req: SimRequest, g: int) -> None:
+        self._arrivals_left -= 1
+        out = RequestOutcome(req=req, gateway=g)
+        self.outcomes[req.request_id] = out
+        self._open += 1
+        ctl = self.gateways[g]
+        event = RequestArrived(
+            request_id=RequestId(req.request_id),
+            tenant=TenantId(req.tenant),
+            priority=req.priority,
+            model=req.model,
+            block_ids=req.block_ids[: req.prompt_tokens // self.block_tokens],
+            prompt_tokens=req.prompt_tokens,
+            max_tokens=req.output_tokens,
+        )
+        self._apply(g, [ctl.on_arrival(event, self.loop.now)])
+
+    def _apply(self, g: int, decisions: Sequence[Decision]) -> None:
+        now = self.loop.now
+        for d in decisions:
+            if isinstance(d, Dispatch):
+                self._send(g, d)
+            elif isinstance(d, Reject):
+                self._end(d.request_id, "rejected", d.rejected.reason.value, now)
+            elif isinstance(d, Fail):
+                self._end(d.request_id, "failed", d.reason, now)
+            elif isinstance(d, Hold):
+                pass  # the controller dispatches or rejects it later
+
+    def _end(self, request_id: str, status: str, reason: str, now: float) -> None:
+        out = self.outcomes[request_id]
+        if out.status:
+            raise AssertionError(f"request {request_id} ended twice ({out.status}, {status})")
+        out.status, out.reason, out.ended_s = status, reason, now
+        self._open -= 1
+
+    def _send(self, g: int, d: Dispatch) -> None:
+        out = self.outcomes[d.request_id]
+        out.attempts = d.attempt
+        node_index = int(d.node_id.rsplit("-", 1)[1])
+        eid = f"{d.request_id}#{d.attempt}"
+        att = _Attempt(outcome=out, gateway=g, node=node_index, attempt=d.attempt)
+        self._attempts[eid] = att
+        self.loop.after(self.config.network_delay_s, lambda: self._submit(eid))
+        inflight = sum(c.in_flight() for c in self.gateways)
+        self.max_inflight_total = max(self.max_inflight_total, inflight)
+
+    def _tick(self, g: int) -> None:
+        self._apply(g, self.gateways[g].tick(self.loop.now))
+        if self._busy():
+            self.loop.after(self.config.tick_interval_s, lambda: self._tick(g))
+
+    def _refresh(self, g: int) -> None:
+        ctl = self.gateways[g]
+        now = self.loop.now
+        if self.coordinator_up:
+            self._apply(g, ctl.refresh_with(self.coordinator, now))
+        else:
+            self._apply(g, ctl.on_refresh_failed(now))
+        if self._busy():
+            interval = self.config.controller.admission.lease_refresh_s
+            self.loop.after(interval, lambda: self._refresh(g))
+
+    def _report(self) -> None:
+        delay = self.config.report_delay_s
+        for n in self.nodes:
+            if n.crashed:
+                continue
+            m = n.engine.metrics()
+            snap = (m.num_requests_waiting, m.num_requests_running, m.kv_cache_usage_perc)
+            self.loop.after(delay, lambda n=n, s=snap: self._deliver_report(n, s))
+        if self._busy():
+            self.loop.after(self.config.report_interval_s, self._report)
+
+    def _deliver_report(self, n: SimNode, snap: tuple[int, int, float]) -> None:
+        now = self.loop.now
+        for ctl in self.gateways:
+            ctl.on_load_report(
+                n.node_id, waiting=snap[0], running=snap[1], kv_util=snap[2], now=now
+            )
+
+    def _health(self) -> None:
+        now = self.loop.now
+        for g, ctl in enumerate(self.gateways):
+            for n in self.nodes:
+                state = ctl.nodes.get(n.node_id)
+                if state is not None and state.healthy == n.crashed:
+                    ctl.set_healthy(n.node_id, not n.crashed, now)
+            self._apply(g, ctl.tick(now))
+        if self._busy():
+            self.loop.after(self.config.health_interval_s, self._health)
+
+    # ------------------------------------------------------------------ nodes
+    def _submit(self, eid: str) -> None:
+        att = self._attempts[eid]
+        node = self.nodes[att.node]
+        now = self.loop.now
+        if node.crashed:
+            self._attempt_failed(eid, FailureKind.CONNECT_ERROR)
+            return
+        req = att.outcome.req
+        full = req.prompt_tokens // self.block_tokens
+        verdict = node.engine.submit(
+            EngineRequest(
+                request_id=eid,
+                prompt_tokens=req.prompt_tokens,
+                block_hashes=req.block_ids[:full],
+                max_tokens=max(1, req.output_tokens),
+                priority=req.priority,
+                arrival=req.arrival_s,
+            ),
+            now,
+        )
+        if verdict.status is AdmissionStatus.REJECTED:
+            self._attempt_failed(eid, _failure_of(verdict.reject_kind))
+            return
+        self._kick(node)
+
+    def _kick(self, node: SimNode) -> None:
+        if not node.stepping and not node.crashed:
+            node.stepping = True
+            self.loop.after(0.0, lambda: self._step(node))
+
+    def _step(self, node: SimNode) -> None:
+        node.stepping = False
+        if node.crashed:
+            return
+        now = self.loop.now
+        out = node.engine.step(now)
+        self._drain_events(node)
+        if out is None:
+            nxt = node.engine.next_timer_at()
+            if nxt is not None and (node.timer_at is None or node.timer_at <= now):
+                node.timer_at = nxt
+                self.loop.at(nxt, lambda: self._timer(node))
+            return
+        node.stepping = True
+        self.loop.at(out.end, lambda: self._step_done(node, out))
+
+    def _timer(self, node: SimNode) -> None:
+        node.timer_at = None
+        self._kick(node)
+
+    def _step_done(self, node: SimNode, out: StepOutput) -> None:
+        node.stepping = False
+        if node.crashed:
+            return
+        node.prefill_tokens += out.num_prefill_tokens
+        node.decode_tokens += out.num_decode_seqs
+        delay = self.config.network_delay_s
+        for eid in out.first_token_ids:
+            self.loop.after(delay, lambda eid=eid: self._first_byte(eid))
+        for fin in out.finished:
+            self.loop.after(
+                delay, lambda f=fin: self._finished(f.request_id, f.cached_tokens, f.output_tokens)
+            )
+        for rej in out.rejected:
+            kind = _failure_of(rej.reject_kind)
+            self.loop.after(delay, lambda eid=rej.request_id, k=kind: self._attempt_failed(eid, k))
+        self._step(node)
+
+    def _drain_events(self, node: SimNode) -> None:
+        events = node.engine.take_events()
+        if not events:
+            return
+        precise = self.config.controller.index_mode == "precise"
+        for ev in events:
+            if isinstance(ev, EvictionAnnounced | EvictionDone) or precise:
+                self.loop.after(
+                    self.config.event_delay_s, lambda ev=ev: self._deliver_event(node, ev)
+                )
+
+    def _deliver_event(self, node: SimNode, ev: object) -> None:
+        now = self.loop.now
+        for ctl in self.gateways:
+            if isinstance(ev, EvictionAnnounced):
+                ctl.on_eviction_warning(node.node_id, now)
+            elif isinstance(ev, EvictionDone):
+                ctl.on_eviction_done(node.node_id, now)
+            elif isinstance(ev, BlockStored):
+                ctl.on_blocks_stored(node.node_id, ev.block_hashes, now)
+            elif isinstance(ev, BlockRemoved):
+                ctl.on_blocks_removed(node.node_id, ev.block_hashes, now)
+            elif isinstance(ev, AllBlocksCleared):
+                ctl.on_cache_cleared(node.node_id, now)
+
+    # ------------------------------------------------------------------ attempt results
+    def _first_byte(self, eid: str) -> None:
+        att = self._attempts.get(eid)
+        if att is None or att.done:
+            return
+        att.first_byte = True
+        if att.outcome.first_token_s is None:
+            att.outcome.first_token_s = self.loop.now
+        self.gateways[att.gateway].on_first_byte(
+            RequestId(att.outcome.req.request_id), self.loop.now
+        )
+
+    def _finished(self, eid: str, cached: int, output: int) -> None:
+        att = self._attempts.pop(eid, None)
+        if att is None or att.done:
+            return
+        att.done = True
+        out = att.outcome
+        now = self.loop.now
+        out.cached_tokens, out.output_tokens, out.finished_s = cached, output, now
+        out.node = self.nodes[att.node].node_id
+        rid = RequestId(out.req.request_id)
+        decisions = self.gateways[att.gateway].on_finished(rid, now, cached_tokens=cached)
+        self._end(rid, "completed", "", now)
+        self._apply(att.gateway, decisions)
+
+    def _attempt_failed(self, eid: str, kind: FailureKind) -> None:
+        att = self._attempts.pop(eid, None)
+        if att is None or att.done:
+            return
+        att.done = True
+        out = att.outcome
+        if not att.first_byte:
+            out.first_token_s = None
+        rid = RequestId(out.req.request_id)
+        decisions = self.gateways[att.gateway].on_failed(
+            rid, kind, self.loop.now, before_first_byte=not att.first_byte
+        )
+        self._apply(att.gateway, decisions)
+
+    # ------------------------------------------------------------------ faults (scenarios)
+    def crash_node(self, index: int) -> None:
+        node = self.nodes[index]
+        node.crashed = True
+        failed = node.engine.crash(self.loop.now)
+        self._drain_events(node)
+        for eid in failed:
+            self.loop.after(
+                self.config.network_delay_s,
+                lambda eid=eid: self._attempt_failed(eid, FailureKind.UPSTREAM_ERROR),
+            )
+
+    def recover_node(self, index: int) -> None:
+        node = self.nodes[index]
+        node.engine.recover(self.loop.now)
+        node.crashed = False
+        self._kick(node)
+
+    def check_outcomes(self) -> None:
+        """Every request ended exactly once; nothing is lost."""
+        open_ = [r for r, o in self.outcomes.items() if not o.status]
+        missing = len(self.workload.requests) - len(self.outcomes)
+        if open_ or missing:
+            raise AssertionError(f"{len(open_)} requests never ended, {missing} never arrived")
+
+
+def _failure_of(kind: RejectKind | None) -> FailureKind:
+    if kind is RejectKind.POOL_OVERLOADED:
+        return FailureKind.POOL_OVERLOADED
+    if kind is RejectKind.BAD_REQUEST:
+        return FailureKind.CLIENT_ERROR
+    return FailureKind.RETRY_ELSEWHERE

@@ -1,0 +1,216 @@
+"""InProcessCoordinator: FAIR_SHARE across gateways, the held rule, tenants, expiry,
+learning mode, the bypass pool and C_eff."""
+
+from __future__ import annotations
+
+from admission_testlib import req
+
+from kvgate.core.admission import (
+    AdmissionConfig,
+    ClassConfig,
+    GatewayAdmission,
+    InProcessCoordinator,
+    LeaseConfig,
+    Queued,
+    RefreshRequest,
+    TenantUsage,
+)
+
+ONE_CLASS = (
+    ClassConfig(share=1.0, lendable=1.0),
+    ClassConfig(share=0.0, lendable=1.0),
+    ClassConfig(share=0.0, lendable=1.0),
+)
+
+
+def _one_class(budget: int, **kw: object) -> AdmissionConfig:
+    return AdmissionConfig(budget=budget, bypass_fraction=0.0, classes=ONE_CLASS, **kw)  # type: ignore[arg-type]
+
+
+def report(
+    gid: str,
+    wants0: int = 0,
+    *,
+    has: int = 0,
+    inuse0: int = 0,
+    wants1: int = 0,
+    inuse1: int = 0,
+    tenants: dict[str, TenantUsage] | None = None,
+    c_eff: int | None = None,
+    epoch: str | None = "epoch-0",
+) -> RefreshRequest:
+    return RefreshRequest(
+        gateway_id=gid,
+        epoch=epoch,
+        inuse=(inuse0, inuse1, 0),
+        wants=(wants0, wants1, 0),
+        has=(has, 0, 0),
+        has_total=has,
+        tenants=tenants or {},
+        c_eff_seen=c_eff,
+    )
+
+
+def test_doorman_fair_share_across_gateways() -> None:
+    """C = 120, wants 1000 / 50 / 10 converge to 60 / 50 / 10 (reports carry has)."""
+    coord = InProcessCoordinator(_one_class(120))
+    wants = {"a": 1000, "b": 50, "c": 10}
+    has = dict.fromkeys(wants, 0)
+    history = []
+    for rnd in range(4):
+        for gid, w in wants.items():
+            grant = coord.refresh(report(gid, w, has=has[gid]), 0.1 * rnd)
+            has[gid] = grant.total
+        history.append(dict(has))
+        assert sum(has.values()) <= 120
+    assert history[-1] == {"a": 60, "b": 50, "c": 10}
+    assert history[2] == history[3]  # converged by the third round
+
+
+def test_held_is_max_of_lease_has_and_inuse() -> None:
+    coord = InProcessCoordinator(_one_class(100))
+    assert coord.refresh(report("a", 100, inuse0=80, has=80), 0.0).total == 100  # alone
+    assert coord.refresh(report("b", 100), 0.0).total == 0  # a holds its whole lease
+    assert coord.refresh(report("a", 100, inuse0=80, has=100), 0.1).total == 50  # fair
+    assert coord.refresh(report("b", 100), 0.1).total == 0  # a still admits on has = 100
+    assert coord.refresh(report("a", 100, inuse0=80, has=50), 0.2).total == 50
+    assert coord.refresh(report("b", 100), 0.2).total == 20  # a's 80 in flight stay held
+    assert coord.refresh(report("a", 100, inuse0=45, has=50), 0.3).total == 50  # drained
+    assert coord.refresh(report("b", 100, has=20), 0.3).total == 50
+    assert coord.held_total() == 100
+
+
+def test_idle_capacity_is_lent_as_headroom_and_the_p0_reserve_is_kept() -> None:
+    cfg = AdmissionConfig(budget=256)  # K = 249, P0 reserve 88, bypass pool 7
+    coord = InProcessCoordinator(cfg)
+    g = coord.refresh(report("a"), 0.0)
+    assert (g.grants, g.headroom, g.p0_reserve, g.bypass) == ((88, 0, 0), 161, 88, 7)
+
+    def flood(gid: str, has: int, t: float) -> tuple[object, ...]:
+        r = RefreshRequest(
+            gateway_id=gid,
+            epoch="epoch-0",
+            inuse=(0, 0, 0),
+            wants=(0, 300, 0),
+            has=(0, 0, 0),
+            has_total=has,
+        )
+        g = coord.refresh(r, t)
+        return (g.grants, g.headroom, g.p0_reserve, g.bypass)
+
+    assert flood("a", 249, 0.1) == ((88, 161, 0), 0, 88, 7)  # P1 flood, P0 idle
+    assert flood("b", 0, 0.2) == ((0, 0, 0), 0, 0, 0)  # a holds everything
+    assert flood("a", 249, 0.3) == ((44, 81, 0), 0, 44, 4)  # two gateways: halves
+    assert flood("b", 0, 0.4) == ((0, 0, 0), 0, 0, 3)  # a's report still said 249
+    assert flood("a", 125, 0.5) == ((44, 81, 0), 0, 44, 4)
+    assert flood("b", 0, 0.6) == ((44, 80, 0), 0, 44, 3)  # converged: reserve 44 each
+
+
+def test_gateway_expiry_frees_its_lease_and_release_is_immediate() -> None:
+    coord = InProcessCoordinator(_one_class(100))
+    coord.refresh(report("a", 100, inuse0=100, has=100), 0.0)
+    assert coord.refresh(report("b", 100), 1.0).total == 0
+    assert coord.refresh(report("b", 100), 2.01).total == 100  # a's ttl (2 s) passed
+    coord.release_gateway("b")
+    assert coord.records == {}
+
+
+def test_reclaim_grace_keeps_inuse_held_after_expiry() -> None:
+    coord = InProcessCoordinator(_one_class(100, lease=LeaseConfig(reclaim_grace_s=10.0)))
+    coord.refresh(report("a", 100, inuse0=70, has=100), 0.0)
+    g = coord.refresh(report("b", 100), 2.5)  # a expired: its lease is free, its in-use not
+    assert g.total == 30 and g.gateways_live == 1
+    assert coord.refresh(report("b", 100, has=30), 12.6).total == 100
+
+
+def test_tenant_quota_is_shared_across_gateways() -> None:
+    coord = InProcessCoordinator(AdmissionConfig(budget=1000, tenant_quotas={"t": 10}))
+    one = {"t": TenantUsage(inuse=1, wants=1, has=0)}
+    ga = coord.refresh(report("a", tenants=one), 0.0)
+    assert ga.tenant_grants == {"t": 10}  # alone: the whole quota, idle part as headroom
+    gb = coord.refresh(report("b", tenants=one), 0.1)
+    assert gb.tenant_grants == {"t": 0}  # a still holds all 10
+    ga = coord.refresh(report("a", tenants={"t": TenantUsage(inuse=1, wants=1, has=10)}), 0.2)
+    assert ga.tenant_grants == {"t": 5}
+    assert coord.refresh(report("b", tenants=one), 0.25).tenant_grants == {"t": 0}
+    ga = coord.refresh(report("a", tenants={"t": TenantUsage(inuse=1, wants=1, has=5)}), 0.3)
+    assert ga.tenant_grants == {"t": 5}
+    gb = coord.refresh(report("b", tenants=one), 0.35)
+    assert gb.tenant_grants == {"t": 5}
+    # a tenant busy at a gets more once b reports it idle (and no longer holding)
+    busy = {"t": TenantUsage(inuse=5, wants=9, has=5)}
+    assert coord.refresh(
+        report("b", tenants={"t": TenantUsage(inuse=0, wants=0, has=5)}), 0.4
+    ).tenant_grants == {"t": 0}
+    assert coord.refresh(report("a", tenants=busy), 0.5).tenant_grants == {"t": 5}
+    assert coord.refresh(report("b", tenants={}), 0.6).tenant_grants == {}
+    assert coord.refresh(report("a", tenants=busy), 0.7).tenant_grants == {"t": 10}
+    # unlimited tenants get no grant at all
+    assert coord.refresh(report("a", tenants={"free": one["t"]}), 0.6).tenant_grants == {}
+
+
+def test_learning_mode_after_an_epoch_change() -> None:
+    coord = InProcessCoordinator(_one_class(100))
+    coord.refresh(report("a", 100, has=60, inuse0=60), 0.0)
+    coord.refresh(report("b", 100, has=40, inuse0=40), 0.0)
+    coord.reset_epoch("epoch-1", 1.0)  # lost state (a Redis restart)
+    g = coord.refresh(report("a", 100, has=60, inuse0=55), 1.1)
+    assert g.learning and g.total == 60 and g.epoch == "epoch-1"  # echo max(has, inuse)
+    g = coord.refresh(report("c", 100, epoch=None), 1.2)
+    assert g.learning and g.total == 0  # a newcomer gets nothing while learning
+    g = coord.refresh(report("b", 100, has=40, inuse0=40), 1.3)
+    assert g.learning and g.total == 40
+    g = coord.refresh(report("c", 100, epoch="epoch-1"), 3.1)  # one ttl later
+    assert not g.learning and g.total == 0  # a and b still hold all 100
+    g = coord.refresh(report("a", 100, has=60, inuse0=30, epoch="epoch-1"), 3.2)
+    assert not g.learning and g.total == 34  # fair share 33 (+1 remainder), not 60
+
+
+def test_a_gateway_reporting_an_old_epoch_is_echoed_for_one_ttl() -> None:
+    coord = InProcessCoordinator(_one_class(100), epoch="epoch-7")
+    g = coord.refresh(report("a", 100, has=30, epoch="epoch-6"), 0.0)
+    assert g.learning and g.total == 30
+    g = coord.refresh(report("a", 100, has=30, epoch="epoch-7"), 2.5)
+    assert not g.learning and g.total == 100
+
+
+def test_c_eff_is_the_latest_reported_and_clamped_to_the_budget() -> None:
+    coord = InProcessCoordinator(_one_class(100))
+    assert coord.refresh(report("a", 500, c_eff=60), 0.0).total == 60
+    assert coord.refresh(report("b", 500, c_eff=1000), 0.1).capacity == 100
+    assert coord.refresh(report("a", 500, c_eff=0), 0.2).total == 0
+
+
+def test_real_gateways_share_a_backlog_evenly() -> None:
+    """Two backlogged gateways taking traffic from t = 0, 1 s requests: Σ <= C, ~half each.
+
+    Both admit their start-up allowance (C / 2, P0 only) before their first report; the
+    coordinator learns for its first TTL, so the first to report is not lent the
+    capacity the other is already using.
+    """
+    cfg = _one_class(100, lease=LeaseConfig(expected_gateways=2))
+    coord = InProcessCoordinator(cfg, learn_on_start=True)
+    gws = [GatewayAdmission(cfg, n) for n in ("a", "b")]
+    running: list[tuple[float, int, object]] = []
+    served = [0, 0]
+    for i, gw in enumerate(gws):
+        for _ in range(1000):
+            d = gw.admit(req(0), 0.0)
+            if not isinstance(d, Queued):
+                running.append((1.0, i, d.ticket))  # type: ignore[union-attr]
+                served[i] += 1
+    for step in range(1, 101):
+        t = step * 0.1
+        for end, i, ticket in [r for r in running if r[0] <= t]:
+            running.remove((end, i, ticket))
+            for a in gws[i].release(ticket, t):  # type: ignore[arg-type]
+                running.append((t + 1.0, i, a.ticket))
+                served[i] += 1
+        for i, gw in enumerate(gws):
+            if gw.refresh_due(t):
+                for a in gw.apply_grant(coord.refresh(gw.make_refresh(t), t), t):
+                    running.append((t + 1.0, i, a.ticket))
+                    served[i] += 1
+        assert sum(gw.inuse_total for gw in gws) <= 100
+    assert sum(served) >= 900  # ~100 per second for 10 s
+    assert abs(served[0] - served[1]) <= 0.1 * sum(served)

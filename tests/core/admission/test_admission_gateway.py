@@ -1,0 +1,298 @@
+"""Stage 1 at one gateway: the class rule, the order of checks, bypass, tenants, breaker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from admission_testlib import fill, kind, lease, leased_gateway, req
+
+from kvgate.core.admission import (
+    AdmissionConfig,
+    Admitted,
+    BreakerState,
+    GatewayAdmission,
+    InProcessCoordinator,
+    Queued,
+    Rejected,
+    RejectReason,
+)
+from kvgate.core.errors import InvariantViolation
+
+# name, lease kwargs, prefill [(class, n)], arriving class, expected decision
+CLASS_RULE: list[tuple[str, dict[str, Any], list[tuple[int, int]], int, str]] = [
+    ("empty: P0 in", {"grants": (4, 4, 0), "headroom": 2, "p0_reserve": 2}, [], 0, "Admitted"),
+    ("empty: P1 in", {"grants": (4, 4, 0), "headroom": 2, "p0_reserve": 2}, [], 1, "Admitted"),
+    ("P2 without its own grant waits", {"grants": (4, 4, 0), "headroom": 2}, [], 2, "Queued"),
+    # P1 borrows P0's unused grant, but not P0's unlendable reserve (2 of 10)
+    (
+        "P1 to the reserve",
+        {"grants": (4, 4, 0), "headroom": 2, "p0_reserve": 2},
+        [(1, 8)],
+        1,
+        "Queued",
+    ),
+    (
+        "P0 takes any free credit",
+        {"grants": (4, 4, 0), "headroom": 2, "p0_reserve": 2},
+        [(1, 8)],
+        0,
+        "Admitted",
+    ),
+    # the reserve is P0's *unused* reserve: once P0 uses one, P1 may use one more
+    (
+        "reserve net of P0 use",
+        {"grants": (4, 4, 0), "headroom": 2, "p0_reserve": 2},
+        [(0, 1), (1, 7)],
+        1,
+        "Admitted",
+    ),
+    ("total in use: all wait", {"grants": (4, 4, 0), "headroom": 2}, [(0, 4), (1, 6)], 0, "Queued"),
+    # Netflix work conservation: P1's own grant binds only when the total is in use
+    ("P1 beyond its grant", {"grants": (5, 2, 0), "headroom": 3}, [(1, 9)], 1, "Admitted"),
+    # ... except while the SLO loop holds P1 back (ceiling < 1): its grant binds
+    (
+        "P1 at its SLO ceiling",
+        {"grants": (4, 3, 0), "headroom": 3, "ceilings": (1.0, 0.5, 1.0)},
+        [(1, 3)],
+        1,
+        "Queued",
+    ),
+    (
+        "P0 unaffected by ceiling",
+        {"grants": (4, 3, 0), "headroom": 3, "ceilings": (1.0, 0.5, 1.0)},
+        [(1, 3)],
+        0,
+        "Admitted",
+    ),
+    # P2: only its own grant (idle capacity), even when credits are free
+    ("P2 own grant", {"grants": (4, 3, 2), "headroom": 1}, [(2, 2)], 2, "Queued"),
+    ("P2 within grant", {"grants": (4, 3, 2), "headroom": 1}, [(2, 1)], 2, "Admitted"),
+    # P2 never eats P0's reserve: grant 9, reserve 1 -> at most 9 of 10, 1 left for P0
+    ("P2 leaves P0 reserve", {"grants": (1, 0, 9), "p0_reserve": 1}, [(2, 9)], 2, "Queued"),
+    ("P0 finds its reserve", {"grants": (1, 0, 9), "p0_reserve": 1}, [(2, 9)], 0, "Admitted"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "grant", "prefill", "arrival", "expected"), CLASS_RULE, ids=[r[0] for r in CLASS_RULE]
+)
+def test_class_rule(
+    name: str, grant: dict[str, Any], prefill: list[tuple[int, int]], arrival: int, expected: str
+) -> None:
+    gw = leased_gateway(lease(**grant))
+    for priority, n in prefill:
+        fill(gw, n, priority)
+    assert kind(gw.admit(req(arrival), 0.1)) == expected
+
+
+def test_work_conservation_rejects_only_at_the_total() -> None:
+    """Netflix useExcessCapacityUntilTotalLimit: any mix fills the whole lease, no more."""
+    for p0, p1 in ((10, 0), (0, 10), (3, 7), (7, 3)):
+        gw = leased_gateway(lease((5, 5, 0)))
+        fill(gw, p0, 0)
+        fill(gw, p1, 1)
+        assert gw.inuse_total == 10
+        assert isinstance(gw.admit(req(0), 0.1), Queued)
+        assert isinstance(gw.admit(req(1), 0.1), Queued)
+
+
+def test_bypass_lane_at_saturation() -> None:
+    gw = leased_gateway(lease((6, 4, 0), bypass=2))
+    fill(gw, 10, 0)
+    assert isinstance(gw.admit(req(1), 0.0), Queued)
+    a = gw.admit(req(1, bypass=True), 0.0)
+    b = gw.admit(req(2, bypass=True), 0.0)
+    assert isinstance(a, Admitted) and a.ticket.lane == "bypass"
+    assert isinstance(b, Admitted)
+    c = gw.admit(req(1, bypass=True), 0.0)  # the pool itself is exhausted
+    assert isinstance(c, Rejected)
+    assert (c.reason, c.http_status, c.retryable_by_client) == (RejectReason.OVERLOADED, 503, False)
+    assert gw.release(a.ticket, 0.1) == []  # a bypass credit frees no class credit
+    assert isinstance(gw.admit(req(1, bypass=True), 0.1), Admitted)
+    assert gw.stats().bypass_inuse == 2 and gw.inuse_total == 10
+
+
+def test_fill_raises_if_not_admitted() -> None:
+    gw = leased_gateway(lease((1, 0, 0)))
+    with pytest.raises(AssertionError):
+        fill(gw, 2, 0)
+
+
+def test_validation_comes_before_quota_and_is_never_queued() -> None:
+    cfg = AdmissionConfig(budget=1000, tenant_quotas={"t": 0})
+    gw = leased_gateway(lease((1, 0, 0)), cfg)
+    too_long = gw.admit(req(0, "t", prompt_tokens=5000, max_seq_len=4096), 0.0)
+    assert isinstance(too_long, Rejected)
+    assert (too_long.reason, too_long.http_status) == (RejectReason.INVALID_REQUEST, 400)
+    assert too_long.retryable_by_client is False
+    fits = gw.admit(req(0, "t", prompt_tokens=4096, max_seq_len=4096), 0.0)
+    assert isinstance(fits, Rejected) and fits.reason is RejectReason.TENANT_QUOTA
+    # unknown max_seq_len: not validated here
+    fill(gw, 1, 0, tenant="u", prompt_tokens=10**6, max_seq_len=None)
+    # saturated: still INVALID, not queued
+    again = gw.admit(req(1, "u", prompt_tokens=5000, max_seq_len=10), 0.0)
+    assert isinstance(again, Rejected) and again.reason is RejectReason.INVALID_REQUEST
+
+
+def test_tenant_quota_with_retry_after() -> None:
+    cfg = AdmissionConfig(budget=1000, tenant_quotas={"small": 2}, tenant_retry_after_s=1.5)
+    gw = leased_gateway(lease((10, 10, 0), tenants={"small": 2}), cfg)
+    tickets = fill(gw, 2, 1, tenant="small")
+    r = gw.admit(req(1, "small"), 0.0)
+    assert isinstance(r, Rejected)
+    assert (r.reason, r.http_status, r.retry_after_s) == (RejectReason.TENANT_QUOTA, 429, 1.5)
+    assert r.retryable_by_client is False
+    fill(gw, 5, 1, tenant="other")  # other tenants are unaffected (no quota = unlimited)
+    gw.release(tickets[0], 0.1)
+    assert isinstance(gw.admit(req(1, "small"), 0.1), Admitted)
+    # denied demand is reported as wants, so the lease can grow where it is needed
+    report = gw.make_refresh(0.2)
+    assert report.tenants["small"].inuse == 2 and report.tenants["small"].wants == 2
+    assert "other" not in report.tenants
+
+
+def test_queued_requests_hold_their_tenant_slot() -> None:
+    cfg = AdmissionConfig(budget=1000, tenant_quotas={"t": 3})
+    gw = leased_gateway(lease((1, 0, 0), tenants={"t": 3}), cfg)
+    fill(gw, 1, 0, tenant="t")
+    assert isinstance(gw.admit(req(0, "t"), 0.0), Queued)
+    assert isinstance(gw.admit(req(0, "t"), 0.0), Queued)
+    r = gw.admit(req(0, "t"), 0.0)
+    assert isinstance(r, Rejected) and r.reason is RejectReason.TENANT_QUOTA
+    assert gw.tenant_slots("t") == 3
+
+
+def test_first_sighting_of_a_quota_tenant() -> None:
+    cfg = AdmissionConfig(budget=1000, default_tenant_quota=4)
+    gw = leased_gateway(lease((10, 10, 0)), cfg)
+    assert not gw.refresh_due(0.1)
+    fill(gw, 1, 1, tenant="new")  # the no-assignment allowance (1)
+    r = gw.admit(req(1, "new"), 0.1)
+    assert isinstance(r, Rejected) and r.reason is RejectReason.TENANT_QUOTA
+    assert gw.refresh_due(0.1)  # an early refresh asks for the tenant's grant
+    coord = InProcessCoordinator(cfg)
+    gw.apply_grant(coord.refresh(gw.make_refresh(0.1), 0.1), 0.1)
+    assert gw.stats().tenant_limits["new"] == 4
+    fill(gw, 3, 1, tenant="new")
+
+
+def test_check_order_quota_then_breaker() -> None:
+    cfg = AdmissionConfig(budget=1000, tenant_quotas={"t": 0})
+    gw = leased_gateway(lease((5, 5, 0)), cfg)
+    gw.set_cluster_capacity(healthy_capacity=0, healthy_nodes=0, now=0.0)
+    r = gw.admit(req(0, "t"), 0.0)
+    assert isinstance(r, Rejected) and r.reason is RejectReason.TENANT_QUOTA
+    r = gw.admit(req(0, "u"), 0.0)
+    assert isinstance(r, Rejected) and r.reason is RejectReason.BREAKER_OPEN
+    assert "no healthy node" in r.message and r.http_status == 503
+    assert isinstance(gw.admit(req(0, bypass=True), 0.0), Rejected)  # no bypass pool here
+
+
+def test_breaker_opens_on_error_rate_half_opens_and_closes() -> None:
+    gw = leased_gateway(lease((50, 50, 0)))
+    for i in range(19):  # 19 outcomes, 10 failures: below the minimum of 20
+        gw.record_outcome(i % 2 == 0, 1.0)
+    assert gw.breaker_state is BreakerState.CLOSED
+    gw.record_outcome(False, 1.0)  # 20 outcomes, 50 % failures
+    assert gw.breaker_state is BreakerState.OPEN
+    r = gw.admit(req(0), 2.0)
+    assert isinstance(r, Rejected) and r.reason is RejectReason.BREAKER_OPEN
+    assert r.retry_after_s == pytest.approx(4.0) and r.retryable_by_client
+    # after open_s (5 s): half-open, 3 probes
+    probes = [gw.admit(req(0), 6.0) for _ in range(4)]
+    assert [kind(p) for p in probes] == ["Admitted", "Admitted", "Admitted", "Rejected"]
+    gw.record_outcome(True, 6.5)
+    gw.record_outcome(True, 6.6)
+    assert gw.breaker_state is BreakerState.HALF_OPEN
+    gw.record_outcome(True, 6.7)
+    assert gw.breaker_state is BreakerState.CLOSED
+    assert isinstance(gw.admit(req(0), 6.8), Admitted)
+
+
+def test_breaker_half_open_failure_reopens() -> None:
+    gw = leased_gateway(lease((50, 50, 0)))
+    for _ in range(20):
+        gw.record_outcome(False, 0.0)
+    assert gw.breaker_state is BreakerState.OPEN
+    assert isinstance(gw.admit(req(0), 5.0), Admitted)  # half-open probe
+    gw.record_outcome(False, 5.1)
+    assert gw.breaker_state is BreakerState.OPEN
+    assert isinstance(gw.admit(req(0), 5.2), Rejected)
+    assert isinstance(gw.admit(req(0), 10.2), Admitted)
+
+
+def test_breaker_window_slides() -> None:
+    gw = leased_gateway(lease((50, 50, 0)))
+    for _ in range(15):
+        gw.record_outcome(False, 0.0)
+    for _ in range(15):
+        gw.record_outcome(True, 10.5)  # the failures are out of the 10 s window now
+    gw.record_outcome(False, 10.5)
+    assert gw.breaker_state is BreakerState.CLOSED
+
+
+def test_no_healthy_node_opens_and_recovery_closes() -> None:
+    gw = leased_gateway(lease((5, 5, 0)))
+    gw.set_cluster_capacity(healthy_capacity=0, healthy_nodes=0, now=0.0)
+    assert gw.breaker_state is BreakerState.OPEN
+    assert gw.stats().breaker_reason == "no healthy node"
+    queued = gw.admit(req(0, bypass=False), 0.0)
+    assert isinstance(queued, Rejected)
+    gw.set_cluster_capacity(healthy_capacity=1000, healthy_nodes=2, now=1.0)
+    assert gw.breaker_state is BreakerState.CLOSED
+    assert isinstance(gw.admit(req(0), 1.0), Admitted)
+
+
+def test_c_eff_follows_healthy_capacity() -> None:
+    cfg = AdmissionConfig(budget=256)
+    coord = InProcessCoordinator(cfg)
+    gw = GatewayAdmission(cfg, "g")
+    gw.apply_grant(coord.refresh(gw.make_refresh(0.0), 0.0), 0.0)
+    assert gw.lease_total == 249  # 256 minus a bypass pool of 7
+    gw.set_cluster_capacity(healthy_capacity=1000, healthy_nodes=8, now=0.1)
+    assert gw.c_eff == 256  # never above the configured budget
+    gw.set_cluster_capacity(healthy_capacity=128, healthy_nodes=4, now=0.2)
+    assert gw.c_eff == 128
+    assert gw.lease_total == 124  # shrunk in proportion at once, before any refresh
+    assert gw.refresh_due(0.25)  # and an early refresh tells the coordinator
+    report = gw.make_refresh(0.25)
+    assert report.c_eff_seen == 128
+    grant = coord.refresh(report, 0.25)
+    assert coord.capacity == 128 and grant.capacity == 128
+    gw.apply_grant(grant, 0.25)
+    assert gw.lease_total == 128 - 3
+    tickets = fill(gw, 125, 0, now=0.3)
+    assert isinstance(gw.admit(req(0), 0.3), Queued)
+    gw.release(tickets[0], 0.4)
+
+
+def test_release_dispatches_and_double_release_is_a_bug() -> None:
+    gw = leased_gateway(lease((1, 0, 0)))
+    (t,) = fill(gw, 1, 0)
+    q = gw.admit(req(0, rid="waiting"), 0.0)
+    assert isinstance(q, Queued)
+    out = gw.release(t, 0.5)
+    assert [a.ticket.request_id for a in out] == ["waiting"]
+    with pytest.raises(InvariantViolation):
+        gw.release(t, 0.6)
+    other = leased_gateway(lease((1, 0, 0), gateway_id="h"))
+    with pytest.raises(InvariantViolation):
+        other.release(out[0].ticket, 0.6)
+
+
+def test_stats_snapshot() -> None:
+    cfg = AdmissionConfig(budget=1000, tenant_quotas={"a": 5})
+    gw = leased_gateway(lease((2, 1, 0), tenants={"a": 5}), cfg)
+    fill(gw, 2, 0, tenant="a")
+    fill(gw, 1, 1, tenant="b")
+    gw.admit(req(1, "a"), 0.0)
+    gw.admit(req(0, "a", prompt_tokens=10**6), 0.0)
+    s = gw.stats()
+    assert s.inuse == (2, 1, 0) and s.inuse_total == 3 and s.queued == (0, 1, 0)
+    assert s.tenant_inflight == {"a": 2, "b": 1} and s.tenant_queued == {"a": 1}
+    assert s.admitted == (2, 1, 0)
+    assert s.rejected == {(RejectReason.INVALID_REQUEST, 0): 1}
+    assert s.lease_state.value == "active" and not s.degraded
+    with pytest.raises(AttributeError):
+        s.inuse_total = 5  # type: ignore[misc]

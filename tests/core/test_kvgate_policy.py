@@ -1,0 +1,159 @@
+"""Golden decisions of kvgate's own policy on a 4-node table."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvgate.core.errors import ConfigError
+from kvgate.core.ids import NodeId
+from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
+from kvgate.core.routing.base import RouteContext, RouteReason
+from kvgate.core.routing.kvgate import KvgatePolicy
+
+NOW = 10.0
+
+
+class FixedRng:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+def table(loads: dict[str, tuple[int, float]]) -> tuple[NodeTable, list[NodeState]]:
+    t = NodeTable(stale_after_s=5.0)
+    states = []
+    for name, (waiting, util) in loads.items():
+        s = t.add(NodeSpec(node_id=NodeId(name)))
+        t.report(NodeId(name), waiting=waiting, running=4, kv_util=util, now=NOW)
+        states.append(s)
+    return t, states
+
+
+def ctx(blocks: int = 100, tpb: int = 64, **kw: object) -> RouteContext:
+    return RouteContext(
+        chain=tuple(range(blocks)),
+        prompt_tokens=blocks * tpb,
+        tokens_per_block=tpb,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_score_follows_the_brief() -> None:
+    t, c = table({"a": (8, 0.5), "b": (0, 0.0)})
+    d = KvgatePolicy(epsilon=0).select(ctx(), c, {NodeId("a"): 64}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "a" and d.reason is RouteReason.CACHE_HIT
+    # 64 blocks * 64 tokens = 4096 of 8192 -> bonus 0.5; penalty 8/32 + 0.3*0.5 = 0.4
+    assert d.parts["bonus"] == pytest.approx(0.5)
+    assert d.parts["penalty"] == pytest.approx(0.4)
+    assert d.score == pytest.approx(3 * 0.5 - 0.4)
+
+
+def test_bonus_grows_with_saved_prefill_not_with_fraction() -> None:
+    # a full match of a short prompt saves less than a half match of a long one
+    t, c = table({"short": (0, 0.0), "long": (0, 0.0)})
+    p = KvgatePolicy(epsilon=0)
+    short = p.select(ctx(blocks=4), c[:1], {NodeId("short"): 4}, t, FixedRng(0.9), NOW)
+    long_ = p.select(ctx(blocks=100), c[1:], {NodeId("long"): 50}, t, FixedRng(0.9), NOW)
+    assert short is not None and long_ is not None
+    assert long_.parts["bonus"] > short.parts["bonus"]
+
+
+def test_small_match_loses_to_much_lower_load() -> None:
+    t, c = table({"holder": (30, 0.9), "idle": (0, 0.0)})
+    d = KvgatePolicy(epsilon=0, breaker_open_queue=31).select(
+        ctx(), c, {NodeId("holder"): 4}, t, FixedRng(0.9), NOW
+    )
+    assert d is not None and d.node_id == "idle" and d.reason is RouteReason.LOAD
+
+
+def test_breaker_drops_bonus_with_hysteresis() -> None:
+    p = KvgatePolicy(epsilon=0, breaker_open_queue=24, breaker_close_queue=12)
+    m = {NodeId("a"): 100}
+    t, c = table({"a": (24, 0.2), "b": (10, 0.2)})
+    d = p.select(ctx(), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "b" and d.reason is RouteReason.BREAKER
+    # queue falls to 16: still tripped (above the close threshold)
+    t.report(NodeId("a"), waiting=16, running=4, kv_util=0.2, now=NOW)
+    d = p.select(ctx(), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "b"
+    # queue falls to 12: closed again, the holder wins
+    t.report(NodeId("a"), waiting=12, running=4, kv_util=0.2, now=NOW)
+    d = p.select(ctx(), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "a" and d.reason is RouteReason.CACHE_HIT
+
+
+def test_spread_among_holders_by_load() -> None:
+    t, c = table({"a": (10, 0.5), "b": (2, 0.5), "c": (0, 0.0)})
+    m = {NodeId("a"): 100, NodeId("b"): 100}
+    d = KvgatePolicy(epsilon=0).select(ctx(), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "b" and d.reason is RouteReason.SPREAD
+
+
+def test_exploration_sends_a_hit_to_an_idle_miss() -> None:
+    t, c = table({"a": (3, 0.5), "idle": (0, 0.1), "busy": (5, 0.0)})
+    m = {NodeId("a"): 100}
+    p = KvgatePolicy(epsilon=0.05)
+    d = p.select(ctx(), c, m, t, FixedRng(0.01), NOW)
+    assert d is not None and d.node_id == "idle" and d.reason is RouteReason.EXPLORATION
+    d = p.select(ctx(), c, m, t, FixedRng(0.06), NOW)
+    assert d is not None and d.node_id == "a"
+
+
+def test_exploration_rate_is_about_epsilon() -> None:
+    t, c = table({"a": (3, 0.5), "idle": (0, 0.1)})
+    p = KvgatePolicy(epsilon=0.05)
+    rng = random.Random(5)
+    n = sum(
+        p.select(ctx(), c, {NodeId("a"): 100}, t, rng, NOW).reason is RouteReason.EXPLORATION  # type: ignore[union-attr]
+        for _ in range(4000)
+    )
+    assert 150 < n < 250
+
+
+def test_hot_prefix_gets_a_replica_up_to_the_cap() -> None:
+    t, c = table({"a": (2, 0.2), "b": (0, 0.0), "c": (1, 0.0)})
+    p = KvgatePolicy(epsilon=0, replica_rps=5.0, max_replicas=2)
+    hot = ctx(hot_key=7, hot_blocks=4, hot_rate=6.0)
+    d = p.select(hot, c, {NodeId("a"): 100}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "b" and d.reason is RouteReason.REPLICATION
+    # two holders now serve 10 rps: 6 rps needs no third one
+    d = p.select(hot, c, {NodeId("a"): 100, NodeId("b"): 100}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.reason is not RouteReason.REPLICATION
+    # at the cap no more replicas even when hotter
+    hotter = ctx(hot_key=7, hot_blocks=4, hot_rate=50.0)
+    d = p.select(hotter, c, {NodeId("a"): 100, NodeId("b"): 100}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.reason is not RouteReason.REPLICATION
+
+
+def test_eviction_warning_weight_cuts_the_bonus() -> None:
+    t, c = table({"a": (8, 0.3), "b": (0, 0.0)})
+    d = KvgatePolicy(epsilon=0).select(ctx(), c, {NodeId("a"): 100}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "a"
+    c[0].cache_weight = 0.1
+    d = KvgatePolicy(epsilon=0).select(ctx(), c, {NodeId("a"): 100}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "b"
+
+
+def test_stale_report_counts_as_loaded() -> None:
+    t, c = table({"a": (0, 0.0), "b": (0, 0.0)})
+    t.report(NodeId("a"), waiting=0, running=0, kv_util=0.0, now=NOW - 60)
+    d = KvgatePolicy(epsilon=0).select(ctx(), c, {}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "b"
+
+
+def test_never_picks_a_non_candidate() -> None:
+    t, c = table({"a": (0, 0.0), "b": (9, 0.9)})
+    d = KvgatePolicy(epsilon=1.0).select(ctx(), c[1:], {NodeId("a"): 100}, t, FixedRng(0.0), NOW)
+    assert d is not None and d.node_id == "b"
+    assert KvgatePolicy().select(ctx(), [], {}, t, FixedRng(0.0), NOW) is None
+
+
+def test_bad_config() -> None:
+    with pytest.raises(ConfigError):
+        KvgatePolicy(breaker_open_queue=4, breaker_close_queue=8)
+    with pytest.raises(ConfigError):
+        KvgatePolicy(epsilon=2.0)

@@ -1,0 +1,130 @@
+"""Bulk eviction: announce -> paced BlockRemoved batches -> done; lazy churn says nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.engine import (
+    BlockRemoved,
+    BlockStored,
+    EvictionAnnounced,
+    EvictionConfig,
+    EvictionDone,
+    SimEngine,
+)
+
+A = (101, 102, 103, 104)
+B = (201, 202, 203, 204)
+
+
+def warm(kit, **eviction: float | None) -> SimEngine:  # type: ignore[no-untyped-def]
+    """20 blocks of 4 (batch 1 block, bulk above 2 blocks / s) with chains A and B cached-free."""
+    engine = kit.tiny_engine(num_blocks=20, eviction=EvictionConfig(**eviction))  # type: ignore[arg-type]
+    for name, base in (("a", 100), ("b", 200)):
+        assert engine.submit(kit.req(name, 16, base=base), 0.0).accepted
+        kit.drive(engine, 0.0)
+    assert engine.pool.free_block_ids()[-8:] == [3, 2, 1, 0, 7, 6, 5, 4]
+    engine.take_events()
+    return engine
+
+
+def test_announced_bulk_eviction_is_paced_in_batches(kit) -> None:
+    engine = warm(kit)
+    assert engine.bulk_evict(0.3, 10.0, "flush") == 6
+    # LRU order: A's tail first; prefixes = first chosen block of each affected segment
+    assert engine.take_events() == [
+        EvictionAnnounced(
+            num_blocks=6, prefixes=(101, 203), starts_at=12.0, done_by=14.5, reason="flush"
+        )
+    ]
+    assert engine.next_timer_at() == 12.0
+    assert engine.step(11.9) is None
+    assert engine.take_events() == []  # nothing lost before starts_at
+    removed = []
+    for t in (12.0, 12.5, 13.0, 13.5, 14.0, 14.5):
+        assert engine.step(t) is None  # idle engine: only the timer ran
+        removed.append(engine.take_events())
+    assert removed == [
+        [BlockRemoved(block_hashes=(104,))],
+        [BlockRemoved(block_hashes=(103,))],
+        [BlockRemoved(block_hashes=(102,))],
+        [BlockRemoved(block_hashes=(101,))],
+        [BlockRemoved(block_hashes=(204,))],
+        [BlockRemoved(block_hashes=(203,)), EvictionDone(num_blocks_evicted=6)],
+    ]
+    assert sorted(engine.pool.cached_hashes()) == [201, 202]
+    assert engine.next_timer_at() is None
+
+
+def test_late_step_runs_every_overdue_batch_in_order(kit) -> None:
+    engine = warm(kit)
+    engine.bulk_evict(0.3, 10.0, "flush")
+    engine.take_events()
+    engine.step(13.1)
+    assert engine.take_events() == [BlockRemoved(block_hashes=(h,)) for h in (104, 103, 102)]
+
+
+def test_blocks_in_use_by_then_are_skipped(kit) -> None:
+    engine = warm(kit)
+    engine.bulk_evict(0.3, 10.0, "flush")
+    engine.take_events()
+    # a request reusing chain A arrives before the first batch and keeps running
+    assert engine.submit(kit.req("a2", 16, base=100, max_tokens=20), 11.0).accepted
+    out = engine.step(11.0)
+    assert out is not None and out.num_prefill_tokens == 4  # 3 blocks hit
+    assert engine.take_events() == []  # block 104 recomputed as a duplicate: no event
+    events = []
+    for t in (12.0, 12.5, 13.0, 13.5, 14.0, 14.5):
+        engine.step(t)
+        events.extend(e for e in engine.take_events() if not isinstance(e, BlockStored))
+    assert events == [
+        BlockRemoved(block_hashes=(104,)),  # still cached-free: a2 holds its own copy
+        BlockRemoved(block_hashes=(204,)),
+        BlockRemoved(block_hashes=(203,)),
+        EvictionDone(num_blocks_evicted=3),
+    ]
+    assert {101, 102, 103} <= set(engine.pool.cached_hashes())
+
+
+def test_without_announcement_the_same_blocks_go_at_once(kit) -> None:
+    engine = warm(kit, announce_lead_s=None)
+    assert engine.bulk_evict(0.3, 10.0, "flush") == 6
+    assert engine.take_events() == [BlockRemoved(block_hashes=(104, 103, 102, 101, 204, 203))]
+    assert engine.next_timer_at() is None
+    # evicted blocks are blank now and are reused before the surviving cached ones
+    assert engine.pool.free_block_ids()[:6] == [6, 7, 0, 1, 2, 3]
+
+
+def test_small_trims_are_not_bulk_until_the_window_adds_up(kit) -> None:
+    engine = warm(kit)
+    assert engine.bulk_evict(0.05, 10.0, "trim") == 1  # 1 block <= 10 % of 20
+    assert engine.bulk_evict(0.05, 10.5, "trim") == 1  # 2 blocks within 1 s: still <= 2
+    assert engine.take_events() == [
+        BlockRemoved(block_hashes=(104,)),
+        BlockRemoved(block_hashes=(103,)),
+    ]
+    assert engine.bulk_evict(0.05, 10.9, "trim") == 1  # 3 blocks within 1 s: bulk
+    (announced,) = engine.take_events()
+    assert isinstance(announced, EvictionAnnounced)
+    assert (announced.num_blocks, announced.prefixes, announced.starts_at) == (1, (102,), 12.9)
+    assert engine.bulk_evict(0.05, 20.0, "trim") == 1  # the window has moved on
+    assert engine.take_events() == [BlockRemoved(block_hashes=(101,))]
+
+
+def test_lazy_lru_churn_announces_nothing(kit) -> None:
+    engine = kit.tiny_engine(num_blocks=10)
+    now = 0.0
+    for i in range(30):  # each request evicts the previous ones' cached blocks
+        assert engine.submit(kit.req(f"r{i}", 32, base=1000 * (i + 1)), now).accepted
+        _, now = kit.drive(engine, now)
+    events = engine.take_events()
+    assert sum(isinstance(e, BlockRemoved) for e in events) > 100
+    assert not any(isinstance(e, EvictionAnnounced | EvictionDone) for e in events)
+
+
+def test_nothing_cached_means_nothing_to_evict(kit) -> None:
+    engine = kit.tiny_engine()
+    assert engine.bulk_evict(1.0, 0.0) == 0
+    assert engine.take_events() == []
+    with pytest.raises(ValueError):
+        engine.bulk_evict(0.0, 0.0)

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvgate import __version__
+from kvgate.cli import main
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert __version__ in capsys.readouterr().out
+
+
+def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "demo" in capsys.readouterr().out
+
+
+def test_demo_explains_every_decision() -> None:
+    lines: list[str] = []
+    from kvgate.demo import run_demo
+
+    assert run_demo(lines.append) == 0
+    rows = [ln for ln in lines if ln.strip().startswith(("0.", "1.", "2.", "3."))]
+    assert len(rows) == 9
+    # later turns of a conversation return to the node holding its history
+    assert any("cache_hit" in ln or "spread" in ln for ln in rows)
+    assert lines[-1].startswith("routing reasons:")
+
+
+def test_console_script_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert __version__ in out.stdout
