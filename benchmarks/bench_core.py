@@ -70,17 +70,14 @@ def _populate(
     """
     idx = index.index if isinstance(index, Controller) else index
     queries: list[tuple[tuple[int, ...], int]] = []
-    # a few shared "system prompts" so that holders overlap across prompts
-    systems = [_text(rng, 256 * rng.randint(1, 8)) for _ in range(8)]
     now = 0.0
     for i in range(prompts):
-        head = systems[i % len(systems)] if i % 3 else ""
-        text = head + _text(rng, PROMPT_CHARS - len(head))
+        text = _text(rng, PROMPT_CHARS)
         chain = hasher.chain_for_prompt(text)
         queries.append((chain, hasher.estimate_tokens_prompt(text)))
         kind = i % 10
         if kind == 0:
-            continue  # miss at the first block (unless a shared system prompt is held)
+            continue  # a miss at the first block
         depth = len(chain) if kind == 9 else rng.randint(1, len(chain))
         for node in rng.sample(nodes, rng.randint(1, 16)):
             idx.insert(node, chain[: rng.randint(1, depth)], now)

@@ -23,6 +23,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "and print each decision with its reason and score parts.",
     )
     demo.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
+    from kvgate.commands.simulate import add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 
@@ -33,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvgate.demo import run_demo
 
         return run_demo(seed=args.seed)
+    if args.command == "simulate":
+        from kvgate.commands.simulate import run_simulate
+
+        return run_simulate(args)
     parser.print_help()
     return 0
 

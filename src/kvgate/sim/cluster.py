@@ -23,6 +23,7 @@ a reason, failed with a reason); :meth:`SimCluster.check_outcomes` verifies it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -94,6 +95,8 @@ class _Attempt:
     gateway: int
     node: int
     attempt: int
+    reason: str = ""  # the route reason, for the cache-loss funnel
+    best_real_blocks: int = 0  # longest prefix any live node really held at submit
     first_byte: bool = False
     done: bool = False
 
@@ -163,6 +166,10 @@ class SimCluster:
         self._arrivals_left = len(workload.requests)
         self.hooks: list[tuple[float, Callable[[SimCluster], None]]] = []
         self.max_inflight_total = 0
+        # cache-loss funnel (blocks): why each prompt block was or was not a hit
+        self.funnel: Counter[str] = Counter()
+        self._seen_blocks: set[int] = set()
+        self._ideal: dict[str, int] = {}
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
@@ -174,7 +181,6 @@ class SimCluster:
             loop.at(at, lambda fn=fn: fn(self))
         for g in range(len(self.gateways)):
             loop.at(0.0, lambda g=g: self._tick(g))
-            loop.at(0.0, lambda g=g: self._refresh(g))
         loop.at(0.0, self._report)
         loop.at(0.0, self._health)
         loop.run()
@@ -187,6 +193,14 @@ class SimCluster:
         self._arrivals_left -= 1
         out = RequestOutcome(req=req, gateway=g)
         self.outcomes[req.request_id] = out
+        seen = self._seen_blocks
+        ideal = 0
+        for b in req.block_ids:
+            if b not in seen:
+                break
+            ideal += 1
+        self._ideal[req.request_id] = ideal
+        seen.update(req.block_ids)
         self._open += 1
         ctl = self.gateways[g]
         event = RequestArrived(
@@ -224,27 +238,26 @@ class SimCluster:
         out.attempts = d.attempt
         node_index = int(d.node_id.rsplit("-", 1)[1])
         eid = f"{d.request_id}#{d.attempt}"
-        att = _Attempt(outcome=out, gateway=g, node=node_index, attempt=d.attempt)
+        att = _Attempt(
+            outcome=out, gateway=g, node=node_index, attempt=d.attempt, reason=d.route.reason.value
+        )
         self._attempts[eid] = att
         self.loop.after(self.config.network_delay_s, lambda: self._submit(eid))
         inflight = sum(c.in_flight() for c in self.gateways)
         self.max_inflight_total = max(self.max_inflight_total, inflight)
 
     def _tick(self, g: int) -> None:
-        self._apply(g, self.gateways[g].tick(self.loop.now))
-        if self._busy():
-            self.loop.after(self.config.tick_interval_s, lambda: self._tick(g))
-
-    def _refresh(self, g: int) -> None:
+        """Gateway housekeeping: queue deadlines, lease refresh when due."""
         ctl = self.gateways[g]
         now = self.loop.now
-        if self.coordinator_up:
-            self._apply(g, ctl.refresh_with(self.coordinator, now))
-        else:
-            self._apply(g, ctl.on_refresh_failed(now))
+        if ctl.refresh_due(now):
+            if self.coordinator_up:
+                self._apply(g, ctl.refresh_with(self.coordinator, now))
+            else:
+                self._apply(g, ctl.on_refresh_failed(now))
+        self._apply(g, ctl.tick(now))
         if self._busy():
-            interval = self.config.controller.admission.lease_refresh_s
-            self.loop.after(interval, lambda: self._refresh(g))
+            self.loop.after(self.config.tick_interval_s, lambda: self._tick(g))
 
     def _report(self) -> None:
         delay = self.config.report_delay_s
@@ -285,6 +298,11 @@ class SimCluster:
             return
         req = att.outcome.req
         full = req.prompt_tokens // self.block_tokens
+        hashes = req.block_ids[:full]
+        att.best_real_blocks = max(
+            (len(n.engine.pool.find_prefix(hashes, full)) for n in self.nodes if not n.crashed),
+            default=0,
+        )
         verdict = node.engine.submit(
             EngineRequest(
                 request_id=eid,
@@ -390,6 +408,7 @@ class SimCluster:
         now = self.loop.now
         out.cached_tokens, out.output_tokens, out.finished_s = cached, output, now
         out.node = self.nodes[att.node].node_id
+        self._count_funnel(att, cached // self.block_tokens)
         rid = RequestId(out.req.request_id)
         decisions = self.gateways[att.gateway].on_finished(rid, now, cached_tokens=cached)
         self._end(rid, "completed", "", now)
@@ -408,6 +427,22 @@ class SimCluster:
             rid, kind, self.loop.now, before_first_byte=not att.first_byte
         )
         self._apply(att.gateway, decisions)
+
+    def _count_funnel(self, att: _Attempt, got: int) -> None:
+        req = att.outcome.req
+        total = len(req.block_ids)
+        ideal = min(self._ideal.get(req.request_id, 0), total)
+        best = max(min(att.best_real_blocks, ideal), got)
+        f = self.funnel
+        f["hit"] += got
+        f["never_seen"] += total - ideal
+        f["evicted"] += max(0, ideal - best)
+        away = best - got
+        if away > 0:
+            if att.reason in ("breaker", "exploration", "replication"):
+                f[att.reason] += away
+            else:
+                f["routed_away_by_load"] += away
 
     # ------------------------------------------------------------------ faults (scenarios)
     def crash_node(self, index: int) -> None:

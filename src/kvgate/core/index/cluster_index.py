@@ -44,7 +44,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from itertools import compress, filterfalse, groupby, islice, repeat, takewhile
+from itertools import compress, groupby, islice, repeat, takewhile
 from operator import not_
 from typing import cast
 
@@ -95,6 +95,7 @@ class ClusterIndex:
         self._masks: dict[BlockHash, int] = {}
         self._nodes: dict[NodeId, _Node] = {}
         self._slot_ids: list[NodeId] = []  # slot -> node id (_NO_NODE when free)
+        self._slot_nodes: list[_Node | None] = []  # slot -> node (None when free)
         self._free_slots: list[int] = []  # a heap: lowest free slot first
         # decoding table: _rows[k][byte] = ids of the slots 8k..8k+7 whose bits are in byte
         self._rows: list[list[tuple[NodeId, ...]]] = []
@@ -117,11 +118,14 @@ class ClusterIndex:
         _check_capacity(node_id, capacity_blocks)
         if self._free_slots:
             slot = heapq.heappop(self._free_slots)
-            self._slot_ids[slot] = node_id
         else:
             slot = len(self._slot_ids)
             self._slot_ids.append(node_id)
-        self._nodes[node_id] = _Node(node_id, slot, capacity_blocks)
+            self._slot_nodes.append(None)
+        node = _Node(node_id, slot, capacity_blocks)
+        self._nodes[node_id] = node
+        self._slot_ids[slot] = node_id
+        self._slot_nodes[slot] = node
         self._dirty_rows.add(slot >> 3)
 
     def set_capacity(self, node_id: NodeId, capacity_blocks: int) -> None:
@@ -142,6 +146,7 @@ class ClusterIndex:
         node.alive = False
         del self._nodes[node_id]
         self._slot_ids[node.slot] = _NO_NODE
+        self._slot_nodes[node.slot] = None
         heapq.heappush(self._free_slots, node.slot)
         self._dirty_rows.add(node.slot >> 3)
 
@@ -150,16 +155,8 @@ class ClusterIndex:
         node = self._nodes.get(node_id)
         if node is None:
             return 0
-        masks, bit = self._masks, node.bit
-        for h in node.lru:
-            m = masks[h] ^ bit
-            if m:
-                masks[h] = m
-            else:
-                del masks[h]
         dropped = len(node.lru)
-        node.lru.clear()
-        node.spec.clear()
+        self._drop(node, list(node.lru))
         return dropped
 
     def has_node(self, node_id: NodeId) -> bool:
@@ -194,19 +191,21 @@ class ClusterIndex:
         t = self._clock
         lru, spec, masks, bit = node.lru, node.spec, self._masks, node.bit
         was_empty = not lru
-        # Batched in C: find the new blocks, set their bits, then append / refresh every
-        # block with time t and move it to the end, last block first (root most recent).
-        new = list(filterfalse(lru.__contains__, chain))
+        # Batched in C: append the new blocks / refresh the held ones with time t, last
+        # block first, so the new ones are the tail of lru; set their bits; then, unless
+        # all were new, move every block to the end in that order (root most recent).
         if speculative:
             refreshed = list(filter(spec.__contains__, chain)) if spec else []
         elif spec:
             deque(map(spec.__delitem__, set(filter(spec.__contains__, chain))), 0)  # confirm
-        if new:
-            masks.update(zip(new, map(bit.__or__, map(masks.get, new, repeat(0))), strict=True))
         before = len(lru)
         lru.update(zip(reversed(chain), repeat(t)))
         added = len(lru) - before
-        if added != len(chain):  # some blocks were already held: move them all in order
+        new: list[BlockHash] = []
+        if added:
+            new = list(islice(reversed(lru), added))
+            masks.update(zip(new, map(bit.__or__, map(masks.get, new, repeat(0))), strict=True))
+        if added != len(chain):
             deque(map(lru.move_to_end, reversed(chain)), 0)
         if speculative:
             deadline = t + self._spec_ttl
@@ -233,19 +232,9 @@ class ClusterIndex:
         node = self._nodes.get(node_id)
         if node is None:
             return 0
-        lru, spec, masks, bit = node.lru, node.spec, self._masks, node.bit
-        dropped = 0
-        for h in hashes:
-            if lru.pop(h, None) is not None:
-                m = masks[h] ^ bit
-                if m:
-                    masks[h] = m
-                else:
-                    del masks[h]
-                if spec:
-                    spec.pop(h, None)
-                dropped += 1
-        return dropped
+        held = list(filter(node.lru.__contains__, dict.fromkeys(hashes)))
+        self._drop(node, held)
+        return len(held)
 
     def expire(self, now: float) -> int:
         """Drop every entry past its TTL or speculative deadline at ``now``; returns the count."""
@@ -258,10 +247,15 @@ class ClusterIndex:
         Nodes absent from the result match nothing. One walk over the chain that stops
         at the first block no node holds.
         """
-        if now >= self._next_due:
-            self._expire_due(now)
+        masks = self._masks
+        if now >= self._next_due and chain:
+            # Only nodes holding chain[0] can match; expire just those that have entries
+            # due (a pending heap item <= now). insert and expire do the rest of the work.
+            first = masks.get(chain[0])
+            if first:
+                self._expire_holders(first, now)
         # masks of the chain's blocks up to the first block nobody holds (C-level loop)
-        ml = cast("list[int]", list(takewhile(bool, map(self._masks.get, chain))))
+        ml = cast("list[int]", list(takewhile(bool, map(masks.get, chain))))
         if not ml:
             return {}
         if self._dirty_rows:
@@ -316,16 +310,19 @@ class ClusterIndex:
         return node is not None and block_hash in node.spec
 
     # --- internals --------------------------------------------------------------------
-    def _evict(self, node: _Node, count: int) -> None:
-        """Drop the node's ``count`` least recently used entries (batched in C)."""
+    def _drop(self, node: _Node, victims: list[BlockHash]) -> None:
+        """Remove distinct blocks the node holds, from lru, spec and masks (batched in C)."""
         lru, spec, masks = node.lru, node.spec, self._masks
-        victims = list(islice(lru, count))
         deque(map(lru.__delitem__, victims), 0)
         left = list(map(node.bit.__xor__, map(masks.__getitem__, victims)))
         masks.update(zip(victims, left, strict=True))
         deque(map(masks.__delitem__, compress(victims, map(not_, left))), 0)
         if spec:
-            deque(map(spec.__delitem__, set(filter(spec.__contains__, victims))), 0)
+            deque(map(spec.__delitem__, list(filter(spec.__contains__, victims))), 0)
+
+    def _evict(self, node: _Node, count: int) -> None:
+        """Drop the node's ``count`` least recently used entries."""
+        self._drop(node, list(islice(node.lru, count)))
         self.evicted_capacity += count
 
     def _rebuild_rows(self) -> None:
@@ -363,58 +360,58 @@ class ClusterIndex:
             self._next_due = heap[0][0] if heap else _INF
 
     def _expire_due(self, now: float) -> int:
+        """Process every heap item due at ``now``: afterwards no stored entry is expired."""
         heap = self._heap
         dropped = 0
         while heap and heap[0][0] <= now:
             _due, seq, node = heapq.heappop(heap)
-            if not node.alive or seq != node.sched_seq:
-                continue  # superseded
-            node.sched_seq = -1
-            node.sched_due = _INF
-            dropped += self._expire_node(node, now)
-            due = _INF
-            if self._ttl is not None and node.lru:
-                due = next(iter(node.lru.values())) + self._ttl
-            if node.spec:
-                due = min(due, next(iter(node.spec.values())))
-            if due < _INF:
-                self._schedule(node, due)
+            if node.alive and seq == node.sched_seq:  # else superseded
+                dropped += self._expire_and_reschedule(node, now)
         self._next_due = heap[0][0] if heap else _INF
         return dropped
 
+    def _expire_holders(self, mask: int, now: float) -> None:
+        """Expire the nodes in ``mask`` that have an entry due (match's share of the work)."""
+        by_slot = self._slot_nodes
+        while mask:
+            low = mask & -mask
+            node = by_slot[low.bit_length() - 1]
+            if node is not None and node.sched_due <= now:
+                self._expire_and_reschedule(node, now)
+            mask ^= low
+
+    def _expire_and_reschedule(self, node: _Node, now: float) -> int:
+        node.sched_seq = -1  # its pending item, if any, is now superseded
+        node.sched_due = _INF
+        dropped = self._expire_node(node, now)
+        due = _INF
+        if self._ttl is not None and node.lru:
+            due = next(iter(node.lru.values())) + self._ttl
+        if node.spec:
+            due = min(due, next(iter(node.spec.values())))
+        if due < _INF:
+            self._schedule(node, due)
+        return dropped
+
     def _expire_node(self, node: _Node, now: float) -> int:
-        lru, spec, masks, bit, ttl = node.lru, node.spec, self._masks, node.bit, self._ttl
-        ttl_dropped = 0
-        if ttl is not None:
-            while lru:
-                h, t = next(iter(lru.items()))
+        """Drop the node's expired entries: a prefix of lru (TTL) and of spec (deadline)."""
+        ttl_victims: list[BlockHash] = []
+        if self._ttl is not None:
+            ttl = self._ttl
+            for h, t in node.lru.items():
                 if t + ttl > now:
                     break
-                del lru[h]
-                m = masks[h] ^ bit
-                if m:
-                    masks[h] = m
-                else:
-                    del masks[h]
-                if spec:
-                    spec.pop(h, None)
-                ttl_dropped += 1
-        spec_dropped = 0
-        while spec:
-            h, deadline = next(iter(spec.items()))
+                ttl_victims.append(h)
+            self._drop(node, ttl_victims)
+        spec_victims: list[BlockHash] = []
+        for h, deadline in node.spec.items():
             if deadline > now:
                 break
-            del spec[h]
-            del lru[h]
-            m = masks[h] ^ bit
-            if m:
-                masks[h] = m
-            else:
-                del masks[h]
-            spec_dropped += 1
-        self.expired_ttl += ttl_dropped
-        self.expired_speculative += spec_dropped
-        return ttl_dropped + spec_dropped
+            spec_victims.append(h)
+        self._drop(node, spec_victims)
+        self.expired_ttl += len(ttl_victims)
+        self.expired_speculative += len(spec_victims)
+        return len(ttl_victims) + len(spec_victims)
 
 
 def _decode_into(

@@ -128,13 +128,21 @@ class KvgatePolicy:
         idle_util = float("inf")
         hot_holders = 0
         hot_blocks = ctx.hot_blocks
+        stale_after = nodes.stale_after_s
+        max_queue = self.max_queue
+        idle_queue = self.idle_queue
+        get_match = matches.get
+        # The load rule of NodeTable.queue()/utilisation(), inlined: this loop runs for
+        # every candidate of every request.
         for s in candidates:
+            rt = s.report_time
+            if rt is None or now - rt > stale_after:
+                q, u = s.inflight, 1.0
+            else:
+                q, u = s.reported_waiting + s.sent_since_report, s.kv_util
+            penalty = (q * inv_queue if q < max_queue else 1.0) + util_w * u
             nid = s.spec.node_id
-            q = nodes.queue(s, now)
-            u = nodes.utilisation(s, now)
-            penalty = min(q * inv_queue, 1.0) + util_w * u
-            m = matches.get(nid, 0)
-            bonus = 0.0
+            m = get_match(nid, 0)
             if m:
                 if hot_blocks and m >= hot_blocks:
                     hot_holders += 1
@@ -144,19 +152,25 @@ class KvgatePolicy:
                 elif m == best_match:
                     holders_at_best += 1
                     best_match_tripped = best_match_tripped and tripped
-                if not tripped:
+                if tripped:
+                    score = -w_load * penalty
+                    bonus = 0.0
+                else:
                     saved = min(m * tpb, prompt)
                     bonus = min(saved * inv_prefix, 1.0) * s.cache_weight
+                    score = w_cache * bonus - w_load * penalty
             else:
-                if (penalty, s.slot) < least_key:
+                if penalty < least_key[0] or (penalty == least_key[0] and s.slot < least_key[1]):
                     least, least_key = s, (penalty, s.slot)
-                if q <= self.idle_queue and u < idle_util:
+                if q <= idle_queue and u < idle_util:
                     idle, idle_util = s, u
-            score = w_cache * bonus - w_load * penalty
-            key = (score, -q, -s.slot)
-            if key > best_key:
-                best, best_key = s, key
-                best_bonus, best_penalty, best_queue = bonus, penalty, q
+                score = -w_load * penalty
+                bonus = 0.0
+            if score >= best_key[0]:
+                key = (score, -q, -s.slot)
+                if key > best_key:
+                    best, best_key = s, key
+                    best_bonus, best_penalty, best_queue = bonus, penalty, q
         assert best is not None
         chosen = best
         chosen_match = matches.get(best.spec.node_id, 0)

@@ -1,0 +1,50 @@
+"""Draw a simulation report: TTFT distributions (CDF) and hit ratios per policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _flatten(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    if "policies" in report:
+        return {"": report}
+    if "variants" in report:
+        return dict(report["variants"].items())
+    if "runs" in report:
+        return {f"x{k} sat": v for k, v in report["runs"].items() if "policies" in v}
+    return {}
+
+
+def plot_report(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = _flatten(report)
+    fig, axes = plt.subplots(len(runs) or 1, 2, figsize=(12, 4 * max(1, len(runs))), squeeze=False)
+    for row, (label, rep) in enumerate(runs.items()):
+        ax_t, ax_h = axes[row]
+        names = list(rep["policies"])
+        for name in names:
+            ttfts = sorted(rep["policies"][name].get("ttft_samples_s", []))
+            if ttfts:
+                ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+                ax_t.plot(ttfts, ys, label=name)
+        ax_t.set_xscale("log")
+        ax_t.set_xlabel("TTFT (s)")
+        ax_t.set_ylabel("CDF")
+        ax_t.set_title(f"TTFT {label}".strip())
+        ax_t.legend(fontsize=7)
+        hits = [rep["policies"][n]["hit_ratio"] for n in names]
+        ax_h.bar(range(len(names)), hits)
+        b = rep["bounds"]
+        ax_h.axhline(b["ideal_hit_ratio"], linestyle="--", color="k", label="ideal")
+        ax_h.axhline(b["pooled_lru_hit_ratio"], linestyle=":", color="r", label="pooled LRU")
+        ax_h.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
+        ax_h.set_ylabel("block hit ratio")
+        ax_h.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

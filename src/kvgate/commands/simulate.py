@@ -1,0 +1,302 @@
+"""`kvgate simulate`: compare routing policies on a workload or trace, in virtual time.
+
+This is a shell around the pure simulator: it reads files, seeds the generator,
+reads the wall clock for the speed figure and prints; the simulation itself is
+deterministic (same seed, same report bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvgate.core.admission import AdmissionConfig
+from kvgate.core.config import ControllerConfig
+from kvgate.sim.cluster import ClusterConfig
+from kvgate.sim.report import Slo
+from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
+from kvgate.sim.scenarios import SCENARIOS
+from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_groups, zipf_prefixes
+from kvgate.sim.workload import Workload, load_mooncake_trace, scale_rate
+
+SYNTHETIC = ("gsp", "chat", "agent", "zipf")
+
+
+def add_simulate_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="compare routing policies on a trace or synthetic workload (virtual time)",
+        description="Replay a workload through N simulated nodes and G gateways running "
+        "kvgate's real scheduling core, once per policy, and print a comparison table.",
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace to replay")
+    w.add_argument(
+        "--workload",
+        choices=SYNTHETIC,
+        default="chat",
+        help="synthetic workload when no --trace is given (default chat)",
+    )
+    w.add_argument("--limit", type=int, help="use only the first N trace requests")
+    w.add_argument("--speedup", type=float, default=1.0, help="arrival speed-up factor (1.0)")
+    w.add_argument(
+        "--bucket",
+        choices=("spread", "burst"),
+        default="spread",
+        help="replay a bucketed trace timestamp as a burst or spread to the next (spread)",
+    )
+    w.add_argument("--rate", type=float, default=None, help="synthetic arrival rate (rps)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, default=8)
+    c.add_argument("--gateways", type=int, default=1)
+    c.add_argument("--profile", default="a100-8b", help="engine timing profile (a100-8b)")
+    c.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=1000,
+        help="KV cache per node in blocks of the workload's block size (1000)",
+    )
+    c.add_argument("--node-capacity", type=int, default=64, help="requests per node in C (64)")
+    c.add_argument("--budget", type=int, help="admission budget C (default: nodes x capacity)")
+    c.add_argument("--index-mode", choices=("approximate", "precise"), default="approximate")
+    r = p.add_argument_group("run")
+    r.add_argument(
+        "--policies", default="all", help="comma-separated policy names, or 'all' (default)"
+    )
+    r.add_argument("--scenario", choices=("none", *SCENARIOS), default="none")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--slo-ttft", type=float, default=5.0, help="goodput SLO TTFT, s (5)")
+    r.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO TPOT, s (0.1)")
+    r.add_argument(
+        "--find-saturation",
+        action="store_true",
+        help="find round robin's saturation speed-up first",
+    )
+    r.add_argument(
+        "--at-saturation",
+        default=None,
+        help="comma-separated fractions of round robin's saturation speed-up to run at",
+    )
+    r.add_argument("--json", type=Path, help="write the whole report as JSON")
+    r.add_argument("--plot", type=Path, help="draw TTFT distributions and hit ratios (PNG)")
+    r.add_argument("--no-progress", action="store_true")
+
+
+def _load_workload(args: argparse.Namespace, speedup: float) -> Workload:
+    rng = SeededRng(args.seed)
+    if args.trace is not None:
+        return load_mooncake_trace(
+            args.trace, speedup=speedup, bucket_mode=args.bucket, limit=args.limit
+        )
+    kind = args.workload
+    if kind == "gsp":
+        w = shared_prefix_groups(rng=rng, arrivals=args.rate or 16.0)
+    elif kind == "chat":
+        w = multi_turn_chat(rng=rng, arrivals=args.rate or 0.5)
+    elif kind == "agent":
+        w = agent_loops(rng=rng, arrivals=args.rate or 0.2)
+    else:
+        w = zipf_prefixes(rng=rng, arrivals=args.rate or 4.0)
+    if args.limit:
+        w = replace(w, requests=w.requests[: args.limit])
+    return scale_rate(w, speedup) if speedup != 1.0 else w
+
+
+def _config(args: argparse.Namespace) -> ClusterConfig:
+    budget = args.budget or args.nodes * args.node_capacity
+    ctl = ControllerConfig(
+        hasher="trace",
+        index_mode=args.index_mode,
+        admission=AdmissionConfig(budget=budget),
+    )
+    return ClusterConfig(
+        nodes=args.nodes,
+        gateways=args.gateways,
+        profile=args.profile,
+        cache_blocks=args.cache_blocks,
+        node_capacity=args.node_capacity,
+        controller=ctl,
+    )
+
+
+class Progress:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def __call__(self, label: str) -> None:
+        if self.enabled:
+            dt = time.perf_counter() - self.t0
+            print(f"\r[{dt:6.1f}s] simulating {label:<40}", end="", file=sys.stderr, flush=True)
+        else:
+            print(f"simulating {label}", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr)
+
+
+def keeps_up(rep: dict[str, Any], workload: Workload) -> bool:
+    """Round robin keeps up when it sheds < 1 % and drains within 10 % of the span."""
+    n = len(workload.requests)
+    lost = (rep["rejected"] + rep["failed"]) / max(1, n)
+    arrival_span = max(workload.duration_s, 1e-9)
+    return bool(lost < 0.01 and rep["span_s"] <= 1.1 * arrival_span + 30.0)
+
+
+def find_saturation(args: argparse.Namespace, progress: Progress) -> float:
+    """Bisect (geometrically) the arrival speed-up at which round robin stops keeping up."""
+    cfg = _config(args)
+    lo, hi = 0.25, 16.0
+    for _ in range(7):
+        mid = (lo * hi) ** 0.5
+        progress(f"round_robin saturation probe x{mid:.2f}")
+        w = _load_workload(args, mid)
+        _, rep = run_policy(w, cfg, "round_robin", seed=args.seed)
+        if keeps_up(rep, w):
+            lo = mid
+        else:
+            hi = mid
+    return round(lo, 3)
+
+
+COLUMNS = (
+    ("policy", "{:<18}"),
+    ("completed", "{:>9}"),
+    ("rejected", "{:>8}"),
+    ("failed", "{:>6}"),
+    ("ttft_p50_s", "{:>10.3f}"),
+    ("ttft_p99_s", "{:>10.3f}"),
+    ("ttft_mean_s", "{:>11.3f}"),
+    ("tpot_p99_s", "{:>10.4f}"),
+    ("goodput_rps", "{:>11.3f}"),
+    ("hit_ratio", "{:>9.4f}"),
+    ("load_max_over_mean", "{:>8.3f}"),
+    ("attempts_per_request", "{:>8.3f}"),
+)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    heads = [
+        "policy",
+        "done",
+        "rejected",
+        "failed",
+        "ttft_p50",
+        "ttft_p99",
+        "ttft_mean",
+        "tpot_p99",
+        "goodput",
+        "hit",
+        "ld_max/mean",
+        "attempts",
+    ]
+    widths = [18, 9, 8, 6, 10, 10, 11, 10, 11, 9, 8, 8]
+    lines = [
+        "  ".join(
+            h.rjust(w) if i else h.ljust(w)
+            for i, (h, w) in enumerate(zip(heads, widths, strict=True))
+        )
+    ]
+    for name, rep in report["policies"].items():
+        cells = []
+        for (key, fmt), _w in zip(COLUMNS, widths, strict=True):
+            cells.append(fmt.format(name if key == "policy" else rep[key]))
+        lines.append("  ".join(cells))
+    b = report["bounds"]
+    lines.append(
+        f"bounds: ideal hit ratio {b['ideal_hit_ratio']:.4f}, pooled LRU "
+        f"({b['pooled_lru_capacity_blocks']} blocks) {b['pooled_lru_hit_ratio']:.4f}; "
+        f"{report['requests']} requests, wall {report['wall_s']} s"
+    )
+    return "\n".join(lines)
+
+
+def _run_once(args: argparse.Namespace, speedup: float, progress: Progress) -> dict[str, Any]:
+    base = _load_workload(args, speedup)
+    cfg = _config(args)
+    slo = Slo(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
+    policies = resolve_policies([p.strip() for p in args.policies.split(",") if p.strip()])
+    if args.scenario == "none":
+        rep = compare(
+            base, cfg, policies, seed=args.seed, slo=slo, clock=time.perf_counter, progress=progress
+        )
+        rep["speedup"] = speedup
+        return rep
+    builder = SCENARIOS[args.scenario]
+    out: dict[str, Any] = {"scenario": args.scenario, "speedup": speedup, "variants": {}}
+    variants: dict[str, dict[str, Any]] = {"": {}}
+    if args.scenario == "mass_eviction":
+        variants = {"announced": {"announce": True}, "unannounced": {"announce": False}}
+    elif args.scenario == "tenant_flood":
+        variants = {"flood": {"flood": True}, "no_flood": {"flood": False}}
+    for label, kw in variants.items():
+        plan = builder(base, cfg, SeededRng(args.seed + 1), **kw)
+        rep = compare(
+            plan.workload,
+            plan.config,
+            policies,
+            seed=args.seed,
+            slo=slo,
+            hooks=plan.hooks,
+            clock=time.perf_counter,
+            progress=progress,
+        )
+        if plan.probe is not None:
+            rep["probe"] = {
+                "max_inflight_in_window": plan.probe.max_inflight_in_window,
+                "max_tenant_inflight": dict(sorted(plan.probe.max_tenant_inflight.items())),
+                "budget": plan.probe.budget,
+            }
+        out["variants"][label or args.scenario] = rep
+    return out
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    progress = Progress(not args.no_progress)
+    try:
+        report: dict[str, Any]
+        if args.find_saturation or args.at_saturation:
+            sat = find_saturation(args, progress)
+            report = {"round_robin_saturation_speedup": sat, "runs": {}}
+            fractions = [float(f) for f in (args.at_saturation or "").split(",") if f]
+            for f in fractions:
+                report["runs"][f"{f:g}"] = _run_once(args, f * sat, progress)
+        else:
+            report = _run_once(args, args.speedup, progress)
+    except (OSError, ValueError) as exc:
+        progress.done()
+        print(f"kvgate simulate: {exc}", file=sys.stderr)
+        return 2
+    progress.done()
+    _print(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    if args.plot:
+        from kvgate.commands.sim_plot import plot_report
+
+        plot_report(report, args.plot)
+    return 0
+
+
+def _print(report: dict[str, Any]) -> None:
+    if "round_robin_saturation_speedup" in report:
+        print(f"round robin saturation speed-up: x{report['round_robin_saturation_speedup']}")
+        for frac, rep in report["runs"].items():
+            print(f"\n== {frac} of saturation (speed-up x{rep['speedup']:.3f}) ==")
+            _print(rep)
+        return
+    if "variants" in report:
+        for label, rep in report["variants"].items():
+            print(f"\n== scenario {report['scenario']}: {label} ==")
+            print(format_table(rep))
+        return
+    print(format_table(report))
+
+
+__all__ = ["add_simulate_parser", "run_simulate"]

@@ -1,0 +1,175 @@
+"""Turn a finished simulation into the numbers users compare policies by.
+
+Definitions follow `vllm bench serve` (research/workloads.md section 4):
+TTFT = arrival to first token; TPOT = (E2E - TTFT) / (output - 1); goodput =
+requests per second that met every SLO, counted against *all* offered requests
+(a rejected or failed request is an SLO miss). Hit ratios are block-weighted
+like the trace bounds: cached blocks / prompt blocks (the trace's partial last
+block counts in the denominator, as in the pooled-LRU bound).
+
+Stable JSON keys (documented in the README): ``requests``, ``wall_s``,
+``bounds.ideal_hit_ratio``, ``bounds.pooled_lru_hit_ratio`` and, per policy,
+``ttft_p50_s``, ``ttft_p99_s``, ``ttft_mean_s``, ``hit_ratio``,
+``load_max_over_mean``, ``goodput_rps``, ``completed``, ``rejected``, ``failed``
+plus the other fields built below.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvgate.core.config import PREFIX_BUCKETS, bucket_of
+from kvgate.sim.cluster import RequestOutcome, SimCluster
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Slo:
+    ttft_s: float = 5.0
+    tpot_s: float = 0.1
+
+
+STRICT_SLO = Slo(ttft_s=2.0, tpot_s=0.05)
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default); 0.0 for no values."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _r(x: float, nd: int = 4) -> float:
+    return round(x, nd)
+
+
+def ttft(o: RequestOutcome) -> float | None:
+    if o.status != "completed" or o.first_token_s is None:
+        return None
+    return o.first_token_s - o.req.arrival_s
+
+
+def tpot(o: RequestOutcome) -> float | None:
+    if o.status != "completed" or o.first_token_s is None or o.finished_s is None:
+        return None
+    if o.output_tokens <= 1:
+        return None
+    return (o.finished_s - o.first_token_s) / (o.output_tokens - 1)
+
+
+def meets(o: RequestOutcome, slo: Slo) -> bool:
+    t = ttft(o)
+    if t is None or t > slo.ttft_s:
+        return False
+    p = tpot(o)
+    return p is None or p <= slo.tpot_s
+
+
+def latency_summary(outcomes: Iterable[RequestOutcome]) -> dict[str, float]:
+    outs = list(outcomes)
+    ttfts = [t for o in outs if (t := ttft(o)) is not None]
+    return {
+        "requests": len(outs),
+        "completed": len(ttfts),
+        "ttft_p50_s": _r(pct(ttfts, 0.5)),
+        "ttft_p99_s": _r(pct(ttfts, 0.99)),
+        "ttft_mean_s": _r(_mean(ttfts)),
+    }
+
+
+def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, object]:
+    outs = list(cluster.outcomes.values())
+    done = [o for o in outs if o.status == "completed"]
+    ttfts = [t for o in done if (t := ttft(o)) is not None]
+    tpots = [p for o in done if (p := tpot(o)) is not None]
+    e2es = [o.finished_s - o.req.arrival_s for o in done if o.finished_s is not None]
+    first = min((o.req.arrival_s for o in outs), default=0.0)
+    last = max((o.ended_s or 0.0 for o in outs), default=0.0)
+    span = max(last - first, 1e-9)
+    block = cluster.block_tokens
+
+    # hit ratio, block-weighted, overall and by prompt-length bucket
+    hit_blocks: Counter[str] = Counter()
+    all_blocks: Counter[str] = Counter()
+    for o in done:
+        b = bucket_of(o.req.prompt_tokens)
+        hit_blocks[b] += o.cached_tokens // block
+        all_blocks[b] += len(o.req.block_ids)
+    total_blocks = sum(all_blocks.values())
+    by_bucket = {
+        name: _r(hit_blocks[name] / all_blocks[name]) if all_blocks[name] else None
+        for name, _ in PREFIX_BUCKETS
+    }
+
+    # each node's share of the processed prefill and decode tokens
+    work = [n.prefill_tokens + n.decode_tokens for n in cluster.nodes]
+    mean_work = sum(work) / len(work) if work else 0.0
+    load_max_over_mean = max(work) / mean_work if mean_work else 0.0
+
+    rejects = Counter(o.reason for o in outs if o.status == "rejected")
+    failures = Counter(o.reason for o in outs if o.status == "failed")
+    retries: Counter[str] = Counter()
+    routed: Counter[str] = Counter()
+    for ctl in cluster.gateways:
+        retries.update(ctl.stats.retries)
+        routed.update(ctl.stats.routed)
+    attempts = sum(o.attempts for o in outs)
+    dispatched = sum(1 for o in outs if o.attempts)
+
+    by_priority: dict[str, dict[str, float]] = {}
+    groups: defaultdict[int, list[RequestOutcome]] = defaultdict(list)
+    for o in outs:
+        groups[o.req.priority].append(o)
+    for p in sorted(groups):
+        by_priority[f"P{p}"] = latency_summary(groups[p])
+    tenants: defaultdict[str, list[RequestOutcome]] = defaultdict(list)
+    for o in outs:
+        tenants[o.req.tenant].append(o)
+    by_tenant = {t: latency_summary(tenants[t]) for t in sorted(tenants)}
+
+    out_tokens = sum(o.output_tokens for o in done)
+    return {
+        "completed": len(done),
+        "rejected": sum(1 for o in outs if o.status == "rejected"),
+        "failed": sum(1 for o in outs if o.status == "failed"),
+        "ttft_p50_s": _r(pct(ttfts, 0.5)),
+        "ttft_p90_s": _r(pct(ttfts, 0.9)),
+        "ttft_p99_s": _r(pct(ttfts, 0.99)),
+        "ttft_mean_s": _r(_mean(ttfts)),
+        "tpot_p50_s": _r(pct(tpots, 0.5), 5),
+        "tpot_p99_s": _r(pct(tpots, 0.99), 5),
+        "e2e_p50_s": _r(pct(e2es, 0.5)),
+        "e2e_p99_s": _r(pct(e2es, 0.99)),
+        "throughput_rps": _r(len(done) / span),
+        "output_tokens_per_s": _r(out_tokens / span, 1),
+        "goodput_rps": _r(sum(1 for o in outs if meets(o, slo)) / span),
+        "goodput_strict_rps": _r(sum(1 for o in outs if meets(o, STRICT_SLO)) / span),
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "hit_ratio": _r(sum(hit_blocks.values()) / total_blocks) if total_blocks else 0.0,
+        "hit_ratio_by_bucket": by_bucket,
+        "cache_loss_funnel": dict(sorted(cluster.funnel.items())),
+        "load_max_over_mean": _r(load_max_over_mean),
+        "node_work_tokens": work,
+        "rejects_by_reason": dict(sorted(rejects.items())),
+        "failures_by_reason": dict(sorted(failures.items())),
+        "retries_by_reason": dict(sorted(retries.items())),
+        "routing_reasons": dict(sorted(routed.items())),
+        "attempts_per_request": _r(attempts / dispatched) if dispatched else 0.0,
+        "max_inflight": cluster.max_inflight_total,
+        "by_priority": by_priority,
+        "by_tenant": by_tenant,
+        "span_s": _r(span, 2),
+        "wall_s": _r(wall_s, 2),
+        "sim_requests_per_wall_s": _r(len(outs) / wall_s, 1) if wall_s else 0.0,
+        # a thinned sample (at most 500 points) of the TTFT distribution, for plots
+        "ttft_samples_s": [_r(t) for t in sorted(ttfts)[:: max(1, len(ttfts) // 500)]],
+    }

@@ -1,0 +1,199 @@
+"""The design brief's gray scenarios, each with written pass criteria.
+
+A scenario turns a base workload and cluster into what it runs (a changed
+workload, config and timed hooks) and, after the run, checks its criteria
+against the report. Criteria (issue "Simulator"):
+
+* ``p2_flood``: a P2 flood at 10x while P0 stays steady; P0 TTFT p99 stays
+  within its SLO (5 s by default).
+* ``nodes_fail``: 30 % of nodes fail at 30 % of the run and come back at 60 %;
+  attempts per request <= 1.2; nothing lost.
+* ``coordinator_down``: the coordinator is unreachable from 30 % to 60 % of the
+  run; P0 keeps >= 90 % of its admit rate (share of offered P0 requests admitted
+  during the outage against before it) and the sum of in-flight requests never
+  exceeds the budget C (the safe limit is C / gateways per gateway).
+* ``mass_eviction``: the node holding the most cached blocks drops 90 % of them
+  at 40 % of the run, while its prefixes are hot; run with and without the
+  pre-announcement, the report shows TTFT p99 and hit ratio of both.
+* ``tenant_flood``: one tenant floods at 10x its share; it never holds more than
+  its quota in flight, and the other tenants' TTFT p99 moves by < 20 % against
+  the same run without the flood.
+* ``traffic_double``: traffic doubles from 30 % to 50 % of the run; nothing lost
+  (every request ends with exactly one outcome).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from kvgate.core.admission import AdmissionConfig, Priority
+from kvgate.core.ids import TenantId
+from kvgate.core.rng import Rng
+from kvgate.sim.cluster import ClusterConfig, SimCluster
+from kvgate.sim.runner import Hook
+from kvgate.sim.workload import (
+    Workload,
+    assign_classes,
+    concat,
+    merge,
+    scale_rate,
+    time_window,
+    with_priority,
+    with_tenant,
+)
+
+
+def at_rate(base: Workload, factor: float) -> Workload:
+    """``base``'s traffic at ``factor`` times its rate over the same duration.
+
+    Copies of the rate-scaled workload are laid end to end (each with its own block
+    ids, so the copies are new prompts, not repeats) and cut to the base's duration.
+    """
+    d = base.duration_s
+    scaled = scale_rate(base, factor)
+    copies = max(1, -(-int(factor * 1000) // 1000))
+    joined = concat(*([scaled] * copies)) if copies > 1 else scaled
+    return time_window(joined, 0.0, d, rebase=False)
+
+
+@dataclass(slots=True)
+class Probe:
+    """Samples taken during a run (for criteria no report field covers)."""
+
+    max_inflight_in_window: int = 0
+    max_tenant_inflight: dict[str, int] = field(default_factory=dict)
+    budget: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    workload: Workload
+    config: ClusterConfig
+    hooks: tuple[tuple[float, Hook], ...] = ()
+    probe: Probe | None = None
+
+
+def _sampler(probe: Probe, start: float, end: float, every: float = 0.05) -> Hook:
+    def sample(c: SimCluster) -> None:
+        now = c.loop.now
+        if now > end:
+            return
+        total = sum(g.in_flight() for g in c.gateways)
+        if now >= start:
+            probe.max_inflight_in_window = max(probe.max_inflight_in_window, total)
+        for g in c.gateways:
+            for t, n in g.admission.stats().tenant_inflight.items():
+                if n > probe.max_tenant_inflight.get(t, 0):
+                    probe.max_tenant_inflight[t] = n
+        c.loop.after(every, lambda: sample(c))
+
+    return sample
+
+
+def p2_flood(base: Workload, config: ClusterConfig, rng: Rng, *, factor: float = 10.0) -> Plan:
+    p0 = with_priority(base, int(Priority.P0))
+    flood = with_priority(at_rate(base, factor), int(Priority.P2))
+    return Plan(workload=merge(p0, flood, name=f"{base.name}+p2x{factor:g}"), config=config)
+
+
+def nodes_fail(base: Workload, config: ClusterConfig, rng: Rng, *, fraction: float = 0.3) -> Plan:
+    d = base.duration_s
+    k = max(1, round(config.nodes * fraction))
+
+    def down(c: SimCluster) -> None:
+        for i in range(k):
+            c.crash_node(i)
+
+    def up(c: SimCluster) -> None:
+        for i in range(k):
+            c.recover_node(i)
+
+    return Plan(workload=base, config=config, hooks=((0.3 * d, down), (0.6 * d, up)))
+
+
+def coordinator_down(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
+    d = base.duration_s
+    start, end = 0.3 * d, 0.6 * d
+    probe = Probe(budget=config.controller.admission.budget)
+
+    def cut(c: SimCluster) -> None:
+        c.coordinator_up = False
+
+    def heal(c: SimCluster) -> None:
+        c.coordinator_up = True
+
+    wl = assign_classes(base, tenants={}, priorities={0: 0.3, 1: 0.5, 2: 0.2}, rng=rng)
+    return Plan(
+        workload=wl,
+        config=config,
+        hooks=((start, cut), (end, heal), (0.0, _sampler(probe, start, end))),
+        probe=probe,
+    )
+
+
+def mass_eviction(
+    base: Workload, config: ClusterConfig, rng: Rng, *, announce: bool = True
+) -> Plan:
+    at = 0.4 * base.duration_s
+
+    def evict(c: SimCluster) -> None:
+        node = max(c.nodes, key=lambda n: (n.engine.pool.num_cached_blocks, -n.index))
+        node.engine.bulk_evict(0.9, c.loop.now, "memory-pressure purge")
+        c._kick(node)
+
+    ev = config.eviction if announce else replace(config.eviction, announce_lead_s=None)
+    return Plan(workload=base, config=replace(config, eviction=ev), hooks=((at, evict),))
+
+
+def tenant_flood(
+    base: Workload,
+    config: ClusterConfig,
+    rng: Rng,
+    *,
+    factor: float = 10.0,
+    quota: int = 16,
+    flood: bool = True,
+) -> Plan:
+    tenants = {"alpha": 1.0, "beta": 1.0, "gamma": 1.0}
+    wl = assign_classes(base, tenants=tenants, priorities={}, rng=rng)
+    quotas = {TenantId(t): 10_000 for t in tenants} | {TenantId("flood"): quota}
+    adm: AdmissionConfig = replace(config.controller.admission, tenant_quotas=quotas)
+    cfg = replace(config, controller=replace(config.controller, admission=adm))
+    if flood:
+        extra = with_tenant(at_rate(base, factor / len(tenants)), "flood")
+        wl = merge(wl, extra, name=f"{base.name}+flood")
+    probe = Probe(budget=quota)
+    return Plan(workload=wl, config=cfg, hooks=((0.0, _sampler(probe, 0.0, 1e18)),), probe=probe)
+
+
+def traffic_double(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
+    d = base.duration_s
+    extra = time_window(base, 0.3 * d, 0.5 * d, rebase=False)
+    return Plan(workload=merge(base, extra, name=f"{base.name}+double"), config=config)
+
+
+Builder = Callable[..., Plan]
+SCENARIOS: dict[str, Builder] = {
+    "p2_flood": p2_flood,
+    "nodes_fail": nodes_fail,
+    "coordinator_down": coordinator_down,
+    "mass_eviction": mass_eviction,
+    "tenant_flood": tenant_flood,
+    "traffic_double": traffic_double,
+}
+
+
+def p0_admit_shares(c: SimCluster, start: float, end: float) -> tuple[float, float]:
+    """Share of offered P0 requests admitted (not rejected) before and during a window."""
+
+    def share(lo: float, hi: float) -> float:
+        offered = [
+            o for o in c.outcomes.values() if o.req.priority == 0 and lo <= o.req.arrival_s < hi
+        ]
+        if not offered:
+            return 1.0
+        admitted = sum(1 for o in offered if o.status != "rejected")
+        return admitted / len(offered)
+
+    return share(0.0, start), share(start, end)
