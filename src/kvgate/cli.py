@@ -24,8 +24,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
     from kvgate.commands.simulate import add_simulate_parser
+    from kvgate.engine.server import add_engine_parser
+    from kvgate.gateway.serve import add_serve_parser
+    from kvgate.loadgen.cli import add_bench_parser
 
+    add_serve_parser(sub)
     add_simulate_parser(sub)
+    add_engine_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -40,6 +46,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvgate.commands.simulate import run_simulate
 
         return run_simulate(args)
+    if args.command == "serve":
+        from kvgate.gateway.serve import run_serve
+
+        return run_serve(args)
+    if args.command == "engine":
+        from kvgate.engine.server import run_engine
+
+        return run_engine(args)
+    if args.command == "bench":
+        from kvgate.loadgen.cli import run_bench
+
+        return run_bench(args)
     parser.print_help()
     return 0
 

@@ -71,13 +71,20 @@ def test_chained_hashes_follow_token_content() -> None:
 
 
 def test_block_ids_do_not_depend_on_pythonhashseed() -> None:
-    code = ("import random; from kvgate.sim.synthetic import multi_turn_chat as m; "
-            "w = m(rng=random.Random(3), num_sessions=20); "
-            "print(hash(tuple(b for r in w.requests for b in r.block_ids)), "
-            "[r.request_id for r in w.requests][-1])")
+    code = (
+        "import random; from kvgate.sim.synthetic import multi_turn_chat as m; "
+        "w = m(rng=random.Random(3), num_sessions=20); "
+        "print(hash(tuple(b for r in w.requests for b in r.block_ids)), "
+        "[r.request_id for r in w.requests][-1])"
+    )
     outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
         for seed in ("1", "2")
     }
     assert len(outs) == 1
@@ -222,8 +229,12 @@ def test_generator_rate_follows_arrivals() -> None:
 
 def test_class_shares_on_sessions() -> None:
     w = multi_turn_chat(rng=random.Random(8), num_sessions=600)
-    a = assign_classes(w, tenants={"t1": 0.5, "t2": 0.3, "t3": 0.2},
-                       priorities={0: 0.1, 1: 0.6, 2: 0.3}, rng=random.Random(9))
+    a = assign_classes(
+        w,
+        tenants={"t1": 0.5, "t2": 0.3, "t3": 0.2},
+        priorities={0: 0.1, 1: 0.6, 2: 0.3},
+        rng=random.Random(9),
+    )
     per_session: dict[str | None, tuple[str, int]] = {}
     for r in a.requests:
         assert per_session.setdefault(r.session, (r.tenant, r.priority)) == (r.tenant, r.priority)

@@ -31,8 +31,7 @@ needs_trace = pytest.mark.skipif(not CONVERSATION.is_file(), reason="shared/trac
 
 
 def _line(ts: float, inp: int, out: int, ids: list[int]) -> str:
-    return json.dumps({"timestamp": ts, "input_length": inp, "output_length": out,
-                       "hash_ids": ids})
+    return json.dumps({"timestamp": ts, "input_length": inp, "output_length": out, "hash_ids": ids})
 
 
 def _write(tmp_path: Path, lines: list[str]) -> Path:
@@ -52,8 +51,14 @@ TINY = [
 
 
 def _req(rid: str, t: float, ids: tuple[int, ...], **kw: object) -> SimRequest:
-    return SimRequest(request_id=rid, arrival_s=t, prompt_tokens=512 * len(ids),
-                      output_tokens=1, block_ids=ids, **kw)  # type: ignore[arg-type]
+    return SimRequest(
+        request_id=rid,
+        arrival_s=t,
+        prompt_tokens=512 * len(ids),
+        output_tokens=1,
+        block_ids=ids,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 # --- loading ---------------------------------------------------------------------------
@@ -80,8 +85,7 @@ def test_speedup_and_limit(tmp_path: Path) -> None:
     w = load_mooncake_trace(p, speedup=2.0, bucket_mode="burst", limit=4)
     assert [r.arrival_s for r in w.requests] == [0, 0, 0, 1.5]
     spread = load_mooncake_trace(p, speedup=3.0)
-    assert [r.arrival_s for r in spread.requests] == pytest.approx(
-        [0, 1 / 3, 2 / 3, 1, 2, 2.5])
+    assert [r.arrival_s for r in spread.requests] == pytest.approx([0, 1 / 3, 2 / 3, 1, 2, 2.5])
 
 
 def test_jittered_spread_stays_in_bucket_and_is_seeded(tmp_path: Path) -> None:
@@ -107,12 +111,20 @@ def test_unsorted_file_is_sorted_stably(tmp_path: Path) -> None:
         ("[1, 2]", "expected a JSON object"),
         (json.dumps({"input_length": 10, "output_length": 1, "hash_ids": [1]}), "timestamp"),
         (_line(0, -5, 1, []), "input_length"),
-        (json.dumps({"timestamp": 0, "input_length": 1.5, "output_length": 1,
-                     "hash_ids": [1]}), "input_length"),
-        (json.dumps({"timestamp": 0, "input_length": 10, "output_length": True,
-                     "hash_ids": [1]}), "output_length"),
-        (json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1,
-                     "hash_ids": ["a"]}), "hash_ids"),
+        (
+            json.dumps({"timestamp": 0, "input_length": 1.5, "output_length": 1, "hash_ids": [1]}),
+            "input_length",
+        ),
+        (
+            json.dumps(
+                {"timestamp": 0, "input_length": 10, "output_length": True, "hash_ids": [1]}
+            ),
+            "output_length",
+        ),
+        (
+            json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}),
+            "hash_ids",
+        ),
         (_line(0, 1025, 1, [1, 2]), "ceil"),
     ],
 )
@@ -144,8 +156,11 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_workload_sorts_stably_and_rejects_duplicates() -> None:
-    w = Workload(name="w", block_tokens=512, requests=(
-        _req("a", 2.0, (1,)), _req("b", 1.0, (2,)), _req("c", 1.0, (3,))))
+    w = Workload(
+        name="w",
+        block_tokens=512,
+        requests=(_req("a", 2.0, (1,)), _req("b", 1.0, (2,)), _req("c", 1.0, (3,))),
+    )
     assert [r.request_id for r in w.requests] == ["b", "c", "a"]
     assert w.duration_s == 1.0
     with pytest.raises(ValueError, match="duplicate"):
@@ -164,16 +179,21 @@ def test_describe_tiny(tmp_path: Path) -> None:
 
 
 def test_pooled_lru_prefix_only_and_last_to_first() -> None:
-    w = Workload(name="w", block_tokens=512, requests=(
-        _req("a", 0, (1, 2, 3)),
-        _req("b", 1, (4, 5)),   # capacity 4: evicts 3 (inserted first => LRU), keeps root 1
-        _req("c", 2, (1, 2, 3)),  # hits 1, 2 (prefix), misses 3
-    ))
+    w = Workload(
+        name="w",
+        block_tokens=512,
+        requests=(
+            _req("a", 0, (1, 2, 3)),
+            _req("b", 1, (4, 5)),  # capacity 4: evicts 3 (inserted first => LRU), keeps root 1
+            _req("c", 2, (1, 2, 3)),  # hits 1, 2 (prefix), misses 3
+        ),
+    )
     assert pooled_lru_hit_ratio(w, 4) == pytest.approx(2 / 8)
     assert pooled_lru_hit_ratio(w, 0) == 0.0
     assert pooled_lru_hit_ratio(w, 100) == pytest.approx(3 / 8) == ideal_hit_ratio(w)
-    gap = Workload(name="w", block_tokens=512, requests=(
-        _req("a", 0, (1, 2)), _req("b", 1, (9, 2))))  # 2 cached but not a prefix
+    gap = Workload(
+        name="w", block_tokens=512, requests=(_req("a", 0, (1, 2)), _req("b", 1, (9, 2)))
+    )  # 2 cached but not a prefix
     assert pooled_lru_hit_ratio(gap, 10) == 0.0
 
 
@@ -217,14 +237,19 @@ def _stream(name: str, n: int, rate: float, session_every: int = 0) -> Workload:
 
 def test_assign_classes_shares_and_sessions() -> None:
     w = _stream("w", 4000, 10.0)
-    a = assign_classes(w, tenants={"a": 3, "b": 1}, priorities={0: 0.2, 2: 0.8},
-                       rng=random.Random(7))
+    a = assign_classes(
+        w, tenants={"a": 3, "b": 1}, priorities={0: 0.2, 2: 0.8}, rng=random.Random(7)
+    )
     share_a = sum(r.tenant == "a" for r in a.requests) / 4000
     share_p0 = sum(r.priority == 0 for r in a.requests) / 4000
     assert abs(share_a - 0.75) < 0.03 and abs(share_p0 - 0.2) < 0.03
     assert {r.priority for r in a.requests} == {0, 2}
-    s = assign_classes(_stream("s", 600, 10.0, session_every=6), tenants={"a": 1, "b": 1},
-                       priorities={1: 1}, rng=random.Random(1))
+    s = assign_classes(
+        _stream("s", 600, 10.0, session_every=6),
+        tenants={"a": 1, "b": 1},
+        priorities={1: 1},
+        rng=random.Random(1),
+    )
     by_session: dict[str | None, set[str]] = {}
     for r in s.requests:
         by_session.setdefault(r.session, set()).add(r.tenant)

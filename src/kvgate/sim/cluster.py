@@ -174,18 +174,20 @@ class SimCluster:
     # ------------------------------------------------------------------ running
     def run(self) -> None:
         loop = self.loop
+        # Housekeeping first, so that at t=0 the gateways already hold a lease and the
+        # first load reports are on their way before the first arrival.
+        loop.at(0.0, self._report)
+        for g in range(len(self.gateways)):
+            loop.at(0.0, lambda g=g: self._tick(g))
+        loop.at(0.0, self._health)
+        for at, fn in self.hooks:
+            loop.at(at, lambda fn=fn: fn(self))
         for i, req in enumerate(self.workload.requests):
             g = i % len(self.gateways)
             loop.at(req.arrival_s, lambda r=req, g=g: self._arrive(r, g))
-        for at, fn in self.hooks:
-            loop.at(at, lambda fn=fn: fn(self))
-        for g in range(len(self.gateways)):
-            loop.at(0.0, lambda g=g: self._tick(g))
-        loop.at(0.0, self._report)
-        loop.at(0.0, self._health)
         loop.run()
 
-    def _busy(self) -> bool:
+    def busy(self) -> bool:
         return self._open > 0 or self._arrivals_left > 0
 
     # ------------------------------------------------------------------ gateways
@@ -256,7 +258,7 @@ class SimCluster:
             else:
                 self._apply(g, ctl.on_refresh_failed(now))
         self._apply(g, ctl.tick(now))
-        if self._busy():
+        if self.busy():
             self.loop.after(self.config.tick_interval_s, lambda: self._tick(g))
 
     def _report(self) -> None:
@@ -267,10 +269,11 @@ class SimCluster:
             m = n.engine.metrics()
             snap = (m.num_requests_waiting, m.num_requests_running, m.kv_cache_usage_perc)
             self.loop.after(delay, lambda n=n, s=snap: self._deliver_report(n, s))
-        if self._busy():
+        if self.busy():
             self.loop.after(self.config.report_interval_s, self._report)
 
     def _deliver_report(self, n: SimNode, snap: tuple[int, int, float]) -> None:
+        # the report reaches every gateway report_delay_s after it was taken
         now = self.loop.now
         for ctl in self.gateways:
             ctl.on_load_report(
@@ -285,7 +288,7 @@ class SimCluster:
                 if state is not None and state.healthy == n.crashed:
                     ctl.set_healthy(n.node_id, not n.crashed, now)
             self._apply(g, ctl.tick(now))
-        if self._busy():
+        if self.busy():
             self.loop.after(self.config.health_interval_s, self._health)
 
     # ------------------------------------------------------------------ nodes

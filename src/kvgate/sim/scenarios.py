@@ -77,7 +77,7 @@ class Plan:
 def _sampler(probe: Probe, start: float, end: float, every: float = 0.05) -> Hook:
     def sample(c: SimCluster) -> None:
         now = c.loop.now
-        if now > end:
+        if now > end or not c.busy():
             return
         total = sum(g.in_flight() for g in c.gateways)
         if now >= start:
@@ -152,7 +152,7 @@ def tenant_flood(
     rng: Rng,
     *,
     factor: float = 10.0,
-    quota: int = 16,
+    quota: int = 4,
     flood: bool = True,
 ) -> Plan:
     tenants = {"alpha": 1.0, "beta": 1.0, "gamma": 1.0}

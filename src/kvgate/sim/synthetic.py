@@ -139,8 +139,9 @@ def multi_turn_chat(
         for k in range(n_turns):
             context.append(Segment(segment_key(name, s, "user", k), _span(rng, user_tokens)))
             out = _span(rng, output_tokens)
-            drafts.append(Draft(arrival_s=t, segments=tuple(context), output_tokens=out,
-                                session=session))
+            drafts.append(
+                Draft(arrival_s=t, segments=tuple(context), output_tokens=out, session=session)
+            )
             context.append(Segment(segment_key(name, s, "assistant", k), out))
             if k + 1 < n_turns:
                 t += exponential(rng, think_time_s)
@@ -173,23 +174,28 @@ def agent_loops(
     if num_tasks < 0 or agent_types < 1:
         raise ValueError("need num_tasks >= 0 and agent_types >= 1")
     starts = as_arrivals(arrivals).times(num_tasks, rng)
-    prefixes = [Segment(segment_key(name, "tools", a), tool_prefix_tokens)
-                for a in range(agent_types)]
+    prefixes = [
+        Segment(segment_key(name, "tools", a), tool_prefix_tokens) for a in range(agent_types)
+    ]
     drafts: list[Draft] = []
     for i, start in enumerate(starts):
         session = f"{name}-t{i}"
-        context = [prefixes[pick_index(rng, agent_types)],
-                   Segment(segment_key(name, i, "task"), _span(rng, task_tokens))]
+        context = [
+            prefixes[pick_index(rng, agent_types)],
+            Segment(segment_key(name, i, "task"), _span(rng, task_tokens)),
+        ]
         t = start
         n_steps = _span(rng, steps)
         for k in range(n_steps):
             out = _span(rng, output_tokens)
-            drafts.append(Draft(arrival_s=t, segments=tuple(context), output_tokens=out,
-                                session=session))
+            drafts.append(
+                Draft(arrival_s=t, segments=tuple(context), output_tokens=out, session=session)
+            )
             if k + 1 < n_steps:
                 context.append(Segment(segment_key(name, i, "call", k), out))
-                context.append(Segment(segment_key(name, i, "result", k),
-                                       _span(rng, tool_output_tokens)))
+                context.append(
+                    Segment(segment_key(name, i, "result", k), _span(rng, tool_output_tokens))
+                )
                 t += uniform(rng, step_gap_s[0], step_gap_s[1])
     return build_workload(name, block_tokens, drafts)
 
@@ -213,8 +219,10 @@ def zipf_prefixes(
     if num_requests < 0:
         raise ValueError("num_requests must be >= 0")
     popularity = zipf(num_documents, zipf_s)
-    docs = [Segment(segment_key(name, "doc", d), _span(rng, document_tokens))
-            for d in range(num_documents)]
+    docs = [
+        Segment(segment_key(name, "doc", d), _span(rng, document_tokens))
+        for d in range(num_documents)
+    ]
     times = as_arrivals(arrivals).times(num_requests, rng)
     drafts = []
     for i, t in enumerate(times):

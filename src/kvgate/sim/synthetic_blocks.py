@@ -88,8 +88,7 @@ def build_workload(name: str, block_tokens: int, drafts: Sequence[Draft]) -> Wor
     for pos, k in enumerate(order):
         d = drafts[k]
         ids = tuple(
-            remap.setdefault(h, len(remap))
-            for h in chained_block_hashes(d.segments, block_tokens)
+            remap.setdefault(h, len(remap)) for h in chained_block_hashes(d.segments, block_tokens)
         )
         reqs.append(
             SimRequest(

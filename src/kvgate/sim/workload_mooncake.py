@@ -63,9 +63,7 @@ def _parse_line(
     inp = _int_field(obj, "input_length", path, lineno)
     out = _int_field(obj, "output_length", path, lineno)
     raw = obj.get("hash_ids")
-    if not isinstance(raw, list) or any(
-        isinstance(h, bool) or not isinstance(h, int) for h in raw
-    ):
+    if not isinstance(raw, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in raw):
         raise _fail(path, lineno, "'hash_ids' must be a list of integers")
     want = -(-inp // block_tokens)
     if strict and len(raw) != want:
@@ -84,9 +82,7 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
-def _arrivals(
-    stamps_s: list[float], mode: BucketMode, rng: Rng | None
-) -> list[float]:
+def _arrivals(stamps_s: list[float], mode: BucketMode, rng: Rng | None) -> list[float]:
     """Arrival times for requests already sorted (stably) by timestamp."""
     if mode == "burst" or not stamps_s:
         return list(stamps_s)
@@ -96,8 +92,10 @@ def _arrivals(
             distinct.append(t)
     gaps = [b - a for a, b in pairwise(distinct)]
     last_gap = _median(gaps) if gaps else 0.0
-    next_of = {t: (distinct[i + 1] - t if i + 1 < len(distinct) else last_gap)
-               for i, t in enumerate(distinct)}
+    next_of = {
+        t: (distinct[i + 1] - t if i + 1 < len(distinct) else last_gap)
+        for i, t in enumerate(distinct)
+    }
     out: list[float] = []
     i = 0
     while i < len(stamps_s):
@@ -164,5 +162,6 @@ def load_mooncake_trace(
         )
         for k, t in zip(order, arrivals, strict=True)
     )
-    return Workload(name=name if name is not None else p.stem, block_tokens=block_tokens,
-                    requests=requests)
+    return Workload(
+        name=name if name is not None else p.stem, block_tokens=block_tokens, requests=requests
+    )

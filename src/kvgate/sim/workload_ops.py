@@ -92,14 +92,14 @@ def time_window(
 
 def with_priority(workload: Workload, priority: int) -> Workload:
     """Every request gets priority class ``priority`` (0 = P0 .. 2 = P2)."""
-    return replace(workload, requests=tuple(replace(r, priority=priority)
-                                            for r in workload.requests))
+    return replace(
+        workload, requests=tuple(replace(r, priority=priority) for r in workload.requests)
+    )
 
 
 def with_tenant(workload: Workload, tenant: str) -> Workload:
     """Every request belongs to ``tenant``."""
-    return replace(workload, requests=tuple(replace(r, tenant=tenant)
-                                            for r in workload.requests))
+    return replace(workload, requests=tuple(replace(r, tenant=tenant) for r in workload.requests))
 
 
 def _prefixes(workloads: Sequence[Workload]) -> list[str]:

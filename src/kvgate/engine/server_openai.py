@@ -1,0 +1,232 @@
+"""Response bodies of the simulated engine's HTTP shell, in vLLM's shapes (pure).
+
+Completions stream ``object: "text_completion"`` chunks with ``choices[0].text``;
+chat streams ``object: "chat.completion.chunk"`` chunks, the first one with
+``delta.role``, then ``delta.content``. The chunk of the last token carries
+``finish_reason: "length"`` (the simulated engine always generates exactly
+``max_tokens`` tokens). ``usage`` follows vLLM with
+``--enable-prompt-tokens-details``: ``prompt_tokens_details.cached_tokens`` is
+the engine's prefix-cache hit (in tokens) at the request's first scheduling.
+
+:func:`render_metrics` writes the Prometheus text exposition with vLLM's metric
+names and labels (``model_name``, ``engine``), research/engine-integration.md
+4.1, plus a few ``kvgate:`` counters vLLM has no name for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from kvgate.engine.api import EngineMetrics, FinishedRequest
+from kvgate.engine.server_tokens import PromptTokenizer, SimTokens
+from kvgate.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    InvalidValueError,
+    ProtocolError,
+    not_found_body,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+__all__ = [
+    "GenerateInput",
+    "ModelNotFoundError",
+    "ResponseShape",
+    "models_body",
+    "parse_generate",
+    "render_metrics",
+    "usage_body",
+]
+
+Kind = Literal["completion", "chat"]
+FINISH_REASON: Final = "length"
+
+
+class ModelNotFoundError(ProtocolError):
+    http_status = 404
+
+    def body(self) -> dict[str, Any]:
+        return not_found_body(self.message)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateInput:
+    """A validated generation request, tokenized, with its output length settled."""
+
+    request: CompletionRequest | ChatRequest
+    tokens: SimTokens
+    max_tokens: int
+
+
+def parse_generate(kind: Kind, body: bytes, *, tokens: PromptTokenizer, model: str,
+                   max_model_len: int, default_max_tokens: int,
+                   max_body_bytes: int) -> GenerateInput:
+    """Parse and tokenize a ``/v1/completions`` or ``/v1/chat/completions`` body.
+
+    ``max_tokens`` absent: ``default_max_tokens`` (vLLM's 16 for completions;
+    kvgate's 256 for chat, where vLLM would use the rest of the context),
+    clamped to what ``max_model_len`` leaves after the prompt. Raises a
+    ProtocolError (400; 404 :class:`ModelNotFoundError` for another model).
+    """
+    parsed: CompletionRequest | ChatRequest
+    if kind == "chat":
+        parsed = parse_chat_request(body, max_body_bytes=max_body_bytes)
+        sim = tokens.for_messages(parsed.messages)
+    else:
+        parsed = parse_completion_request(body, max_body_bytes=max_body_bytes)
+        sim = tokens.for_completion(parsed)
+    if parsed.model != model:
+        raise ModelNotFoundError(parsed.model, param="model")
+    if sim.num_tokens == 0:
+        raise InvalidValueError("The prompt is empty.", param="prompt")
+    max_tokens = parsed.max_tokens or max(1, min(default_max_tokens,
+                                                 max_model_len - sim.num_tokens))
+    return GenerateInput(request=parsed, tokens=sim, max_tokens=max_tokens)
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def finished_usage(done: FinishedRequest) -> dict[str, Any]:
+    return usage_body(done.prompt_tokens, done.output_tokens, done.cached_tokens)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponseShape:
+    """The fixed parts of one response: builds its chunks and its final body."""
+
+    kind: Kind
+    request_id: str
+    model: str
+    created: int
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat's role chunk, sent before the first token; None for completions."""
+        if self.kind != "chat":
+            return None
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def token_chunk(self, text: str, last: bool) -> dict[str, Any]:
+        finish = FINISH_REASON if last else None
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text},
+                                      "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                  "stop_reason": None}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, done: FinishedRequest) -> dict[str, Any]:
+        """The usage-only chunk ``stream_options.include_usage`` adds before ``[DONE]``."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": finished_usage(done)}
+
+    def full_body(self, text: str, done: FinishedRequest) -> dict[str, Any]:
+        """A non-streamed response."""
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": FINISH_REASON, "stop_reason": None,
+            }
+            return {**self._head("chat.completion"), "choices": [choice],
+                    "usage": finished_usage(done)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH_REASON,
+                  "stop_reason": None}
+        return {**self._head("text_completion"), "choices": [choice],
+                "usage": finished_usage(done)}
+
+
+def models_body(model: str, max_model_len: int, created: int) -> dict[str, Any]:
+    """``GET /v1/models``."""
+    return {
+        "object": "list",
+        "data": [{
+            "id": model, "object": "model", "created": created, "owned_by": "kvgate",
+            "root": model, "parent": None, "max_model_len": max_model_len, "permission": [],
+        }],
+    }
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _fmt(value: float) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def render_metrics(
+    m: EngineMetrics, *, model: str, extra_counters: Mapping[str, tuple[str, int]] = {}
+) -> str:
+    """Prometheus text for one engine (DP rank 0).
+
+    ``extra_counters`` maps a ``kvgate:`` counter name (without ``_total``) to
+    ``(help, value)``, for counts the shell keeps itself.
+    """
+    base = {"model_name": model, "engine": "0"}
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, value: float,
+               labels: Mapping[str, str] = base) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        sample = f"{name}_total" if kind == "counter" else name
+        lines.append(f"{sample}{_labels(labels)} {_fmt(value)}")
+
+    metric("vllm:num_requests_running", "gauge",
+           "Number of requests in model execution batches.", m.num_requests_running)
+    metric("vllm:num_requests_waiting", "gauge",
+           "Number of requests waiting to be processed.", m.num_requests_waiting)
+    metric("vllm:kv_cache_usage_perc", "gauge",
+           "KV-cache usage. 1 means 100 percent usage.", m.kv_cache_usage_perc)
+    metric("vllm:prefix_cache_queries", "counter",
+           "Prefix cache queries, in terms of number of queried tokens.",
+           m.prefix_cache_queries)
+    metric("vllm:prefix_cache_hits", "counter",
+           "Prefix cache hits, in terms of number of cached tokens.", m.prefix_cache_hits)
+    metric("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.",
+           m.num_preemptions)
+    metric("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.",
+           m.prompt_tokens)
+    metric("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
+           m.generation_tokens)
+    metric("vllm:request_success", "counter", "Count of successfully processed requests.",
+           m.num_requests_finished, {**base, "finished_reason": FINISH_REASON})
+    metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+           1, {**base, "block_size": str(m.block_size), "num_gpu_blocks": str(m.num_gpu_blocks),
+               "enable_prefix_caching": "True", "prefix_caching_hash_algo": "xxh3"})
+    metric("kvgate:num_requests_queued", "gauge",
+           "Requests in the node's admission queue (part of vllm:num_requests_waiting).",
+           m.num_requests_queued)
+    metric("kvgate:num_cached_blocks", "gauge", "KV blocks holding a cached hash.",
+           m.num_cached_blocks)
+    metric("kvgate:requests_aborted", "counter", "Requests aborted (client disconnect).",
+           m.num_requests_aborted)
+    metric("kvgate:requests_rejected", "counter",
+           "Requests refused by second-stage admission (at submit or by queue TTL).",
+           m.num_requests_rejected)
+    metric("kvgate:requests_failed", "counter", "Requests failed by an engine crash.",
+           m.num_requests_failed)
+    metric("kvgate:lazy_evictions", "counter", "Cached blocks evicted on reuse.",
+           m.num_evicted_blocks)
+    for name, (help_, value) in extra_counters.items():
+        metric(name, "counter", help_, value)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,165 @@
+"""Text -> tokens for the simulated engine's HTTP shell, without a tokenizer file.
+
+Theory of operation
+-------------------
+The engine needs a prompt's token count, the chained hashes of its FULL blocks
+and (for vLLM-exact `BlockStored` events) its token ids. The shell derives all
+three from text with a deterministic "tokenizer" (pure; stable across runs,
+machines and PYTHONHASHSEED):
+
+* the text is cut into pieces of 4 characters (code points; the last piece
+  may be shorter), one token per piece: ``ceil(len(text) / 4)`` tokens, the
+  same 4-characters-a-token rule the text-chunk hasher estimates with;
+* token id = ``xxh3_64(piece as UTF-8, seed=TOKEN_SEED) % SIM_VOCAB_SIZE``
+  (32 000 ids); no special tokens (no BOS);
+* completions: the prompt string as it is; a prompt of token ids is used as
+  it is (ids must be in ``[0, 2**32)``);
+* chat: the messages rendered exactly as :class:`TokenBlockHasher` renders them
+  (``DEFAULT_CHAT_TEMPLATE`` = ``"<|{role}|>\\n{content}\\n"`` per message,
+  concatenated, no generation prompt), so a history renders to a prefix of its
+  continuation;
+* block hashes: ``TokenBlockHasher(SimTokenizer(), block_size).chain_for_tokens``
+  over the token ids (xxh3 over little-endian u32 blocks, chained).
+
+So identical prefixes give identical engine blocks (a repeated prompt hits the
+prefix cache), and a gateway in precise mode that builds
+``TokenBlockHasher(SimTokenizer(), block_size)`` (see :func:`sim_token_hasher`)
+computes the same token ids as the engine and, for prompt blocks, keys equal
+to the engine's own block hashes. Alignment caveat: pieces are cut from the
+start of the whole rendered text, so tokens after a turn boundary that is not
+a multiple of 4 characters shift; the cached prefix then ends at that boundary.
+
+Generated tokens: output token ``i`` of a request has the engine's id
+``generated_token_id(request_id, i)`` and the text :func:`token_text` of it,
+a short word with a leading space.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from xxhash import xxh3_64_intdigest
+
+from kvgate.core.errors import ClientRequestError
+from kvgate.core.hashing import Message, TokenBlockHasher
+from kvgate.engine.sequence import SIM_VOCAB_SIZE, generated_token_id
+from kvgate.protocol import CompletionRequest, parse_chat_request, parse_completion_request
+from kvgate.protocol.errors import InvalidValueError
+
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "TOKEN_SEED",
+    "PromptTokenizer",
+    "SimTokenizer",
+    "SimTokens",
+    "generated_text",
+    "sim_token_hasher",
+    "token_text",
+    "tokenize_body",
+]
+
+CHARS_PER_TOKEN: Final = 4
+TOKEN_SEED: Final = 0x6B76_6761_7465  # "kvgate"
+
+_WORDS: Final = (
+    "the", "cache", "block", "token", "node", "route", "prefix", "batch",
+    "queue", "model", "fast", "warm", "cold", "hit", "miss", "load",
+    "step", "page", "pool", "lease", "score", "path", "gate", "flow",
+    "chunk", "event", "stream", "reply", "quick", "brown", "fox", "jumps",
+    "over", "lazy", "dog", "and", "then", "some", "more", "data",
+    "of", "a", "to", "in", "is", "it", "on", "with",
+    "as", "at", "by", "for", "from", "or", "an", "be",
+    "this", "that", "we", "you", "they", "all", "new", "old",
+)
+
+
+class SimTokenizer:
+    """The deterministic 4-characters-a-token encoder (a ``TokenEncoder``)."""
+
+    __slots__ = ()
+
+    @property
+    def fingerprint(self) -> str:
+        return f"kvgate-sim-c{CHARS_PER_TOKEN}-v{SIM_VOCAB_SIZE}-s{TOKEN_SEED:x}"
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` is accepted and ignored."""
+        h = xxh3_64_intdigest
+        vocab = SIM_VOCAB_SIZE
+        seed = TOKEN_SEED
+        return [
+            h(text[i : i + CHARS_PER_TOKEN].encode("utf-8", "surrogatepass"), seed) % vocab
+            for i in range(0, len(text), CHARS_PER_TOKEN)
+        ]
+
+
+def sim_token_hasher(block_size: int) -> TokenBlockHasher:
+    """The precise-mode hasher that reproduces the simulated engine's tokens."""
+    return TokenBlockHasher(SimTokenizer(), block_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimTokens:
+    """A prompt as the engine sees it."""
+
+    token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]  # one per FULL block
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class PromptTokenizer:
+    """Prompts and chats -> :class:`SimTokens` at one block size."""
+
+    __slots__ = ("_encoder", "_hasher")
+
+    def __init__(self, block_size: int) -> None:
+        self._encoder = SimTokenizer()
+        self._hasher = TokenBlockHasher(self._encoder, block_size)
+
+    @property
+    def block_size(self) -> int:
+        return self._hasher.block_size
+
+    def for_prompt(self, text: str) -> SimTokens:
+        return self.for_token_ids(self._encoder.encode(text))
+
+    def for_messages(self, messages: Sequence[Message]) -> SimTokens:
+        return self.for_prompt(self._hasher.render_messages(messages))
+
+    def for_completion(self, parsed: CompletionRequest) -> SimTokens:
+        if parsed.prompt_token_ids is not None:
+            return self.for_token_ids(parsed.prompt_token_ids)
+        return self.for_prompt(parsed.prompt_text or "")
+
+    def for_token_ids(self, ids: Sequence[int], param: str = "prompt") -> SimTokens:
+        """Token ids as given; ids outside ``[0, 2**32)`` raise a 400-mapped error."""
+        try:
+            chain = self._hasher.chain_for_tokens(ids)
+        except ClientRequestError as exc:
+            raise InvalidValueError(f"Invalid '{param}': {exc.message}", param=param) from exc
+        return SimTokens(token_ids=tuple(ids), block_hashes=chain)
+
+
+def token_text(token_id: int) -> str:
+    """The text of a generated token: a short word with a leading space."""
+    return " " + _WORDS[token_id % len(_WORDS)]
+
+
+def generated_text(request_id: str, start: int, count: int) -> list[str]:
+    """Texts of output tokens ``start .. start+count-1`` of ``request_id``."""
+    return [token_text(generated_token_id(request_id, i)) for i in range(start, start + count)]
+
+
+def tokenize_body(obj: Mapping[str, Any], tokens: PromptTokenizer, model: str) -> SimTokens:
+    """vLLM ``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` (validated as the
+    generation endpoints validate them; ``model`` optional). Raises ProtocolError."""
+    filled = json.dumps({**obj, "model": model}).encode()
+    if "messages" in obj:
+        return tokens.for_messages(parse_chat_request(filled).messages)
+    return tokens.for_completion(parse_completion_request(filled))

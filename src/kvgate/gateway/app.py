@@ -1,0 +1,252 @@
+"""The gateway as an object: its parts, its routes, start and stop.
+
+:class:`Gateway` owns the controller (the core), the node watcher, the upstream
+sessions, the driver (waiters and the lease loop) and the metrics. The aiohttp
+application keeps it under :data:`GATEWAY_KEY`, so later layers (the admin API,
+the dashboard) reach ``app[GATEWAY_KEY].controller`` and ``.controller.nodes``
+and add their routes through ``start_gateway(config, setup=...)``.
+
+Routes (all in :func:`register_routes`)::
+
+    POST /v1/completions, /v1/chat/completions   the proxy (proxy.py, relay.py)
+    GET  /v1/models     union of the nodes' models
+    GET  /health        liveness; never touches the limiter
+    GET  /ready         200 with a healthy node and a usable lease, else 503
+    GET  /metrics       Prometheus text (metrics_text.py)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvgate.core.admission import InProcessCoordinator, LeaseState
+from kvgate.core.controller import Controller
+from kvgate.core.nodes import NodeTable
+from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.driver import Driver, InProcessLeaseClient, LeaseClient
+from kvgate.gateway.errors import Handler, error_middleware, json_response
+from kvgate.gateway.identity import Authenticator
+from kvgate.gateway.metrics_text import GatewayMetrics, render
+from kvgate.gateway.node_watcher import NodeWatcher
+from kvgate.gateway.proxy import CompletionsHandler
+from kvgate.gateway.relay import Relay
+from kvgate.gateway.upstream import Upstream
+
+log = logging.getLogger("kvgate.gateway")
+
+class Gateway:
+    """Every part of one gateway. Construct inside the running event loop."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        lease: LeaseClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        cc = config.controller_config()
+        self.controller = Controller(
+            cc, rng=random.Random(config.server.seed), gateway_id=config.server.gateway_id
+        )
+        self.coordinator = InProcessCoordinator(cc.admission)
+        self.lease: LeaseClient = lease or InProcessLeaseClient(self.coordinator)
+        self.metrics = GatewayMetrics()
+        self.auth = Authenticator(config.auth)
+        self.upstream = Upstream(config.upstream, config.nodes)
+        self.watcher = NodeWatcher(self.controller, config.nodes, self.upstream, clock)
+        self.driver = Driver(
+            self.controller, self.lease, self.metrics,
+            tick_interval_s=config.admission.tick_interval_s, clock=clock,
+        )
+        self.relay = Relay(
+            self.driver, self.watcher, self.upstream, self.metrics,
+            route_headers=config.server.route_headers,
+        )
+        self.handler = CompletionsHandler(config, self.auth, self.watcher, self.relay)
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def nodes(self) -> NodeTable:
+        return self.controller.nodes
+
+    async def start(self) -> None:
+        """Probe the nodes, take a first lease, start the lease loop."""
+        await self.watcher.start()
+        await self.driver.step()
+        self._loop_task = asyncio.ensure_future(self.driver.run())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        await self.watcher.stop()
+        await self.lease.close(self.config.server.gateway_id)
+        await self.upstream.close()
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        healthy = self.watcher.healthy_count()
+        state = self.controller.admission.lease_state
+        lease_ok = self.lease.in_process or state is LeaseState.ACTIVE
+        return healthy > 0 and lease_ok, {
+            "healthy_nodes": healthy,
+            "lease_state": state.value,
+            "degraded": self.controller.admission.degraded,
+        }
+
+    # ------------------------------------------------------------------ handlers
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return json_response(200, {"status": "ok"})
+
+    async def ready_handler(self, request: web.Request) -> web.StreamResponse:
+        ok, detail = self.ready()
+        if ok:
+            return json_response(200, {"status": "ready", **detail})
+        return json_response(503, {"status": "not_ready", **detail}, {"Retry-After": "1"})
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        self.auth.identify(request.headers)
+        data = []
+        for entry in self.watcher.model_entries():
+            item = {"object": "model", "created": 0, "owned_by": "kvgate", **entry}
+            item["object"] = "model"
+            data.append(item)
+        return json_response(200, {"object": "list", "data": data})
+
+    async def metrics_handler(self, request: web.Request) -> web.StreamResponse:
+        text = render(self.controller, self.watcher, self.metrics, self.clock())
+        return web.Response(
+            body=text.encode("utf-8"),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+
+GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("kvgate_gateway", Gateway)
+
+
+def register_routes(app: web.Application, gw: Gateway) -> None:
+    """Every route of the OpenAI surface and the probes, in one place."""
+    app.router.add_post("/v1/completions", gw.handler.completions)
+    app.router.add_post("/v1/chat/completions", gw.handler.chat)
+    app.router.add_get("/v1/models", gw.models)
+    app.router.add_get("/health", gw.health)
+    app.router.add_get("/ready", gw.ready_handler)
+    app.router.add_get("/metrics", gw.metrics_handler)
+
+
+def _metrics_middleware(gw: Gateway) -> Any:
+    @web.middleware
+    async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except asyncio.CancelledError:
+            status = 499  # client closed request (nginx's code)
+            raise
+        finally:
+            gw.metrics.responses[(endpoint, status)] += 1
+
+    return count
+
+
+def build_app(gw: Gateway) -> web.Application:
+    app = web.Application(
+        client_max_size=gw.config.server.client_max_size,
+        middlewares=[_metrics_middleware(gw), error_middleware],
+    )
+    app[GATEWAY_KEY] = gw
+    register_routes(app, gw)
+    return app
+
+
+class GatewayServer:
+    """A running gateway: ``.url``, ``.port``, ``.controller``; ``await .stop()``."""
+
+    def __init__(self, gateway: Gateway, app: web.Application, runner: web.AppRunner,
+                 host: str, port: int) -> None:
+        self.gateway = gateway
+        self.app = app
+        self.runner = runner
+        self.host = host
+        self.port = port
+
+    @property
+    def controller(self) -> Controller:
+        return self.gateway.controller
+
+    @property
+    def nodes(self) -> NodeTable:
+        return self.gateway.controller.nodes
+
+    @property
+    def url(self) -> str:
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    async def stop(self) -> None:
+        """Stop accepting, drain in-flight requests (bounded), stop the loops."""
+        try:
+            await self.runner.cleanup()
+        finally:
+            await self.gateway.stop()
+
+
+async def start_gateway(
+    config: GatewayConfig,
+    *,
+    setup: Callable[[web.Application], None] | None = None,
+    lease: LeaseClient | None = None,
+) -> GatewayServer:
+    """Build, probe the nodes, bind and serve; ``setup(app)`` may add routes first."""
+    gw = Gateway(config, lease=lease)
+    runner: web.AppRunner | None = None
+    try:
+        await gw.start()
+        app = build_app(gw)
+        if setup is not None:
+            setup(app)
+        srv = config.server
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=logging.getLogger("kvgate.access") if srv.access_log else None,
+            shutdown_timeout=srv.shutdown_timeout_s,
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, srv.host, srv.port)
+        await site.start()
+        port = _bound_port(runner, srv.port)
+    except BaseException:
+        if runner is not None:
+            await runner.cleanup()
+        await gw.stop()
+        raise
+    log.info("kvgate gateway listening on %s:%d with %d node(s)", srv.host, port,
+             len(gw.watcher.nodes))
+    return GatewayServer(gw, app, runner, srv.host, port)
+
+
+def _bound_port(runner: web.AppRunner, default: int) -> int:
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return int(addr[1])
+    return default

@@ -1,0 +1,268 @@
+"""The gateway's configuration: one frozen :class:`GatewayConfig`, validated once.
+
+Sources, lowest precedence first (``config_load.load_config`` merges them):
+
+1. the defaults below;
+2. one YAML file (``--config FILE``), a mapping of sections::
+
+       server: {host: 0.0.0.0, port: 8000, admin_token: s3cret}
+       nodes:
+         static:
+           - http://10.0.0.1:8000                  # id = host:port
+           - {id: b, url: http://10.0.0.2:8000, capacity: 32}
+       routing: {policy: kvgate}
+       admission: {budget: 128, tenant_quotas: {acme: 32}}
+       auth:
+         keys:
+           sk-acme: {tenant: acme, max_priority: 1}
+           sk-ops: {tenant: ops, max_priority: 0, bypass: true}
+
+3. environment variables ``KVGATE_<SECTION>_<KEY>`` (upper case), e.g.
+   ``KVGATE_SERVER_PORT=9000``, ``KVGATE_ADMISSION_BUDGET=64``,
+   ``KVGATE_NODES_STATIC='[http://a:8000, http://b:8000]'``. The value is read as
+   a YAML scalar or flow collection (``true``, ``1.5``, ``[a, b]``, ``{k: v}``),
+   except for string keys, which take the text as is. Only the sections below are
+   read; an unknown key inside one of them is an error;
+4. command-line flags (``--host``, ``--port``, ``--node`` ...), see ``serve.py``.
+
+Bad values raise :class:`~kvgate.core.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from kvgate.core.admission import AdmissionConfig, ClassConfig, RetryBudget
+from kvgate.core.config import ControllerConfig
+from kvgate.core.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SECTIONS = ("server", "upstream", "nodes", "routing", "admission", "auth")
+
+
+def _frozen_map(value: Mapping[str, object]) -> Mapping[str, object]:
+    return MappingProxyType(dict(value))
+
+
+def _positive(section: str, **values: float) -> None:
+    for key, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"{section}.{key} must be > 0, got {value}", param=key)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = an ephemeral port (tests)
+    route_headers: bool = True  # X-Kvgate-Node / X-Kvgate-Route-Reason on responses
+    admin_token: str | None = None  # bearer token of the admin API
+    log_level: str = "info"
+    access_log: bool = False
+    client_max_size: int = 16 * 1024 * 1024  # request bodies above it get 413
+    body_timeout_s: float = 30.0  # a request body not read in this time gets 408
+    shutdown_timeout_s: float = 10.0  # graceful drain of in-flight requests on stop
+    gateway_id: str = "gw0"
+    seed: int | None = None  # routing randomness (exploration); None = from the OS
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"server.log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.admin_token is not None and len(self.admin_token) < 8:
+            raise ConfigError("server.admin_token must be at least 8 characters")
+        if not self.gateway_id:
+            raise ConfigError("server.gateway_id must be non-empty")
+        _positive("server", client_max_size=self.client_max_size,
+                  shutdown_timeout_s=self.shutdown_timeout_s, body_timeout_s=self.body_timeout_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpstreamConfig:
+    connect_timeout_s: float = 2.0  # TCP connect to a node (CONNECT_ERROR past it)
+    stream_idle_timeout_s: float = 120.0  # streams: no byte for this long (incl. headers)
+    request_timeout_s: float = 600.0  # non-streamed requests: the whole answer
+    pool_limit: int = 1024  # pooled upstream connections, all nodes together
+    max_response_bytes: int = 64 * 1024 * 1024  # a non-streamed answer larger is a 502
+    forward_priority: bool = True  # write the class into the body's `priority` (vLLM
+    # needs --scheduling-policy priority for non-zero values)
+
+    def __post_init__(self) -> None:
+        _positive("upstream", connect_timeout_s=self.connect_timeout_s,
+                  stream_idle_timeout_s=self.stream_idle_timeout_s,
+                  request_timeout_s=self.request_timeout_s, pool_limit=self.pool_limit,
+                  max_response_bytes=self.max_response_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeConfig:
+    """One inference node. ``models`` empty = discover from its ``/v1/models``."""
+
+    id: str
+    url: str  # base URL, e.g. http://10.0.0.1:8000 (no /v1)
+    capacity: int = 64  # concurrent requests it serves well (feeds the budget)
+    cache_blocks: int = 4000  # index capacity, in index blocks
+    max_model_len: int | None = None  # None = from /v1/models, else 131072
+    models: tuple[str, ...] = ()
+    api_key: str | None = None  # sent as Authorization to the node (vLLM --api-key)
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ConfigError(f"node {self.url}: id must be non-empty")
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"node {self.id}: url must start with http:// or https://")
+        if self.capacity < 1 or self.cache_blocks < 0:
+            raise ConfigError(f"node {self.id}: capacity >= 1 and cache_blocks >= 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"node {self.id}: max_model_len must be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodesConfig:
+    static: tuple[NodeConfig, ...] = ()
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    unhealthy_after: int = 3  # consecutive failed checks before the node is taken out
+    healthy_after: int = 2  # consecutive passed checks before it is taken back
+    metrics_interval_s: float = 1.0  # scrape each node's /metrics this often
+    metrics_timeout_s: float = 1.0
+    evictions_interval_s: float = 0.5  # poll /kvgate/evictions (stops on 404)
+    startup_probe_timeout_s: float = 3.0  # first discovery round before serving
+
+    def __post_init__(self) -> None:
+        _positive("nodes", health_interval_s=self.health_interval_s,
+                  health_timeout_s=self.health_timeout_s,
+                  metrics_interval_s=self.metrics_interval_s,
+                  metrics_timeout_s=self.metrics_timeout_s,
+                  evictions_interval_s=self.evictions_interval_s,
+                  startup_probe_timeout_s=self.startup_probe_timeout_s,
+                  unhealthy_after=self.unhealthy_after, healthy_after=self.healthy_after)
+        seen: set[str] = set()
+        for node in self.static:
+            if node.id in seen:
+                raise ConfigError(f"nodes.static: duplicate node id {node.id!r}")
+            seen.add(node.id)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoutingConfig:
+    policy: str = "kvgate"
+    params: Mapping[str, object] = field(default_factory=dict)  # the policy's knobs
+    hasher: str = "text"
+    hasher_params: Mapping[str, object] = field(default_factory=dict)
+    default_max_tokens: int = 256  # output estimate when the body has no max_tokens
+    stale_after_s: float = 5.0  # a load report older than this is unknown
+    eject_after_failures: int = 5
+    eject_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", _frozen_map(self.params))
+        object.__setattr__(self, "hasher_params", _frozen_map(self.hasher_params))
+        _positive("routing", default_max_tokens=self.default_max_tokens,
+                  stale_after_s=self.stale_after_s, eject_s=self.eject_s,
+                  eject_after_failures=self.eject_after_failures)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionSection:
+    budget: int = 256  # cluster concurrency C (one credit = one in-flight request)
+    tenant_quotas: Mapping[str, int] = field(default_factory=dict)
+    default_tenant_quota: int | None = None  # None = unlimited for unlisted tenants
+    bypass_fraction: float = 0.03
+    queue_timeout_s: float | None = None  # None = the per-class defaults (30/30/60 s)
+    queue_limit: int | None = None  # per class; None = 1024
+    retry_budget_ratio: float = 0.2
+    retry_budget_min: int = 3
+    tick_interval_s: float = 0.05  # controller.tick and the lease refresh check
+    coordinator: Literal["inprocess"] = "inprocess"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenant_quotas", _frozen_map(self.tenant_quotas))
+        _positive("admission", tick_interval_s=self.tick_interval_s)
+        if self.coordinator != "inprocess":
+            raise ConfigError("admission.coordinator: only 'inprocess' is available")
+
+    def _class(self, c: ClassConfig) -> ClassConfig:
+        return ClassConfig(
+            share=c.share,
+            lendable=c.lendable,
+            queue_limit=c.queue_limit if self.queue_limit is None else self.queue_limit,
+            queue_timeout_s=c.queue_timeout_s
+            if self.queue_timeout_s is None
+            else self.queue_timeout_s,
+        )
+
+    def admission_config(self) -> AdmissionConfig:
+        c0, c1, c2 = (self._class(c) for c in AdmissionConfig().classes)
+        return AdmissionConfig(
+            budget=self.budget,
+            classes=(c0, c1, c2),
+            bypass_fraction=self.bypass_fraction,
+            tenant_quotas=dict(self.tenant_quotas),
+            default_tenant_quota=self.default_tenant_quota,
+            retry=RetryBudget(ratio=self.retry_budget_ratio, minimum=self.retry_budget_min),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApiKey:
+    tenant: str
+    max_priority: int = 1  # the best class the key may ask for (0 = P0 allowed)
+    bypass: bool = False  # probes / operators: the bypass lane
+
+    def __post_init__(self) -> None:
+        if not self.tenant:
+            raise ConfigError("auth.keys: tenant must be non-empty")
+        if self.max_priority not in (0, 1, 2):
+            raise ConfigError(f"auth.keys: max_priority must be 0, 1 or 2 ({self.tenant})")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AuthConfig:
+    keys: Mapping[str, ApiKey] = field(default_factory=dict)  # empty = auth off
+    default_priority: int = 1  # class of a request that names none
+    anonymous_max_priority: int = 0  # cap when auth is off
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", MappingProxyType(dict(self.keys)))
+        for name in ("default_priority", "anonymous_max_priority"):
+            if getattr(self, name) not in (0, 1, 2):
+                raise ConfigError(f"auth.{name} must be 0, 1 or 2")
+        if any(not k for k in self.keys):
+            raise ConfigError("auth.keys: an API key must be non-empty")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def __post_init__(self) -> None:
+        # Build the core's config once so a bad policy, hasher or admission knob fails
+        # here, at startup, with the core's own message.
+        from kvgate.core.hashing import make_hasher
+        from kvgate.core.routing import make_policy
+
+        cc = self.controller_config()
+        make_policy(cc.policy, cc.policy_params)
+        make_hasher(cc.hasher, **dict(cc.hasher_params))
+
+    def controller_config(self) -> ControllerConfig:
+        r = self.routing
+        return ControllerConfig(
+            hasher=r.hasher,
+            hasher_params=dict(r.hasher_params),
+            policy=r.policy,
+            policy_params=dict(r.params),
+            stale_after_s=r.stale_after_s,
+            eject_after_failures=r.eject_after_failures,
+            eject_s=r.eject_s,
+            admission=self.admission.admission_config(),
+        )

@@ -1,0 +1,272 @@
+"""Build a :class:`GatewayConfig` from YAML, environment variables and flag overrides.
+
+Precedence, lowest first: defaults < YAML file < ``KVGATE_<SECTION>_<KEY>`` < flags.
+Every value is type-checked against the dataclass field it lands in, so a typo or
+a wrong type is a :class:`ConfigError` naming ``section.key``, never a late crash.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from kvgate.core.errors import ConfigError
+from kvgate.gateway.config import (
+    SECTIONS,
+    AdmissionSection,
+    ApiKey,
+    AuthConfig,
+    GatewayConfig,
+    NodeConfig,
+    NodesConfig,
+    RoutingConfig,
+    ServerConfig,
+    UpstreamConfig,
+)
+
+ENV_PREFIX = "KVGATE_"
+_SECTION_TYPES: dict[str, type] = {
+    "server": ServerConfig,
+    "upstream": UpstreamConfig,
+    "nodes": NodesConfig,
+    "routing": RoutingConfig,
+    "admission": AdmissionSection,
+    "auth": AuthConfig,
+}
+
+Raw = dict[str, dict[str, Any]]
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> GatewayConfig:
+    """YAML file (optional) + environment (default ``os.environ``) + flag overrides."""
+    raw: Raw = {s: {} for s in SECTIONS}
+    if path is not None:
+        _merge(raw, read_yaml(path), "config file")
+    _merge(raw, env_overrides(os.environ if env is None else env), "environment")
+    if overrides:
+        _merge(raw, overrides, "flags")
+    return build_config(raw)
+
+
+def read_yaml(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
+    return data
+
+
+def env_overrides(env: Mapping[str, str]) -> Raw:
+    """``KVGATE_<SECTION>_<KEY>=value`` for our sections; other variables are ignored."""
+    out: Raw = {}
+    for name, text in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
+        if section not in _SECTION_TYPES or not key:
+            continue
+        hints = _hints(_SECTION_TYPES[section])
+        if key not in hints:
+            raise ConfigError(f"{name}: {section} has no key {key!r}; known: "
+                              f"{', '.join(sorted(hints))}")
+        out.setdefault(section, {})[key] = _env_value(text, hints[key], name)
+    return out
+
+
+def _env_value(text: str, tp: Any, name: str) -> Any:
+    if tp is str or (_is_optional(tp) and _strip_optional(tp) is str):
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{name}: cannot parse {text!r}: {exc}") from exc
+
+
+def _merge(raw: Raw, source: Mapping[str, Any], what: str) -> None:
+    for section, values in source.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"{what}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+        if values is None:
+            continue
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{what}: section {section!r} must be a mapping")
+        raw[section].update(values)
+
+
+def build_config(raw: Mapping[str, Mapping[str, Any]]) -> GatewayConfig:
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTION_TYPES.items():
+        values = dict(raw.get(name, {}))
+        if name == "nodes" and "static" in values:
+            values["static"] = parse_nodes(values["static"])
+        if name == "auth" and "keys" in values:
+            values["keys"] = _parse_keys(values["keys"])
+        sections[name] = _build(cls, values, name)
+    return GatewayConfig(**sections)
+
+
+def _build(cls: type, values: Mapping[str, Any], section: str) -> Any:
+    hints = _hints(cls)
+    unknown = set(values) - set(hints)
+    if unknown:
+        raise ConfigError(f"{section}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
+                          f"known: {', '.join(sorted(hints))}")
+    kwargs = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+
+
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (types.UnionType, typing.Union) and type(None) in (
+        typing.get_args(tp)
+    )
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 else tp
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    if _is_optional(tp):
+        return None if value is None else _coerce(value, _strip_optional(tp), where)
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{where} must be one of {typing.get_args(tp)}, got {value!r}")
+    if origin is tuple:
+        if isinstance(value, tuple):  # already parsed (nodes.static)
+            return value
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        item_tp = typing.get_args(tp)[0]
+        return tuple(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is Mapping or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        _, val_tp = typing.get_args(tp)
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{where}: keys must be strings, got {k!r}")
+            out[k] = v if val_tp is object or isinstance(v, ApiKey) else _coerce(
+                v, val_tp, f"{where}.{k}")
+        return out
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where}: unsupported value {value!r}")  # pragma: no cover
+
+
+# ----------------------------------------------------------------------------- nodes
+
+
+def default_node_id(url: str) -> str:
+    """A node's short name when none is given: the URL's host:port."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.hostname}:{port}"
+
+
+def normalise_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ConfigError(f"node url {url!r}: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"node url {url!r} must look like http://host:port")
+    return url
+
+
+def parse_node(spec: Any, where: str = "nodes.static") -> NodeConfig:
+    """``URL``, ``NAME=URL`` or a mapping with ``url`` and optional ``id`` and knobs."""
+    if isinstance(spec, str):
+        name, sep, url = spec.partition("=")
+        if not sep:
+            name, url = "", spec
+        url = normalise_url(url)
+        return NodeConfig(id=name.strip() or default_node_id(url), url=url)
+    if isinstance(spec, Mapping):
+        values = dict(spec)
+        if "url" not in values or not isinstance(values["url"], str):
+            raise ConfigError(f"{where}: a node needs a url")
+        values["url"] = normalise_url(values["url"])
+        values.setdefault("id", default_node_id(values["url"]))
+        return typing.cast(NodeConfig, _build(NodeConfig, values, where))
+    raise ConfigError(f"{where}: a node is a URL, NAME=URL or a mapping, got {spec!r}")
+
+
+def parse_nodes(value: Any) -> tuple[NodeConfig, ...]:
+    if isinstance(value, tuple) and all(isinstance(n, NodeConfig) for n in value):
+        return value
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if not isinstance(value, list):
+        raise ConfigError(f"nodes.static must be a list, got {value!r}")
+    return tuple(parse_node(v, f"nodes.static[{i}]") for i, v in enumerate(value))
+
+
+def _parse_keys(value: Any) -> dict[str, ApiKey]:
+    if not isinstance(value, Mapping):
+        raise ConfigError("auth.keys must be a mapping of API key -> {tenant, ...}")
+    out: dict[str, ApiKey] = {}
+    for key, spec in value.items():
+        if not isinstance(key, str):
+            raise ConfigError("auth.keys: API keys must be strings")
+        where = f"auth.keys[{key[:4]}...]"
+        if isinstance(spec, ApiKey):
+            out[key] = spec
+        elif isinstance(spec, str):
+            out[key] = ApiKey(tenant=spec)
+        elif isinstance(spec, Mapping):
+            out[key] = typing.cast(ApiKey, _build(ApiKey, spec, where))
+        else:
+            raise ConfigError(f"{where}: expected a tenant name or a mapping")
+    return out

@@ -1,0 +1,214 @@
+"""The asyncio driver of the core: one place where decisions are carried out.
+
+Rules:
+
+* The :class:`~kvgate.core.controller.Controller` is called only from the event
+  loop's thread, and every call is one synchronous statement: nothing awaits in the
+  middle of a core call, so each is atomic without locks.
+* A request the core holds (``Hold``) awaits a future in ``_waiters``. Decisions for
+  held requests come out of *other* calls (``on_finished``, ``on_cancelled``,
+  ``tick``, ``on_lease``) and all go through :meth:`Driver.apply`, which resolves
+  the waiter, or, when its client is already gone, hands the credit straight back
+  (``on_cancelled``).
+* The lease loop (:meth:`Driver.run`) ticks the controller every
+  ``admission.tick_interval_s`` (queue deadlines, lease transitions, ejection
+  expiry) and refreshes the lease when ``refresh_due`` says so, through a
+  :class:`LeaseClient`: in process, a synchronous ``refresh_with``; a remote store
+  (Redis, later) is awaited between ``make_refresh`` and ``on_lease``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from kvgate.core.admission import (
+    Coordinator,
+    CoordinatorUnavailable,
+    FailureKind,
+    LeaseGrant,
+    RefreshRequest,
+    RejectReason,
+    make_rejection,
+)
+from kvgate.core.controller import Controller
+from kvgate.core.decisions import Decision, Dispatch, Hold, Reject
+from kvgate.core.events import RequestArrived
+from kvgate.core.ids import RequestId
+from kvgate.gateway.metrics_text import GatewayMetrics
+
+log = logging.getLogger("kvgate.gateway")
+
+HOLD_GRACE_S = 1.0  # a held request gives up this long after its deadline if no tick did
+
+
+class AsyncCoordinator(Protocol):
+    """A remote lease store (e.g. Redis): the same contract as the core's, awaited."""
+
+    async def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant: ...
+
+    async def release_gateway(self, gateway_id: str) -> None: ...
+
+
+class LeaseClient(Protocol):
+    in_process: bool
+
+    async def refresh(self, controller: Controller, clock: Callable[[], float]) -> list[Decision]:
+        ...
+
+    async def close(self, gateway_id: str) -> None: ...
+
+
+class InProcessLeaseClient:
+    """The default: the coordinator lives in this process (one gateway)."""
+
+    in_process = True
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    async def refresh(self, controller: Controller, clock: Callable[[], float]) -> list[Decision]:
+        return controller.refresh_with(self.coordinator, clock())
+
+    async def close(self, gateway_id: str) -> None:
+        self.coordinator.release_gateway(gateway_id)
+
+
+class RemoteLeaseClient:
+    """A coordinator behind the network: report, await the grant, apply it."""
+
+    in_process = False
+
+    def __init__(self, coordinator: AsyncCoordinator, timeout_s: float = 1.0) -> None:
+        self.coordinator = coordinator
+        self.timeout_s = timeout_s
+
+    async def refresh(self, controller: Controller, clock: Callable[[], float]) -> list[Decision]:
+        req = controller.make_refresh(clock())
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                grant = await self.coordinator.refresh(req, clock())
+        except (CoordinatorUnavailable, TimeoutError, OSError):
+            return controller.on_refresh_failed(clock())
+        return controller.on_lease(grant, clock())
+
+    async def close(self, gateway_id: str) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.coordinator.release_gateway(gateway_id)
+        except (CoordinatorUnavailable, TimeoutError, OSError):
+            log.warning("could not release the lease of %s", gateway_id)
+
+
+class Driver:
+    def __init__(
+        self,
+        controller: Controller,
+        lease: LeaseClient,
+        metrics: GatewayMetrics,
+        *,
+        tick_interval_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.controller = controller
+        self.lease = lease
+        self.metrics = metrics
+        self.clock = clock
+        self.tick_interval_s = tick_interval_s
+        self._waiters: dict[RequestId, asyncio.Future[Decision]] = {}
+        self.lease_errors = 0
+
+    # ------------------------------------------------------------------ requests
+    async def admit(self, req: RequestArrived) -> Decision:
+        """Stage 1 and routing; a held request waits here for its Dispatch or Reject."""
+        t0 = time.perf_counter()
+        decision = self.controller.on_arrival(req, self.clock())
+        self.metrics.decision_latency.observe(time.perf_counter() - t0)
+        if not isinstance(decision, Hold):
+            return decision
+        rid = req.request_id
+        fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self._waiters[rid] = fut
+        held_at = self.clock()
+        try:
+            async with asyncio.timeout(max(0.0, decision.deadline - held_at) + HOLD_GRACE_S):
+                return await fut
+        except TimeoutError:
+            if fut.done() and not fut.cancelled():
+                return fut.result()
+            # The core never answered (cannot happen while the tick loop runs): give up.
+            self.cancel(rid)
+            rejected = make_rejection(
+                RejectReason.QUEUE_TIMEOUT, "Timed out waiting for capacity.", request_id=rid
+            )
+            return Reject(request_id=rid, rejected=rejected)
+        finally:
+            self._waiters.pop(rid, None)
+            self.metrics.queue_wait.observe(self.clock() - held_at)
+
+    def apply(self, decisions: Iterable[Decision]) -> None:
+        """Carry out decisions about held requests (the only place waiters resolve)."""
+        pending = deque(decisions)
+        while pending:
+            d = pending.popleft()
+            fut = self._waiters.pop(d.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(d)
+            elif isinstance(d, Dispatch):
+                # Its client is gone: hand the credit back at once (may admit others).
+                pending.extend(self.controller.on_cancelled(d.request_id, self.clock()))
+
+    def first_byte(self, rid: RequestId) -> None:
+        self.controller.on_first_byte(rid, self.clock())
+
+    def finish(self, rid: RequestId, cached_tokens: int | None) -> None:
+        self.apply(self.controller.on_finished(rid, self.clock(), cached_tokens=cached_tokens))
+
+    def failed(
+        self, rid: RequestId, kind: FailureKind, *, before_first_byte: bool
+    ) -> Decision | None:
+        """An attempt failed; returns this request's next decision (retry Dispatch, Fail or
+        Reject) and applies the rest (requests admitted with a freed credit)."""
+        decisions = self.controller.on_failed(
+            rid, kind, self.clock(), before_first_byte=before_first_byte
+        )
+        mine = next((d for d in decisions if d.request_id == rid), None)
+        self.apply(d for d in decisions if d is not mine)
+        return mine
+
+    def cancel(self, rid: RequestId) -> None:
+        """The client went away (or gave up waiting): forget it, free its credit."""
+        fut = self._waiters.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+        self.apply(self.controller.on_cancelled(rid, self.clock()))
+
+    @property
+    def held(self) -> int:
+        return len(self._waiters)
+
+    # ------------------------------------------------------------------ time
+    async def run(self) -> None:
+        """The lease loop; runs until cancelled, never dies on an error."""
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.lease_errors += 1
+                log.exception("lease loop step failed")
+            await asyncio.sleep(self.tick_interval_s)
+
+    async def step(self) -> None:
+        now = self.clock()
+        self.apply(self.controller.tick(now))
+        if self.controller.refresh_due(now):
+            t0 = time.perf_counter()
+            decisions = await self.lease.refresh(self.controller, self.clock)
+            self.metrics.refresh_latency.observe(time.perf_counter() - t0)
+            self.apply(decisions)

@@ -1,0 +1,160 @@
+"""The gateway's edge: every error becomes an OpenAI-shaped JSON response, here only.
+
+``error_middleware`` wraps every handler (and aiohttp's own 404/405/413):
+
+* :class:`~kvgate.protocol.ProtocolError` (bad body) -> its status (400/413) and body;
+* :class:`~kvgate.core.errors.KvgateError` -> its ``http_status`` / ``error_type``
+  (``AuthError`` -> 401 in OpenAI's ``invalid_api_key`` spelling);
+* aiohttp's ``HTTPException`` (unknown route, method, body too large) -> the same
+  status with an OpenAI body;
+* anything else is our bug: logged with its traceback, answered 500, never leaked.
+
+Backpressure is not an exception: :func:`reject_response` and :func:`fail_response`
+turn the controller's ``Reject`` / ``Fail`` decisions into responses with
+``Retry-After`` and ``x-should-retry``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from kvgate.core.admission import Rejected
+from kvgate.core.decisions import Fail
+from kvgate.core.errors import AuthError, KvgateError
+from kvgate.protocol import (
+    ProtocolError,
+    error_body,
+    invalid_request_body,
+    overloaded_body,
+    rate_limit_body,
+    server_error_body,
+)
+
+log = logging.getLogger("kvgate.gateway")
+
+NODE_HEADER = "X-Kvgate-Node"
+REASON_HEADER = "X-Kvgate-Route-Reason"
+REQUEST_ID_HEADER = "X-Request-Id"
+SHOULD_RETRY_HEADER = "x-should-retry"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(
+    status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=json.dumps(body, separators=(",", ":")).encode("utf-8"),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def retry_after(seconds: float) -> str:
+    return str(max(0, math.ceil(seconds)))
+
+
+def reject_response(rejected: Rejected, headers: Mapping[str, str] | None = None) -> web.Response:
+    """A stage-1 or routing rejection: 400 / 429 / 503 with Retry-After and x-should-retry."""
+    status = rejected.http_status
+    out = dict(headers or {})
+    reason = rejected.reason.value
+    if status == 429:
+        body = rate_limit_body(rejected.message)
+        body["error"]["code"] = reason
+    elif status >= 500:
+        body = overloaded_body(rejected.message, code=reason)
+    else:
+        body = invalid_request_body(rejected.message, code=reason)
+    if status in (429, 503):
+        out["Retry-After"] = retry_after(rejected.retry_after_s)
+    if not rejected.retryable_by_client:
+        out[SHOULD_RETRY_HEADER] = "false"
+    return json_response(status, body, out)
+
+
+def fail_response(fail: Fail, headers: Mapping[str, str] | None = None) -> web.Response:
+    """The nodes failed the request and the gateway will not retry it.
+
+    ``X-Kvgate-Node`` names the node that failed last, so a client retry can send
+    ``X-Kvgate-Exclude-Node`` with it. A pool-overloaded answer must not be retried.
+    """
+    out = dict(headers or {})
+    if fail.node_id is not None:
+        out[NODE_HEADER] = fail.node_id
+    if fail.reason == "pool_overloaded":
+        body = overloaded_body("All inference nodes are overloaded.", code=fail.reason)
+        out[SHOULD_RETRY_HEADER] = "false"
+    else:
+        body = server_error_body(
+            f"The inference node {fail.node_id or ''} failed the request ({fail.reason}).",
+            code=fail.reason,
+        )
+    out["Retry-After"] = "1"
+    return json_response(fail.http_status, body, out)
+
+
+def error_response(exc: BaseException) -> web.Response:
+    """The one translator from an exception to an OpenAI-shaped response."""
+    if isinstance(exc, ProtocolError):
+        return json_response(exc.http_status, exc.body())
+    if isinstance(exc, AuthError):
+        body = error_body(exc.message, "invalid_request_error", None, exc.code)
+        return json_response(401, body, {"WWW-Authenticate": "Bearer"})
+    if isinstance(exc, KvgateError):
+        if exc.http_status >= 500:
+            log.error("gateway error: %s", exc.message)
+        return json_response(
+            exc.http_status, error_body(exc.message, exc.error_type, exc.param, exc.code)
+        )
+    if isinstance(exc, web.HTTPException):
+        return _http_exception_response(exc)
+    if isinstance(exc, ConnectionResetError):  # the client is gone; nobody reads this
+        return web.Response(status=499)
+    log.error("unhandled error in the gateway", exc_info=exc)
+    return json_response(500, server_error_body())
+
+
+def _http_exception_response(exc: web.HTTPException) -> web.Response:
+    status = exc.status
+    headers: dict[str, str] = {}
+    if status == 404:
+        body = error_body("Unknown request URL. Please check the URL and method.",
+                          "invalid_request_error", None, "unknown_url")
+    elif status == 405:
+        body = error_body(f"Method not allowed. Allowed: {exc.headers.get('Allow', '')}.",
+                          "invalid_request_error", None, "method_not_allowed")
+        if "Allow" in exc.headers:
+            headers["Allow"] = exc.headers["Allow"]
+    elif status == 413:
+        body = invalid_request_body(
+            "Request body too large.", code="request_too_large"
+        )
+    elif status >= 500:
+        body = server_error_body()
+    else:
+        body = error_body(exc.reason or "Bad request.", "invalid_request_error")
+    return json_response(status, body, headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        resp = error_response(exc)
+    except Exception as exc:  # foreign exceptions: translated here, and only here
+        resp = error_response(exc)
+    rid = request.headers.get(REQUEST_ID_HEADER)
+    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
+        resp.headers[REQUEST_ID_HEADER] = rid
+    return resp

@@ -1,0 +1,144 @@
+"""What the node watcher reads from a node, parsed defensively (pure functions).
+
+* ``/metrics`` (Prometheus text): the load signals of vLLM (``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, older
+  ``vllm:gpu_cache_usage_perc``) or SGLang (``sglang:num_running_reqs``,
+  ``sglang:num_queue_reqs``, ``sglang:token_usage``). Counts are summed over label
+  sets (data-parallel engines, several models); the KV usage, a fraction, is their
+  mean, so two half-full ranks read 0.5, not 1.0.
+* ``/v1/models``: model ids and vLLM's per-model ``max_model_len``.
+* ``/kvgate/evictions?since=N``: the simulated engine's eviction announcements, a
+  JSON list of ``{"seq", "type": "announced"|"done", ...}`` or an object with such a
+  list under ``events`` (and optionally the next cursor under ``next``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage", "vllm:gpu_cache_usage_perc")
+_WANTED = frozenset(RUNNING + WAITING + KV_USAGE)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadSample:
+    running: int
+    waiting: int
+    kv_util: float | None  # None when the node exports no usage gauge
+
+
+def _sample(line: str) -> tuple[str, float] | None:
+    """``name{labels} value [timestamp]`` -> (name, value); None for anything else."""
+    brace = line.find("{")
+    if brace >= 0:
+        name = line[:brace]
+        close = line.rfind("}")
+        if close < brace:
+            return None
+        rest = line[close + 1:].split()
+    else:
+        parts = line.split()
+        if len(parts) < 2:
+            return None
+        name, rest = parts[0], parts[1:]
+    if name not in _WANTED or not rest:
+        return None
+    try:
+        value = float(rest[0])
+    except ValueError:
+        return None
+    return (name, value) if math.isfinite(value) else None
+
+
+def parse_load(text: str) -> LoadSample | None:
+    """The load signals of a Prometheus page, or None if it has neither vLLM's nor
+    SGLang's request gauges."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        if not line.startswith(("vllm:", "sglang:")):
+            continue
+        got = _sample(line)
+        if got is None:
+            continue
+        name, value = got
+        sums[name] = sums.get(name, 0.0) + value
+        counts[name] = counts.get(name, 0) + 1
+
+    def first(names: tuple[str, ...]) -> str | None:
+        return next((n for n in names if n in sums), None)
+
+    run, wait = first(RUNNING), first(WAITING)
+    if run is None and wait is None:
+        return None
+    kv = first(KV_USAGE)
+    return LoadSample(
+        running=max(0, round(sums[run])) if run else 0,
+        waiting=max(0, round(sums[wait])) if wait else 0,
+        kv_util=min(1.0, max(0.0, sums[kv] / counts[kv])) if kv else None,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelInfo:
+    ids: tuple[str, ...]
+    max_model_len: int | None  # the largest any model reports
+    entries: tuple[dict[str, Any], ...]  # the raw model objects (for /v1/models)
+
+
+def parse_models(obj: Any) -> ModelInfo | None:
+    """An OpenAI ``/v1/models`` answer, or None if it does not look like one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("data"), list):
+        return None
+    ids: list[str] = []
+    entries: list[dict[str, Any]] = []
+    best: int | None = None
+    for item in obj["data"]:
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str):
+            continue
+        ids.append(item["id"])
+        entries.append(item)
+        mml = item.get("max_model_len")
+        if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0:
+            best = mml if best is None else max(best, mml)
+    return ModelInfo(ids=tuple(ids), max_model_len=best, entries=tuple(entries))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvictionEvent:
+    seq: int
+    kind: str  # "announced" | "done"
+
+
+def parse_evictions(obj: Any) -> tuple[list[EvictionEvent], int | None]:
+    """(events in seq order, the server's next cursor if it gave one)."""
+    items: Any = obj
+    cursor: int | None = None
+    if isinstance(obj, dict):
+        items = obj.get("events", [])
+        nxt = obj.get("next", obj.get("cursor"))
+        if isinstance(nxt, int) and not isinstance(nxt, bool):
+            cursor = nxt
+    if not isinstance(items, list):
+        return [], cursor
+    out: list[EvictionEvent] = []
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        seq = item.get("seq")
+        kind = item.get("type")
+        if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(kind, str):
+            continue
+        kind = kind.lower()
+        if "announce" in kind:
+            out.append(EvictionEvent(seq=seq, kind="announced"))
+        elif "done" in kind or "complete" in kind:
+            out.append(EvictionEvent(seq=seq, kind="done"))
+    out.sort(key=lambda e: e.seq)
+    return out, cursor

@@ -1,0 +1,305 @@
+"""Watches the inference nodes: models, health, load and eviction announcements.
+
+Per node, three small loops on the gateway's event loop, each bounded by a timeout:
+
+* **health** every ``nodes.health_interval_s``: ``GET /health``. ``unhealthy_after``
+  failures in a row take the node out (``controller.set_healthy(False)``), which also
+  shrinks the admission budget; ``healthy_after`` passes in a row bring it back and
+  re-read its models. The watcher only announces its own transitions, so a node the
+  controller ejected for failing requests stays out until the ejection expires; a
+  node the watcher sees failing is held out even if an ejection expires meanwhile.
+* **load** every ``nodes.metrics_interval_s``: ``GET /metrics`` -> ``on_load_report``.
+* **evictions** every ``nodes.evictions_interval_s``: ``GET /kvgate/evictions?since=N``
+  -> ``on_eviction_warning`` / ``on_eviction_done``; a 404 stops polling that node.
+
+Models come from ``GET /v1/models`` (ids and vLLM's ``max_model_len``) at start-up
+and whenever a node comes back. All controller calls happen on the loop thread,
+between awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvgate.core.controller import Controller
+from kvgate.core.ids import NodeId
+from kvgate.core.nodes import NodeSpec
+from kvgate.gateway.config import NodeConfig, NodesConfig
+from kvgate.gateway.node_probe import ModelInfo, parse_evictions, parse_load, parse_models
+from kvgate.gateway.upstream import Upstream
+
+log = logging.getLogger("kvgate.gateway.nodes")
+
+DEFAULT_MAX_MODEL_LEN = 131_072
+
+
+@dataclass(slots=True)
+class NodeRuntime:
+    """The watcher's view of one node (the controller keeps the routing view)."""
+
+    config: NodeConfig
+    headers: dict[str, str]
+    watch_healthy: bool = True
+    fails: int = 0
+    passes: int = 0
+    models: ModelInfo | None = None
+    evictions_supported: bool = True
+    eviction_cursor: int = 0
+    last_seq: int = -1
+    errors: Counter[str] = field(default_factory=Counter)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def node_id(self) -> NodeId:
+        return NodeId(self.config.id)
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+
+class NodeWatcher:
+    def __init__(
+        self,
+        controller: Controller,
+        config: NodesConfig,
+        upstream: Upstream,
+        clock: Callable[[], float],
+    ) -> None:
+        self.controller = controller
+        self.config = config
+        self.upstream = upstream
+        self.clock = clock
+        self.nodes: dict[NodeId, NodeRuntime] = {}
+        self._stopped = False
+
+    # ------------------------------------------------------------------ membership
+    async def start(self) -> None:
+        """Register the configured nodes, probe them once (bounded), start the loops."""
+        runtimes = [self._register(cfg) for cfg in self.config.static]
+        if runtimes:
+            probes = [asyncio.ensure_future(self._first_probe(rt)) for rt in runtimes]
+            _, pending = await asyncio.wait(probes, timeout=self.config.startup_probe_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*probes, return_exceptions=True)
+            for rt in runtimes:
+                if not rt.passes:  # failed or did not answer in time: out until it passes
+                    self._mark(rt, healthy=False)
+        for rt in runtimes:
+            self._spawn(rt)
+
+    async def add(self, config: NodeConfig) -> NodeRuntime:
+        """Add a node at run time (admin API): probe it once, then watch it."""
+        if NodeId(config.id) in self.nodes:
+            await self.remove(NodeId(config.id))
+        rt = self._register(config)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.startup_probe_timeout_s):
+                await self._first_probe(rt)
+        if not rt.passes:
+            self._mark(rt, healthy=False)
+        self._spawn(rt)
+        return rt
+
+    async def remove(self, node_id: NodeId) -> bool:
+        rt = self.nodes.pop(node_id, None)
+        if rt is None:
+            return False
+        await _cancel(rt.tasks)
+        self.controller.remove_node(node_id, self.clock())
+        return True
+
+    async def stop(self) -> None:
+        self._stopped = True
+        await _cancel([t for rt in self.nodes.values() for t in rt.tasks])
+
+    def get(self, node_id: str) -> NodeRuntime | None:
+        return self.nodes.get(NodeId(node_id))
+
+    def _register(self, config: NodeConfig) -> NodeRuntime:
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        rt = NodeRuntime(config=config, headers=headers)
+        self.nodes[rt.node_id] = rt
+        self.controller.add_node(self._spec(rt), self.clock())
+        return rt
+
+    def _spec(self, rt: NodeRuntime) -> NodeSpec:
+        cfg, info = rt.config, rt.models
+        models = cfg.models or (info.ids if info is not None else ())
+        mml = cfg.max_model_len or (info.max_model_len if info is not None else None)
+        return NodeSpec(
+            node_id=rt.node_id,
+            models=frozenset(models),
+            max_model_len=mml or DEFAULT_MAX_MODEL_LEN,
+            capacity=cfg.capacity,
+            cache_blocks=cfg.cache_blocks,
+        )
+
+    def _spawn(self, rt: NodeRuntime) -> None:
+        c = self.config
+        rt.tasks = [
+            asyncio.ensure_future(self._every(c.health_interval_s, rt, self.check_health)),
+            asyncio.ensure_future(self._every(c.metrics_interval_s, rt, self.scrape)),
+            asyncio.ensure_future(self._every(c.evictions_interval_s, rt, self.poll_evictions)),
+        ]
+
+    async def _every(
+        self, interval: float, rt: NodeRuntime, probe: Callable[[NodeRuntime], Awaitable[None]]
+    ) -> None:
+        while not self._stopped:
+            await asyncio.sleep(interval)
+            try:
+                await probe(rt)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a probe bug must not kill the loop
+                log.exception("probe of node %s failed", rt.node_id)
+
+    async def _first_probe(self, rt: NodeRuntime) -> None:
+        await asyncio.gather(self.check_health(rt, first=True), self.discover(rt), self.scrape(rt))
+
+    # ------------------------------------------------------------------ probes
+    async def _get(self, rt: NodeRuntime, path: str, timeout: float) -> tuple[int, bytes] | None:
+        try:
+            async with self.upstream.probe_session.get(
+                rt.url + path, headers=rt.headers,
+                timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False,
+            ) as resp:
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
+
+    async def check_health(self, rt: NodeRuntime, *, first: bool = False) -> None:
+        got = await self._get(rt, "/health", self.config.health_timeout_s)
+        if got is not None and got[0] == 200:
+            rt.fails = 0
+            rt.passes += 1
+            if not rt.watch_healthy and rt.passes >= self.config.healthy_after:
+                await self.discover(rt)
+                self._mark(rt, healthy=True)
+            elif rt.models is None and not first:
+                await self.discover(rt)
+            return
+        rt.errors["health"] += 1
+        rt.passes = 0
+        rt.fails += 1
+        if rt.watch_healthy and rt.fails >= self.config.unhealthy_after:
+            self._mark(rt, healthy=False)
+        elif not rt.watch_healthy:
+            self._mark(rt, healthy=False)  # re-assert over an expired ejection
+
+    def _mark(self, rt: NodeRuntime, *, healthy: bool) -> None:
+        if rt.watch_healthy != healthy:
+            log.warning("node %s is %s", rt.node_id, "back" if healthy else "unhealthy")
+        rt.watch_healthy = healthy
+        if rt.node_id in self.nodes:
+            self.controller.set_healthy(rt.node_id, healthy, self.clock())
+
+    async def discover(self, rt: NodeRuntime) -> None:
+        got = await self._get(rt, "/v1/models", self.config.health_timeout_s)
+        info = parse_models(_json(got[1])) if got is not None and got[0] == 200 else None
+        if info is None:
+            rt.errors["models"] += 1
+            return
+        rt.models = info
+        if rt.node_id in self.nodes:
+            spec = self._spec(rt)
+            state = self.controller.nodes.get(rt.node_id)
+            if state is None or state.spec != spec:
+                self.controller.add_node(spec, self.clock())
+
+    async def scrape(self, rt: NodeRuntime) -> None:
+        got = await self._get(rt, "/metrics", self.config.metrics_timeout_s)
+        sample = None
+        if got is not None and got[0] == 200:
+            sample = parse_load(got[1].decode("utf-8", "replace"))
+        if sample is None:
+            rt.errors["metrics"] += 1
+            return
+        self.controller.on_load_report(
+            rt.node_id, waiting=sample.waiting, running=sample.running, kv_util=sample.kv_util,
+            now=self.clock(),
+        )
+
+    async def poll_evictions(self, rt: NodeRuntime) -> None:
+        if not rt.evictions_supported:
+            return
+        got = await self._get(rt, f"/kvgate/evictions?since={rt.eviction_cursor}",
+                              self.config.metrics_timeout_s)
+        if got is None or got[0] != 200:
+            if got is not None and got[0] in (404, 405):
+                rt.evictions_supported = False
+            else:
+                rt.errors["evictions"] += 1
+            return
+        events, cursor = parse_evictions(_json(got[1]))
+        now = self.clock()
+        for ev in events:
+            if ev.seq <= rt.last_seq:
+                continue
+            rt.last_seq = ev.seq
+            if ev.kind == "announced":
+                self.controller.on_eviction_warning(rt.node_id, now)
+            else:
+                self.controller.on_eviction_done(rt.node_id, now)
+        rt.eviction_cursor = cursor if cursor is not None else max(rt.eviction_cursor,
+                                                                   rt.last_seq)
+
+    # ------------------------------------------------------------------ views
+    def model_entries(self) -> list[dict[str, Any]]:
+        """The union of the models of healthy nodes (of all nodes if none is healthy)."""
+        healthy = [rt for rt in self.nodes.values() if self._healthy(rt)]
+        merged: dict[str, dict[str, Any]] = {}
+        for rt in healthy or list(self.nodes.values()):
+            entries = rt.models.entries if rt.models is not None else ()
+            if not entries:
+                entries = tuple({"id": m} for m in rt.config.models)
+            for e in entries:
+                cur = merged.setdefault(e["id"], dict(e))
+                mml, other = cur.get("max_model_len"), e.get("max_model_len")
+                if isinstance(mml, int) and isinstance(other, int):
+                    cur["max_model_len"] = max(mml, other)
+        return [merged[k] for k in sorted(merged)]
+
+    def serves(self, model: str) -> bool:
+        """False only when every node's model list is known and none has ``model``."""
+        return any(s.serves(model) for s in self.controller.nodes) or not len(
+            self.controller.nodes
+        )
+
+    def _healthy(self, rt: NodeRuntime) -> bool:
+        state = self.controller.nodes.get(rt.node_id)
+        return state is not None and state.healthy and not state.draining
+
+    def healthy_count(self) -> int:
+        return sum(1 for rt in self.nodes.values() if self._healthy(rt))
+
+    def error_counts(self) -> Iterator[tuple[str, str, int]]:
+        for node_id in sorted(self.nodes):
+            for kind, n in sorted(self.nodes[node_id].errors.items()):
+                yield node_id, kind, n
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t

@@ -1,0 +1,166 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: from HTTP to the core.
+
+One request, in order (each step a 4xx when it fails, never a 500):
+
+1. read the body (413 past ``server.client_max_size``, 408 past
+   ``server.body_timeout_s``);
+2. identify the caller (401 with auth on and a bad key);
+3. validate the body with :mod:`kvgate.protocol` (400 with OpenAI's ``param``);
+4. resolve the priority (header over body, capped by the key), check the model
+   exists somewhere (404), read ``X-Kvgate-Exclude-Node``;
+5. build the core's ``RequestArrived`` (the prompt, or the chat messages, salted
+   with ``cache_salt`` so salted requests never share a prefix with unsalted ones;
+   token-id prompts as their decimal text with the exact token count) and the body
+   to send upstream (``priority`` written in; ``stream_options.include_usage`` asked
+   for on streams so the engine's ``cached_tokens`` reaches the gateway);
+6. hand both to :class:`~kvgate.gateway.relay.Relay`, which admits, routes, sends,
+   retries and streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from kvgate.core.errors import ClientRequestError
+from kvgate.core.events import RequestArrived
+from kvgate.core.ids import NodeId, RequestId
+from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.errors import REQUEST_ID_HEADER
+from kvgate.gateway.identity import PRIORITY_HEADER, Authenticator
+from kvgate.gateway.node_watcher import NodeWatcher
+from kvgate.gateway.relay import Flight, Relay
+from kvgate.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+    with_fields,
+)
+
+EXCLUDE_HEADER = "X-Kvgate-Exclude-Node"
+# Client headers worth passing to the engine (tracing and vLLM's session affinity).
+FORWARDED_HEADERS = ("X-Session-ID", "traceparent", "tracestate", "baggage")
+SALT_ROLE = "\x00cache_salt"
+MAX_REQUEST_ID_LEN = 128
+
+
+class ModelNotFoundError(ClientRequestError):
+    http_status = 404
+
+
+class RequestTimeoutError(ClientRequestError):
+    http_status = 408
+
+
+class CompletionsHandler:
+    """The two OpenAI endpoints; stateless apart from the parts it is given."""
+
+    def __init__(
+        self, config: GatewayConfig, auth: Authenticator, watcher: NodeWatcher, relay: Relay
+    ) -> None:
+        self.config = config
+        self.auth = auth
+        self.watcher = watcher
+        self.relay = relay
+        self._max_body = config.server.client_max_size
+        self._body_timeout = config.server.body_timeout_s
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            async with asyncio.timeout(self._body_timeout):
+                body = await request.read()
+        except TimeoutError as exc:
+            raise RequestTimeoutError(
+                "Timed out reading the request body.", code="request_timeout"
+            ) from exc
+        identity = self.auth.identify(request.headers)
+        parsed: ChatRequest | CompletionRequest
+        if chat:
+            parsed = parse_chat_request(body, max_body_bytes=self._max_body)
+        else:
+            parsed = parse_completion_request(body, max_body_bytes=self._max_body)
+        priority = self.auth.priority(
+            identity, request.headers.get(PRIORITY_HEADER), parsed.priority
+        )
+        if not self.watcher.serves(parsed.model):
+            raise ModelNotFoundError(
+                f"The model `{parsed.model}` does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        rid = RequestId("kvg-" + uuid.uuid4().hex)
+        client_rid = _client_request_id(request.headers.get(REQUEST_ID_HEADER)) or rid
+        prompt_form = _prompt_form(parsed)
+        arrived = RequestArrived(
+            request_id=rid,
+            tenant=identity.tenant,
+            priority=priority,
+            bypass=identity.bypass,
+            model=parsed.model,
+            max_tokens=parsed.max_tokens or self.config.routing.default_max_tokens,
+            excluded_nodes=_excluded(request.headers.get(EXCLUDE_HEADER)),
+            **prompt_form,
+        )
+        edits: dict[str, Any] = {}
+        if self.config.upstream.forward_priority and parsed.raw.get("priority") != priority:
+            edits["priority"] = priority
+        if parsed.stream and not parsed.include_usage:
+            edits["stream_options"] = {"include_usage": True}
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream" if parsed.stream else "application/json",
+            REQUEST_ID_HEADER: client_rid,
+        }
+        for name in FORWARDED_HEADERS:
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        flight = Flight(
+            rid=rid,
+            client_rid=client_rid,
+            path="/v1/chat/completions" if chat else "/v1/completions",
+            body=with_fields(parsed.raw, **edits) if edits else body,
+            stream=parsed.stream,
+            wants_usage=parsed.include_usage,
+            headers=headers,
+        )
+        return await self.relay.run(request, flight, arrived)
+
+
+def _prompt_form(parsed: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    salt = parsed.cache_salt
+    if isinstance(parsed, ChatRequest):
+        messages = parsed.messages
+        if salt is not None:
+            messages = ((SALT_ROLE, salt), *messages)
+        return {"messages": messages}
+    head = f"{SALT_ROLE}{salt}\x00" if salt is not None else ""
+    if parsed.prompt_text is not None:
+        return {"prompt": head + parsed.prompt_text}
+    ids = parsed.prompt_token_ids or ()
+    return {"prompt": head + " ".join(map(str, ids)), "prompt_tokens": len(ids)}
+
+
+def _excluded(header: str | None) -> frozenset[NodeId]:
+    if not header:
+        return frozenset()
+    return frozenset(NodeId(p.strip()) for p in header.split(",") if p.strip())
+
+
+def _client_request_id(value: str | None) -> str | None:
+    """The client's X-Request-Id if it is short and printable ASCII, else None."""
+    if not value or len(value) > MAX_REQUEST_ID_LEN:
+        return None
+    if not value.isascii() or not value.isprintable():
+        return None
+    return value

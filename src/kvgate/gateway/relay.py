@@ -1,0 +1,331 @@
+"""Carry a request through admission, the node attempts and back to the client.
+
+The loop over decisions (:meth:`Relay.run`)::
+
+    admit ─► Reject / Fail ─────────────────────────► error response (no retry)
+          └► Dispatch ─► attempt ─► 2xx ─► relay ────► on_finished(cached_tokens)
+                                 └► failure before the first byte ─► on_failed
+                                       └► Dispatch (the one retry) ─► attempt ...
+                                       └► Fail / Reject ─► error response
+
+"First byte" is the first body chunk of a stream: the client has seen nothing
+before it (and ``on_first_byte`` feeds the P0 TTFT SLO from it). A non-streamed
+answer has no such moment; a failure while reading it is reported as after the
+first byte (work was done, no retry). After the first byte of a stream a failure
+ends it with an OpenAI error event and ``data: [DONE]``.
+
+Every admitted request ends in exactly one terminal core call: ``on_finished``,
+a final ``on_failed`` or, from the ``finally`` of :meth:`Relay.run`, ``on_cancelled``
+(client gone, or any error of ours). The upstream response is released when it was
+read to the end and closed otherwise, which aborts the request at the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from kvgate.core.admission import FailureKind
+from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
+from kvgate.core.errors import InvariantViolation
+from kvgate.core.events import RequestArrived
+from kvgate.core.ids import NodeId, RequestId
+from kvgate.gateway.driver import Driver
+from kvgate.gateway.errors import (
+    NODE_HEADER,
+    REASON_HEADER,
+    REQUEST_ID_HEADER,
+    fail_response,
+    reject_response,
+)
+from kvgate.gateway.metrics_text import GatewayMetrics
+from kvgate.gateway.node_watcher import NodeWatcher
+from kvgate.gateway.upstream import Upstream, classify_exception, classify_status
+from kvgate.protocol import (
+    DONE_EVENT,
+    ProtocolError,
+    SSEParser,
+    cached_tokens,
+    error_event,
+    is_error_chunk,
+    is_usage_only_chunk,
+)
+
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error body passed through
+
+
+@dataclass(slots=True)
+class Flight:
+    """One client request on its way through the gateway."""
+
+    rid: RequestId  # the core's id (ours, unique)
+    client_rid: str  # X-Request-Id forwarded to the node and echoed
+    path: str
+    body: bytes  # what is sent upstream
+    stream: bool
+    wants_usage: bool  # the client asked for the usage chunk itself
+    headers: dict[str, str]
+    done: bool = False  # the core has seen this request's terminal event
+    node: NodeId | None = None
+    reason: str = ""
+
+
+class StreamFilter:
+    """SSE events in, bytes to forward out; takes the usage chunk's cached_tokens and
+    drops that chunk when the gateway (not the client) asked for it."""
+
+    __slots__ = ("_parser", "cached", "done", "saw_error", "wants_usage")
+
+    def __init__(self, wants_usage: bool) -> None:
+        self._parser = SSEParser()
+        self.wants_usage = wants_usage
+        self.cached: int | None = None
+        self.done = False
+        self.saw_error = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        out: list[bytes] = []
+        for ev in self._parser.feed(chunk):
+            if self.done:
+                continue
+            if ev.is_done:
+                self.done = True
+                out.append(ev.raw)
+                continue
+            data = ev.data
+            if '"usage"' in data or '"error"' in data:
+                obj = ev.json()
+                if obj is not None:
+                    if is_error_chunk(obj):
+                        self.saw_error = True
+                    got = cached_tokens(obj)
+                    if got is not None:
+                        self.cached = got
+                    if not self.wants_usage and is_usage_only_chunk(obj):
+                        continue
+            out.append(ev.raw)
+        return b"".join(out)
+
+
+class Relay:
+    def __init__(
+        self,
+        driver: Driver,
+        watcher: NodeWatcher,
+        upstream: Upstream,
+        metrics: GatewayMetrics,
+        *,
+        route_headers: bool,
+    ) -> None:
+        self.driver = driver
+        self.watcher = watcher
+        self.upstream = upstream
+        self.metrics = metrics
+        self.route_headers = route_headers
+        self.max_response_bytes = upstream.config.max_response_bytes
+
+    async def run(
+        self, request: web.Request, flight: Flight, arrived: RequestArrived
+    ) -> web.StreamResponse:
+        try:
+            decision = await self.driver.admit(arrived)
+            while True:
+                if isinstance(decision, Reject):
+                    flight.done = True
+                    headers = self._headers(flight)
+                    if flight.node is not None:  # the retry found no node: name the failed one
+                        headers[NODE_HEADER] = flight.node
+                    return reject_response(decision.rejected, headers)
+                if isinstance(decision, Fail):
+                    flight.done = True
+                    return fail_response(decision, {REQUEST_ID_HEADER: flight.client_rid})
+                if not isinstance(decision, Dispatch):
+                    raise InvariantViolation(f"unexpected decision {decision!r}")
+                result = await self._attempt(request, flight, decision)
+                if isinstance(result, web.StreamResponse):
+                    return result
+                decision = result
+        except asyncio.CancelledError:  # the client went away (handler cancellation)
+            self.metrics.client_disconnects += 1
+            raise
+        finally:
+            if not flight.done:
+                flight.done = True
+                self.driver.cancel(flight.rid)
+
+    def _headers(self, flight: Flight) -> dict[str, str]:
+        headers = {REQUEST_ID_HEADER: flight.client_rid}
+        if self.route_headers and flight.node is not None:
+            headers[NODE_HEADER] = flight.node
+            headers[REASON_HEADER] = flight.reason
+        return headers
+
+    def _next(self, flight: Flight, kind: FailureKind, *, before_first_byte: bool = True
+              ) -> Decision:
+        """Report a failed attempt; the request's next decision."""
+        d = self.driver.failed(flight.rid, kind, before_first_byte=before_first_byte)
+        if d is None:  # the core no longer knows the request: nothing to retry
+            flight.done = True
+            return Fail(request_id=flight.rid, reason=kind.value, node_id=flight.node)
+        if isinstance(d, Dispatch) and not before_first_byte:  # never: no retry after bytes
+            self.driver.cancel(flight.rid)
+            flight.done = True
+            return Fail(request_id=flight.rid, reason=kind.value, node_id=flight.node)
+        return d
+
+    async def _attempt(
+        self, request: web.Request, flight: Flight, dispatch: Dispatch
+    ) -> web.StreamResponse | Decision:
+        flight.node = dispatch.node_id
+        flight.reason = dispatch.route.reason.value
+        self.metrics.attempts[dispatch.node_id] += 1
+        rt = self.watcher.get(dispatch.node_id)
+        if rt is None:  # removed between the decision and now
+            return self._next(flight, FailureKind.CONNECT_ERROR)
+        headers = {**flight.headers, **rt.headers}
+        try:
+            resp = await self.upstream.post(
+                rt.url + flight.path, flight.body, headers, stream=flight.stream
+            )
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            return self._next(flight, classify_exception(exc))
+        clean = False
+        try:
+            if resp.status >= 300:
+                result = await self._upstream_error(flight, resp)
+            elif flight.stream and resp.content_type == "text/event-stream":
+                result = await self._relay_stream(request, flight, resp)
+            else:
+                result = await self._relay_unary(flight, resp)
+            clean = resp.content.at_eof()
+            return result
+        finally:
+            if clean:
+                resp.release()
+            else:
+                resp.close()  # aborts the engine's work on this request
+
+    async def _upstream_error(
+        self, flight: Flight, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse | Decision:
+        kind = classify_status(resp.status, resp.headers)
+        try:
+            async with asyncio.timeout(self.upstream.config.connect_timeout_s):
+                body, _ = await _read_limited(resp.content, ERROR_BODY_LIMIT)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            body = b""
+        decision = self._next(flight, kind)
+        if isinstance(decision, Fail) and kind in (
+            FailureKind.CLIENT_ERROR, FailureKind.UPSTREAM_ERROR
+        ) and body:
+            flight.done = True  # the engine's own error body, passed through
+            headers = self._headers(flight)
+            headers[NODE_HEADER] = decision.node_id or flight.node or ""
+            headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
+            return web.Response(status=resp.status, body=body, headers=headers)
+        return decision
+
+    async def _relay_unary(
+        self, flight: Flight, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse | Decision:
+        # No on_first_byte here: a non-streamed answer arrives whole, and its latency
+        # is not a time to first token (it would skew the P0 TTFT SLO loop).
+        try:
+            body, complete = await _read_limited(resp.content, self.max_response_bytes)
+            if not complete:
+                raise aiohttp.ClientPayloadError("response too large")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return self._next(flight, classify_exception(exc), before_first_byte=False)
+        cached = None
+        if resp.content_type == "application/json":
+            try:
+                obj = json.loads(body)
+            except (ValueError, RecursionError):
+                obj = None
+            if isinstance(obj, dict):
+                cached = cached_tokens(obj)
+        flight.done = True
+        self.driver.finish(flight.rid, cached)
+        headers = self._headers(flight)
+        headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
+        return web.Response(status=resp.status, body=body, headers=headers)
+
+    async def _relay_stream(
+        self, request: web.Request, flight: Flight, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse | Decision:
+        content = resp.content
+        try:
+            chunk = await content.readany()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return self._next(flight, classify_exception(exc))
+        if not chunk:
+            return self._next(flight, FailureKind.UPSTREAM_ERROR)
+        self.driver.first_byte(flight.rid)
+        headers = self._headers(flight)
+        headers["Content-Type"] = resp.headers.get("Content-Type", "text/event-stream")
+        headers["Cache-Control"] = "no-cache"
+        out = web.StreamResponse(status=200, headers=headers)
+        try:
+            await self._pump(request, flight, content, chunk, out)
+        except ConnectionResetError:  # the client went away; run() forgets the request
+            self.metrics.client_disconnects += 1
+        return out  # already prepared: aiohttp only finishes it
+
+    async def _pump(self, request: web.Request, flight: Flight, content: aiohttp.StreamReader,
+                    chunk: bytes, out: web.StreamResponse) -> None:
+        await out.prepare(request)
+        filt = StreamFilter(flight.wants_usage)
+        failure: FailureKind | None = None
+        while True:
+            try:
+                data = filt.feed(chunk)
+            except ProtocolError:  # an oversized event: the engine misbehaves
+                failure = FailureKind.UPSTREAM_ERROR
+                break
+            if data:
+                await out.write(data)
+            if filt.done:
+                break
+            try:
+                chunk = await content.readany()
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                failure = classify_exception(exc)
+                break
+            if not chunk:  # EOF without [DONE]
+                failure = FailureKind.UPSTREAM_ERROR
+                break
+        flight.done = True
+        if failure is None and not filt.saw_error:
+            self.driver.finish(flight.rid, filt.cached)
+        else:
+            self._next(flight, failure or FailureKind.UPSTREAM_ERROR, before_first_byte=False)
+            if not filt.done:
+                if filt.saw_error:  # the engine's error event went out already
+                    await out.write(DONE_EVENT)
+                else:
+                    await out.write(error_event(
+                        f"The inference node {flight.node} failed during generation.",
+                        code="upstream_error",
+                    ))
+        await out.write_eof()
+        if filt.done and not content.at_eof():
+            # Read the chunked terminator so the connection goes back to the pool.
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                async with asyncio.timeout(0.1):
+                    await _read_limited(content, ERROR_BODY_LIMIT)
+
+
+async def _read_limited(content: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:
+    """Up to ``limit`` bytes; (data, True) if that was the whole body."""
+    buf = bytearray()
+    while len(buf) <= limit:
+        chunk = await content.read(65536)
+        if not chunk:
+            return bytes(buf), True
+        buf += chunk
+    return bytes(buf[:limit]), False

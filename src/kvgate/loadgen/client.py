@@ -1,0 +1,219 @@
+"""One timed request to an OpenAI-compatible server (completions or chat).
+
+Streaming (the default) reads the Server-Sent Events byte stream itself: each
+``data:`` line is a JSON chunk; a chunk whose choices carry non-empty ``text``
+(completions) or ``delta.content`` / ``delta.reasoning_content`` (chat) is a *token
+chunk*, timed when its bytes arrive. ``stream_options.include_usage`` is requested so
+the final chunk carries ``usage`` (prompt, completion and
+``prompt_tokens_details.cached_tokens``; vLLM reports the last one only when started
+with ``--enable-prompt-tokens-details``). Without usage, output tokens = token chunks.
+
+Without streaming there is no TTFT or ITL; E2E is the time to the full response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvgate.loadgen.report import RequestResult
+
+ENDPOINTS = ("completions", "chat")
+
+
+def v1_base(base_url: str) -> str:
+    """``http://h:8000`` or ``http://h:8000/v1`` -> ``http://h:8000/v1``."""
+    base = base_url.rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+def endpoint_url(base_url: str, endpoint: str) -> str:
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {endpoint!r}")
+    path = "/completions" if endpoint == "completions" else "/chat/completions"
+    return v1_base(base_url) + path
+
+
+async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    """The first model id listed by ``GET /v1/models``."""
+    async with session.get(v1_base(base_url) + "/models") as resp:
+        if resp.status != 200:
+            body = (await resp.text())[:200]
+            raise RuntimeError(f"GET /v1/models returned HTTP {resp.status}: {body}")
+        data = await resp.json(content_type=None)
+    models = data.get("data") if isinstance(data, dict) else None
+    first = models[0] if isinstance(models, list) and models else None
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+        raise RuntimeError("GET /v1/models listed no models; pass --model")
+    return str(first["id"])
+
+
+def build_payload(
+    *,
+    endpoint: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    stream: bool = True,
+    ignore_eos: bool = False,
+    temperature: float = 0.0,
+) -> dict[str, object]:
+    """The JSON body of one request (``ignore_eos`` is a vLLM/SGLang extension)."""
+    body: dict[str, object] = {"model": model, "max_tokens": max_tokens,
+                               "temperature": temperature, "stream": stream}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+@dataclass(slots=True)
+class _StreamState:
+    sent: float
+    last: float | None = None
+    ttft: float | None = None
+    chunks: int = 0
+    itl: list[float] = field(default_factory=list)
+    usage: dict[str, object] | None = None
+    error: str = ""
+
+
+def _choice_text(choice: object) -> str:
+    if not isinstance(choice, dict):
+        return ""
+    text = choice.get("text")
+    if isinstance(text, str) and text:
+        return text
+    for key in ("delta", "message"):
+        part = choice.get(key)
+        if isinstance(part, dict):
+            for k in ("content", "reasoning_content"):
+                v = part.get(k)
+                if isinstance(v, str) and v:
+                    return v
+    return ""
+
+
+def _on_event(st: _StreamState, data: bytes, now: float) -> bool:
+    """Handle one ``data:`` payload; False at ``[DONE]``."""
+    if data == b"[DONE]":
+        return False
+    obj = json.loads(data)
+    if not isinstance(obj, dict):
+        raise ValueError("stream chunk is not a JSON object")
+    if "error" in obj:
+        st.error = json.dumps(obj["error"])[:300]
+        return False
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        st.usage = usage
+    choices = obj.get("choices")
+    if isinstance(choices, list) and any(_choice_text(c) for c in choices):
+        if st.last is None:
+            st.ttft = now - st.sent
+        else:
+            st.itl.append(now - st.last)
+        st.last = now
+        st.chunks += 1
+    return True
+
+
+def _usage_int(usage: dict[str, object] | None, key: str) -> int | None:
+    v = usage.get(key) if usage else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _cached(usage: dict[str, object] | None) -> int | None:
+    details = usage.get("prompt_tokens_details") if usage else None
+    return _usage_int(details, "cached_tokens") if isinstance(details, dict) else None
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, st: _StreamState) -> None:
+    buf = bytearray()
+    async for data in resp.content.iter_any():
+        now = time.perf_counter()
+        buf.extend(data)
+        while (nl := buf.find(b"\n")) >= 0:
+            line = bytes(buf[:nl]).strip()
+            del buf[: nl + 1]
+            if line.startswith(b"data:") and not _on_event(st, line[5:].strip(), now):
+                return
+    tail = bytes(buf).strip()
+    if tail.startswith(b"data:"):
+        _on_event(st, tail[5:].strip(), time.perf_counter())
+
+
+async def send_request(
+    session: aiohttp.ClientSession,
+    *,
+    url: str,
+    payload: dict[str, object],
+    request_id: str,
+    prompt_tokens: int,
+    t0: float,
+) -> RequestResult:
+    """POST ``payload`` to ``url`` and time it; never raises except on cancellation.
+
+    ``prompt_tokens`` is the estimate used when the server reports no usage; ``t0`` is
+    the ``time.perf_counter()`` of the benchmark start.
+    """
+    stream = bool(payload.get("stream"))
+    res = RequestResult(request_id=request_id, success=False, status=0,
+                        prompt_tokens=prompt_tokens)
+    st = _StreamState(sent=time.perf_counter())
+    res.start_s = st.sent - t0
+    try:
+        async with session.post(url, json=payload) as resp:
+            res.status = resp.status
+            if resp.status != 200:
+                res.error = "http"
+                res.error_detail = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+            elif stream:
+                await _read_stream(resp, st)
+            else:
+                body = await resp.json(content_type=None)
+                if not isinstance(body, dict):
+                    raise ValueError("response is not a JSON object")
+                if "error" in body:
+                    st.error = json.dumps(body["error"])[:300]
+                usage = body.get("usage")
+                st.usage = usage if isinstance(usage, dict) else None
+                choices = body.get("choices")
+                if isinstance(choices, list) and any(_choice_text(c) for c in choices):
+                    st.chunks = 1
+    except TimeoutError as e:
+        res.error, res.error_detail = "timeout", f"timeout: {e!r}"[:300]
+    except aiohttp.ClientError as e:
+        res.error, res.error_detail = "connection", f"{type(e).__name__}: {e}"[:300]
+    except (ValueError, KeyError, TypeError) as e:  # JSON and shape problems
+        res.error, res.error_detail = "bad_response", f"{type(e).__name__}: {e}"[:300]
+    end = time.perf_counter()
+    res.end_s = end - t0
+    if res.error:
+        return res
+    if st.error:
+        res.error, res.error_detail = "stream_error", st.error
+        return res
+    completion = _usage_int(st.usage, "completion_tokens")
+    reported_prompt = _usage_int(st.usage, "prompt_tokens")
+    if reported_prompt is not None:
+        res.prompt_tokens, res.prompt_tokens_reported = reported_prompt, True
+    res.cached_tokens = _cached(st.usage)
+    res.output_tokens = completion if completion is not None else st.chunks
+    if st.chunks == 0 and not res.output_tokens:
+        res.error, res.error_detail = "empty_output", "the response carried no tokens"
+        return res
+    res.success = True
+    res.e2e_s = end - st.sent
+    if stream:
+        res.ttft_s = st.ttft
+        res.itl_s = st.itl
+    return res

@@ -1,0 +1,256 @@
+"""The OpenAI/vLLM surface of `kvgate engine`: real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvgate.engine.server_tokens import PromptTokenizer
+
+pytestmark = pytest.mark.asyncio
+
+MODEL = "kvgate-sim"
+
+
+async def test_completion_unary_shape_and_usage(start_server: Any,
+                                                http: aiohttp.ClientSession) -> None:
+    server = await start_server()
+    body = {"model": MODEL, "prompt": "Say hello to the simulated engine.", "max_tokens": 5}
+    async with http.post(f"{server.url}/v1/completions", json=body,
+                         headers={"X-Request-Id": "abc"}) as resp:
+        assert resp.status == 200
+        assert resp.headers["X-Request-Id"] == "cmpl-abc"
+        data = await resp.json()
+    assert data["object"] == "text_completion"
+    assert data["id"] == "cmpl-abc"
+    assert data["model"] == MODEL
+    (choice,) = data["choices"]
+    assert choice["finish_reason"] == "length"
+    assert len(choice["text"].split()) == 5
+    prompt_tokens = len(body["prompt"]) // 4 + 1  # 34 chars: ceil(34 / 4)
+    assert data["usage"] == {
+        "prompt_tokens": prompt_tokens, "completion_tokens": 5,
+        "total_tokens": prompt_tokens + 5, "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+async def test_completion_default_max_tokens_is_16(start_server: Any,
+                                                   http: aiohttp.ClientSession) -> None:
+    server = await start_server()
+    async with http.post(f"{server.url}/v1/completions",
+                         json={"model": MODEL, "prompt": "x"}) as resp:
+        data = await resp.json()
+    assert data["usage"]["completion_tokens"] == 16
+
+
+async def test_completion_stream_with_usage(start_server: Any, http: aiohttp.ClientSession,
+                                            read_sse: Any) -> None:
+    server = await start_server()
+    body = {"model": MODEL, "prompt": "stream me", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.post(f"{server.url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = await read_sse(resp)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 4
+    tokens = events[:-2]
+    assert len(tokens) == 4
+    assert all(t["object"] == "text_completion" for t in tokens)
+    assert [t["choices"][0]["finish_reason"] for t in tokens] == [None, None, None, "length"]
+    assert all(t["choices"][0]["text"].startswith(" ") for t in tokens)
+
+
+async def test_stream_without_include_usage_has_no_usage_chunk(
+    start_server: Any, http: aiohttp.ClientSession, read_sse: Any
+) -> None:
+    server = await start_server()
+    body = {"model": MODEL, "prompt": "p", "max_tokens": 2, "stream": True}
+    async with http.post(f"{server.url}/v1/completions", json=body) as resp:
+        events = await read_sse(resp)
+    assert len(events) == 3 and events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+
+
+async def test_chat_unary_and_stream(start_server: Any, http: aiohttp.ClientSession,
+                                     read_sse: Any) -> None:
+    server = await start_server()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    async with http.post(f"{server.url}/v1/chat/completions",
+                         json={"model": MODEL, "messages": messages, "max_tokens": 3}) as resp:
+        assert resp.status == 200
+        data = await resp.json()
+    assert data["object"] == "chat.completion"
+    assert data["id"].startswith("chatcmpl-")
+    message = data["choices"][0]["message"]
+    assert message["role"] == "assistant" and len(message["content"].split()) == 3
+    expected = PromptTokenizer(16).for_messages([("system", "be brief"), ("user", "hi")])
+    assert data["usage"]["prompt_tokens"] == expected.num_tokens
+
+    body = {"model": MODEL, "messages": messages, "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.post(f"{server.url}/v1/chat/completions", json=body) as resp:
+        events = await read_sse(resp)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    contents = [e["choices"][0]["delta"]["content"] for e in events[1:4]]
+    assert len(contents) == 3 and all(c.strip() for c in contents)
+    assert events[3]["choices"][0]["finish_reason"] == "length"
+    assert events[4]["usage"]["completion_tokens"] == 3 and events[4]["choices"] == []
+    assert events[5] == "[DONE]"
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:5])
+
+
+async def test_chat_default_max_tokens_is_256_clamped_to_model_len(
+    start_server: Any, http: aiohttp.ClientSession
+) -> None:
+    server = await start_server(max_model_len=64)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 100}]}
+    async with http.post(f"{server.url}/v1/chat/completions", json=body) as resp:
+        data = await resp.json()
+    usage = data["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+
+
+async def test_repeated_long_prompt_hits_the_cache_and_cuts_ttft(
+    start_server: Any, http: aiohttp.ClientSession, read_sse: Any
+) -> None:
+    server = await start_server(speedup=10.0)
+    prompt = "".join(f"line {i} of a long shared system prompt. " for i in range(800))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True}}
+    ttft: list[float] = []
+    cached: list[int] = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        async with http.post(f"{server.url}/v1/completions", json=body) as resp:
+            await resp.content.readuntil(b"\n\n")
+            ttft.append(time.perf_counter() - t0)
+            events = await read_sse(resp)
+        cached.append(events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"])
+        prompt_tokens = events[-2]["usage"]["prompt_tokens"]
+    assert cached[0] == 0
+    assert cached[1] == prompt_tokens // 16 * 16 or cached[1] >= prompt_tokens - 16
+    assert ttft[1] < ttft[0] / 2, ttft
+
+
+async def test_models(start_server: Any, http: aiohttp.ClientSession) -> None:
+    server = await start_server(num_blocks=100, block_size=16)
+    async with http.get(f"{server.url}/v1/models") as resp:
+        data = await resp.json()
+    assert data["object"] == "list"
+    (model,) = data["data"]
+    assert model["id"] == MODEL and model["object"] == "model"
+    assert model["owned_by"] == "kvgate" and model["max_model_len"] == 1600
+
+
+async def test_metrics_use_vllm_names(start_server: Any, http: aiohttp.ClientSession) -> None:
+    server = await start_server()
+    prompt = "a" * 400
+    for _ in range(2):
+        async with http.post(f"{server.url}/v1/completions",
+                             json={"model": MODEL, "prompt": prompt, "max_tokens": 2}) as resp:
+            assert resp.status == 200
+    async with http.get(f"{server.url}/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name_labels, value = line.rsplit(" ", 1)
+            samples[name_labels.split("{")[0]] = (name_labels, float(value))
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:request_success_total", "vllm:cache_config_info"):
+        assert name in samples, name
+        assert f'model_name="{MODEL}"' in samples[name][0]
+    assert samples["vllm:request_success_total"][1] == 2
+    assert samples["vllm:generation_tokens_total"][1] == 4
+    assert samples["vllm:prefix_cache_hits_total"][1] > 0
+    assert samples["vllm:num_requests_running"][1] == 0
+    assert "# TYPE vllm:prefix_cache_hits counter" in text
+
+
+async def test_tokenize_matches_usage(start_server: Any, http: aiohttp.ClientSession) -> None:
+    server = await start_server()
+    async with http.post(f"{server.url}/tokenize",
+                         json={"model": MODEL, "prompt": "abcdefghij"}) as resp:
+        data = await resp.json()
+    assert data["count"] == 3 and len(data["tokens"]) == 3
+    assert data["max_model_len"] == server.max_model_len
+    assert data["tokens"] == list(PromptTokenizer(16).for_prompt("abcdefghij").token_ids)
+    messages = [{"role": "user", "content": "what is a KV cache?"}]
+    async with http.post(f"{server.url}/tokenize", json={"messages": messages}) as resp:
+        chat_tokens = await resp.json()
+    async with http.post(f"{server.url}/v1/chat/completions",
+                         json={"model": MODEL, "messages": messages, "max_tokens": 1}) as resp:
+        usage = (await resp.json())["usage"]
+    assert chat_tokens["count"] == usage["prompt_tokens"]
+    async with http.post(f"{server.url}/tokenize", json={"prompt": 3}) as resp:
+        assert resp.status == 400
+    async with http.post(f"{server.url}/tokenize", json={"model": "nope", "prompt": "x"}) as resp:
+        assert resp.status == 404
+
+
+async def test_token_id_prompt(start_server: Any, http: aiohttp.ClientSession) -> None:
+    server = await start_server()
+    body = {"model": MODEL, "prompt": list(range(40)), "max_tokens": 1}
+    async with http.post(f"{server.url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["usage"]["prompt_tokens"] == 40
+    body["prompt"] = [2**40]
+    async with http.post(f"{server.url}/v1/completions", json=body) as resp:
+        assert resp.status == 400
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "status", "param"),
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b'{"model": "kvgate-sim"}', 400, "prompt"),
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "max_tokens": 0}', 400,
+         "max_tokens"),
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": ""}', 400, "prompt"),
+        ("/v1/chat/completions", b'{"model": "kvgate-sim", "messages": []}', 400, "messages"),
+        ("/v1/chat/completions",
+         b'{"model": "kvgate-sim", "messages": [{"role": "robot", "content": "x"}]}', 400,
+         "messages[0].role"),
+        ("/v1/completions", b'{"model": "other", "prompt": "x"}', 404, "model"),
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "max_tokens": 99999}', 400,
+         None),
+    ],
+)
+async def test_errors_are_openai_shaped(start_server: Any, http: aiohttp.ClientSession,
+                                        path: str, payload: bytes, status: int,
+                                        param: str | None) -> None:
+    server = await start_server()
+    async with http.post(f"{server.url}{path}", data=payload,
+                         headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == status
+        body = await resp.json()
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+async def test_body_size_limit(start_server: Any, http: aiohttp.ClientSession) -> None:
+    server = await start_server(max_body_bytes=4096)
+    body = {"model": MODEL, "prompt": "x" * 5000}
+    async with http.post(f"{server.url}/v1/completions", json=body) as resp:
+        assert resp.status == 413
+        assert (await resp.json())["error"]["code"] == "request_too_large"
+
+
+async def test_health(start_server: Any, http: aiohttp.ClientSession) -> None:
+    server = await start_server()
+    async with http.get(f"{server.url}/health") as resp:
+        assert resp.status == 200

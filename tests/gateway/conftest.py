@@ -1,0 +1,271 @@
+"""A stub vLLM and a gateway harness on real sockets, handed out as one `kit` fixture.
+
+The suite runs with --import-mode=importlib, so tests cannot import a helper module;
+`kit.run(coro)`, `kit.cluster(...)` and `kit.stub(...)` are what they use. Every test
+body runs in its own event loop under a hard timeout, and every session, runner and
+socket is closed on the way out (pytest turns ResourceWarnings into errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvgate.gateway import GatewayServer, start_gateway
+from kvgate.gateway.config_load import build_config
+
+T = TypeVar("T")
+MODEL = "stub-model"
+
+
+@dataclass
+class Seen:
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class StubEngine:
+    """Pretends to be vLLM's OpenAI server; behaviour set by `mode`.
+
+    modes: ok, 503, retry-elsewhere, pool-overloaded, 400, 500, die-mid-stream,
+    slow (a long stream / a long wait), hang (never answers).
+    """
+
+    name: str
+    models: tuple[str, ...] = (MODEL,)
+    max_model_len: int = 4096
+    mode: str = "ok"
+    cached: int | None = 16
+    healthy: bool = True
+    evictions: list[dict[str, Any]] | None = None  # None = no /kvgate/evictions (404)
+    waiting: int = 0
+    running: int = 0
+    kv: float = 0.25
+    seen: list[Seen] = field(default_factory=list)
+    disconnects: int = 0
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    @property
+    def attempts(self) -> int:
+        return sum(1 for s in self.seen if s.path.startswith("/v1/") and s.path != "/v1/models")
+
+    async def start(self) -> StubEngine:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/kvgate/evictions", self._evictions)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "owned_by": "vllm", "root": m,
+                 "max_model_len": self.max_model_len} for m in self.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = ["# HELP vllm:num_requests_running x", "# TYPE vllm:num_requests_running gauge"]
+        for engine in ("0", "1"):  # two DP ranks: counts sum, usage averages
+            lines.append(f'vllm:num_requests_running{{engine="{engine}",model_name="m"}} '
+                         f"{self.running / 2}")
+            lines.append(f'vllm:num_requests_waiting{{engine="{engine}",model_name="m"}} '
+                         f"{self.waiting / 2}")
+            lines.append(f'vllm:kv_cache_usage_perc{{engine="{engine}",model_name="m"}} {self.kv}')
+        return web.Response(text="\n".join(lines) + "\n")
+
+    async def _evictions(self, request: web.Request) -> web.Response:
+        if self.evictions is None:
+            raise web.HTTPNotFound()
+        since = int(request.query.get("since", "0"))
+        return web.json_response([e for e in self.evictions if e["seq"] > since])
+
+    def _usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": 100, "completion_tokens": 3,
+                                 "total_tokens": 103}
+        if self.cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached}
+        return usage
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(Seen(request.path, body, dict(request.headers)))
+        chat = request.path.endswith("chat/completions")
+        mode = self.mode
+        if mode in ("503", "retry-elsewhere", "pool-overloaded"):
+            headers = {} if mode == "503" else {"X-Kvgate-Reject": mode}
+            return web.json_response({"error": {"message": "busy", "type": "x", "code": 503}},
+                                     status=503, headers=headers)
+        if mode in ("400", "500"):
+            return web.json_response(
+                {"error": {"message": f"engine says {mode}", "type": "BadRequestError",
+                           "param": None, "code": int(mode)}}, status=int(mode))
+        try:
+            if mode == "hang":
+                await asyncio.sleep(30)
+            if body.get("stream"):
+                return await self._stream(request, body, chat)
+            if mode == "slow":
+                await asyncio.sleep(30)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            raise
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "hi there"}
+        else:
+            choice["text"] = "hi there"
+        return web.json_response({
+            "id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
+            "created": 1, "model": body["model"], "choices": [choice], "usage": self._usage(),
+        })
+
+    async def _stream(self, request: web.Request, body: dict[str, Any],
+                      chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = 200 if self.mode == "slow" else 3
+        for i in range(n):
+            choice: dict[str, Any] = {"index": 0, "finish_reason": None}
+            if chat:
+                choice["delta"] = {"content": f"t{i} "}
+            else:
+                choice["text"] = f"t{i} "
+            chunk = {"id": "c1", "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": 1, "model": body["model"], "choices": [choice]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if self.mode == "die-mid-stream" and i == 1:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            if self.mode == "slow":
+                await asyncio.sleep(0.05)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": "c1", "object": "x", "created": 1, "model": body["model"],
+                     "choices": [], "usage": self._usage()}
+            await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    gw: GatewayServer
+    stubs: list[StubEngine]
+    session: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.gw.url
+
+    def stub(self, node_id: str) -> StubEngine:
+        return next(s for s in self.stubs if s.name == node_id)
+
+    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None,
+                   ) -> tuple[int, dict[str, str], bytes]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.session.post(self.url + path, data=data, headers=headers) as r:
+            return r.status, dict(r.headers), await r.read()
+
+    async def get(self, path: str, headers: dict[str, str] | None = None
+                  ) -> tuple[int, dict[str, str], bytes]:
+        async with self.session.get(self.url + path, headers=headers) as r:
+            return r.status, dict(r.headers), await r.read()
+
+
+def make_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) -> Any:
+    raw: dict[str, dict[str, Any]] = {
+        "server": {"port": 0, "seed": 1, "shutdown_timeout_s": 0.5},
+        "nodes": {"static": node_list, "health_interval_s": 0.1, "health_timeout_s": 0.5,
+                  "metrics_interval_s": 0.1, "evictions_interval_s": 0.1,
+                  "unhealthy_after": 2, "healthy_after": 1, "startup_probe_timeout_s": 2.0},
+        "routing": {"params": {"epsilon": 0.0}},
+        "upstream": {"connect_timeout_s": 1.0, "request_timeout_s": 5.0,
+                     "stream_idle_timeout_s": 5.0},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return build_config(raw)
+
+
+@contextlib.asynccontextmanager
+async def cluster(n: int = 2, *, stub: dict[str, Any] | None = None,
+                  extra_nodes: list[dict[str, Any]] | None = None,
+                  **sections: dict[str, Any]) -> AsyncIterator[Cluster]:
+    stubs = [await StubEngine(name=f"n{i}", **(stub or {})).start() for i in range(n)]
+    session = aiohttp.ClientSession()
+    gw: GatewayServer | None = None
+    try:
+        nodes = [{"id": s.name, "url": s.url} for s in stubs] + (extra_nodes or [])
+        gw = await start_gateway(make_config(nodes, **sections))
+        yield Cluster(gw, stubs, session)
+    finally:
+        if gw is not None:
+            await gw.stop()
+        await session.close()
+        for s in stubs:
+            await s.stop()
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def run(coro: Awaitable[T], timeout: float = 20.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+class Kit:
+    MODEL = MODEL
+    StubEngine = StubEngine
+    run = staticmethod(run)
+    cluster = staticmethod(cluster)
+    config = staticmethod(make_config)
+    eventually = staticmethod(eventually)
+    closed_port = staticmethod(closed_port)
+
+
+@pytest.fixture
+def kit() -> type[Kit]:
+    return Kit

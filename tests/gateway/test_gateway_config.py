@@ -1,0 +1,170 @@
+"""Configuration: YAML < environment < flags, validation, and `kvgate serve`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate.core.errors import ConfigError
+from kvgate.gateway import GatewayConfig, add_serve_parser, load_config
+from kvgate.gateway.config_load import env_overrides
+from kvgate.gateway.serve import config_from_args
+
+YAML = """\
+server:
+  port: 1000
+  host: 0.0.0.0
+  admin_token: from-yaml-123
+nodes:
+  static:
+    - http://10.0.0.1:8000/v1/
+    - {id: b, url: "http://10.0.0.2:9000", capacity: 32, max_model_len: 4096}
+  metrics_interval_s: 0.5
+routing:
+  policy: least_loaded
+admission:
+  budget: 100
+  tenant_quotas: {acme: 8}
+auth:
+  keys:
+    sk-a: {tenant: acme, max_priority: 2}
+    sk-b: beta
+"""
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(YAML)
+    cfg = load_config(path, env={})
+    assert cfg.server.port == 1000 and cfg.server.host == "0.0.0.0"
+    assert [(n.id, n.url) for n in cfg.nodes.static] == [
+        ("10.0.0.1:8000", "http://10.0.0.1:8000"), ("b", "http://10.0.0.2:9000")]
+    assert cfg.nodes.static[1].capacity == 32 and cfg.nodes.static[1].max_model_len == 4096
+    assert cfg.routing.policy == "least_loaded"
+    assert cfg.admission.admission_config().tenant_quotas == {"acme": 8}
+    assert cfg.auth.keys["sk-a"].max_priority == 2 and cfg.auth.keys["sk-b"].tenant == "beta"
+
+    env = {"KVGATE_SERVER_PORT": "2000", "KVGATE_ADMISSION_BUDGET": "50",
+           "KVGATE_SERVER_ADMIN_TOKEN": "12345678", "KVGATE_SERVER_ROUTE_HEADERS": "false",
+           "KVGATE_NODES_STATIC": "[http://c:1, d=http://e:2]", "KVGATE_ENGINE_X": "ignored",
+           "OTHER": "1"}
+    cfg = load_config(path, env=env)
+    assert cfg.server.port == 2000 and cfg.admission.budget == 50
+    assert cfg.server.admin_token == "12345678"  # strings stay strings
+    assert cfg.server.route_headers is False
+    assert [n.id for n in cfg.nodes.static] == ["c:1", "d"]
+    assert cfg.server.host == "0.0.0.0"  # untouched keys keep the YAML value
+
+    args = _parse(["--config", str(path), "--port", "3000", "--node", "http://f:3",
+                   "--node", "g=http://h:4", "--budget", "7", "--policy", "round_robin",
+                   "--no-route-headers", "--metrics-interval", "0.2", "--log-level", "debug",
+                   "--admin-token", "flag-token-1"])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = config_from_args(args)
+    assert cfg.server.port == 3000 and cfg.admission.budget == 7
+    assert [n.id for n in cfg.nodes.static] == ["f:3", "g"]
+    assert cfg.routing.policy == "round_robin" and cfg.server.route_headers is False
+    assert cfg.nodes.metrics_interval_s == 0.2 and cfg.server.log_level == "debug"
+    assert cfg.server.admin_token == "flag-token-1"
+    assert cfg.controller_config().admission.budget == 7
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"server": {"port": 70000}}, "server.port"),
+    ({"server": {"prot": 1}}, "unknown key"),
+    ({"servr": {}}, "unknown section"),
+    ({"server": {"port": "80"}}, "must be an integer"),
+    ({"server": {"route_headers": "yes"}}, "true or false"),
+    ({"nodes": {"static": ["ftp://x"]}}, "http://host:port"),
+    ({"nodes": {"static": ["http://a:1", "http://a:1"]}}, "duplicate node id"),
+    ({"nodes": {"static": [{"id": "x"}]}}, "needs a url"),
+    ({"nodes": {"health_interval_s": 0}}, "must be > 0"),
+    ({"routing": {"policy": "magic"}}, "unknown routing policy"),
+    ({"routing": {"params": {"bogus": 1}}}, "bad parameters"),
+    ({"admission": {"budget": 0}}, "budget"),
+    ({"auth": {"keys": {"k": {"tenant": "t", "max_priority": 5}}}}, "max_priority"),
+    ({"auth": {"keys": ["k"]}}, "auth.keys"),
+    ({"server": {"admin_token": "short"}}, "admin_token"),
+])
+def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
+                                             tmp_path: Path) -> None:
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, env={})
+    assert message in exc.value.message
+
+
+def test_env_and_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="has no key"):
+        env_overrides({"KVGATE_SERVER_NOPE": "1"})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, env={})
+    bad.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad, env={})
+    assert load_config(None, env={}) == GatewayConfig()
+
+
+def test_kvgate_serve_runs_until_sigterm(tmp_path: Path) -> None:
+    code = ("import sys; from kvgate.gateway.serve import *; import argparse; "
+            "p = argparse.ArgumentParser(); add_serve_parser(p.add_subparsers(dest='c')); "
+            "sys.exit(run_serve(p.parse_args(sys.argv[1:])))")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "serve", "--port", "0", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "KVGATE_NODES_STATIC": "[]"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "serving on http://" in line, line + (proc.stderr.read() if proc.stderr else "")
+        url = line.split("serving on ")[1].split()[0]
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_kvgate_serve_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgate.gateway import run_serve
+
+    assert run_serve(_parse(["--port", "99999"])) == 2
+    assert "server.port" in capsys.readouterr().err

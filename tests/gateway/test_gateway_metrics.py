@@ -1,0 +1,134 @@
+"""/metrics, TCP_NODELAY on both sides, the extension hook and the lease seam."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+from typing import Any
+
+from aiohttp import web
+
+from kvgate.core.admission import (
+    CoordinatorUnavailable,
+    InProcessCoordinator,
+    LeaseGrant,
+    LeaseState,
+    RefreshRequest,
+)
+from kvgate.gateway import GATEWAY_KEY, start_gateway
+from kvgate.gateway.driver import RemoteLeaseClient
+from kvgate.gateway.metrics_text import FAMILIES
+
+
+def test_metrics_page_declares_every_documented_name(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2, stub={"waiting": 2}) as c:
+            for i in range(3):
+                await c.post("/v1/completions", {"model": kit.MODEL, "prompt": f"p{i}"})
+            await c.post("/v1/completions", {"model": kit.MODEL, "prompt": 3})
+            await kit.eventually(
+                lambda: all(s.report_time is not None for s in c.gw.controller.nodes))
+            status, headers, raw = await c.get("/metrics")
+            assert status == 200 and headers["Content-Type"].startswith("text/plain")
+            text = raw.decode()
+            for name, fam in FAMILIES.items():
+                assert name.startswith("kvgate_")
+                assert f"# TYPE {name} {fam.kind}\n" in text, name
+            names = set(re.findall(r"^(kvgate_[a-z0-9_]+?)(?:_bucket|_sum|_count)?[{ ]",
+                                   text, re.M))
+            assert names <= set(FAMILIES)
+            assert 'kvgate_requests_total{outcome="completed"} 3' in text
+            assert 'kvgate_http_responses_total{endpoint="/v1/completions",code="400"} 1' in text
+            assert "kvgate_decision_latency_seconds_count 4" not in text  # the 400 never arrived
+            assert "kvgate_decision_latency_seconds_count 3" in text
+            assert 'kvgate_lease_state{state="active"} 1' in text
+            assert 'kvgate_node_healthy{node="n0"} 1' in text
+            age = re.search(r'kvgate_node_report_age_seconds\{node="n0"\} ([0-9.]+)', text)
+            assert age is not None and float(age.group(1)) < 1.0
+            assert re.search(r'kvgate_node_queue\{node="n1"\} 2\b', text)
+            assert 'kvgate_prefix_hit_ratio{bucket="lt1k",source="measured"}' in text
+
+    kit.run(body())
+
+
+def test_tcp_nodelay_and_setup_hook(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "slow"}) as c:  # holds its connection
+            cfg = c.gw.gateway.config
+            stub_url = c.stubs[0].url
+
+            async def probe(request: web.Request) -> web.Response:
+                gw = request.app[GATEWAY_KEY]
+                assert request.transport is not None
+                server_side = request.transport.get_extra_info("socket")
+                body = b'{"model": "stub-model", "prompt": "x", "stream": true}'
+                r = await gw.upstream.post(stub_url + "/v1/completions", body,
+                                           {"Content-Type": "application/json"}, stream=True)
+                try:
+                    assert r.connection is not None and r.connection.transport is not None
+                    client_side = r.connection.transport.get_extra_info("socket")
+                    flags = [s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                             for s in (server_side, client_side)]
+                finally:
+                    r.close()
+                return web.json_response({"nodelay": flags, "nodes": len(gw.controller.nodes)})
+
+            def setup(app: web.Application) -> None:
+                app.router.add_get("/test/probe", probe)
+
+            srv = await start_gateway(cfg, setup=setup)
+            try:
+                async with c.session.get(srv.url + "/test/probe") as r:
+                    got = await r.json()
+                assert got["nodelay"][0] and got["nodelay"][1] and got["nodes"] == 1
+            finally:
+                await srv.stop()
+
+    kit.run(body())
+
+
+class FlakyRemote:
+    """An awaited coordinator (the seam a Redis client will fill)."""
+
+    def __init__(self, inner: InProcessCoordinator) -> None:
+        self.inner = inner
+        self.down = False
+        self.released: list[str] = []
+
+    async def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
+        await asyncio.sleep(0.001)
+        if self.down:
+            raise CoordinatorUnavailable("down")
+        return self.inner.refresh(req, now)
+
+    async def release_gateway(self, gateway_id: str) -> None:
+        self.released.append(gateway_id)
+
+
+def test_remote_lease_client_and_readiness(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1) as c:
+            cfg = c.gw.gateway.config
+            remote = FlakyRemote(InProcessCoordinator(cfg.controller_config().admission))
+            srv = await start_gateway(cfg, lease=RemoteLeaseClient(remote, timeout_s=0.5))
+            try:
+                adm = srv.controller.admission
+                assert adm.lease_state is LeaseState.ACTIVE
+                async with c.session.get(srv.url + "/ready") as r:
+                    assert r.status == 200
+                async with c.session.post(srv.url + "/v1/completions",
+                                          json={"model": kit.MODEL, "prompt": "x"}) as r:
+                    assert r.status == 200
+                remote.down = True
+                await kit.eventually(lambda: adm.lease_state is not LeaseState.ACTIVE, 5.0)
+                async with c.session.get(srv.url + "/ready") as r:
+                    assert r.status == 503
+                assert srv.controller.admission.stats().refresh_failures >= 1
+                remote.down = False
+                await kit.eventually(lambda: adm.lease_state is LeaseState.ACTIVE, 5.0)
+            finally:
+                await srv.stop()
+            assert remote.released == ["gw0"]
+
+    kit.run(body())

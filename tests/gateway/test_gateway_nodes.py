@@ -1,0 +1,120 @@
+"""The node watcher: models, load scraping, health transitions, eviction announcements."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvgate.gateway.node_probe import parse_evictions, parse_load, parse_models
+
+VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+vllm:num_requests_waiting_by_reason{reason="capacity"} 99
+vllm:prefix_cache_hits_total{model_name="m"} 1e6
+"""
+
+SGLANG = """\
+sglang:num_running_reqs{model_name="m"} 4
+sglang:num_queue_reqs{model_name="m"} 2 1712345678000
+sglang:token_usage{model_name="m"} 0.9
+sglang:cache_hit_rate{model_name="m"} 0.3
+"""
+
+
+def test_parse_load_vllm_sglang_and_garbage() -> None:
+    v = parse_load(VLLM)
+    assert v is not None and (v.running, v.waiting) == (5, 8) and v.kv_util == 0.375
+    s = parse_load(SGLANG)
+    assert s is not None and (s.running, s.waiting, s.kv_util) == (4, 2, 0.9)
+    old = parse_load("vllm:num_requests_waiting 2\nvllm:gpu_cache_usage_perc 0.5\n")
+    assert old is not None and old.waiting == 2 and old.kv_util == 0.5
+    assert parse_load("") is None
+    assert parse_load("foo 1\n# vllm:num_requests_waiting 3\n") is None
+    bad = parse_load("vllm:num_requests_waiting{x=\"1\"} NaN\nvllm:num_requests_running zz\n"
+                     "vllm:num_requests_running{broken 3\nvllm:num_requests_running 1\n")
+    assert bad is not None and (bad.running, bad.waiting, bad.kv_util) == (1, 0, None)
+
+
+def test_parse_models_and_evictions_defensively() -> None:
+    info = parse_models({"object": "list", "data": [
+        {"id": "a", "max_model_len": 2048}, {"id": "b", "max_model_len": 8192},
+        {"id": 3}, "junk", {"id": "c", "max_model_len": True}]})
+    assert info is not None and info.ids == ("a", "b", "c") and info.max_model_len == 8192
+    assert parse_models([]) is None and parse_models({"data": "x"}) is None
+    events, cursor = parse_evictions([{"seq": 2, "type": "done"}, {"seq": 1, "type": "announced"},
+                                      {"seq": "x", "type": "done"}, {"type": "announced"}, 7])
+    assert [(e.seq, e.kind) for e in events] == [(1, "announced"), (2, "done")]
+    assert cursor is None
+    events, cursor = parse_evictions({"events": [{"seq": 5, "type": "EvictionAnnounced"}],
+                                      "next": 6})
+    assert [(e.seq, e.kind) for e in events] == [(5, "announced")] and cursor == 6
+    assert parse_evictions(None) == ([], None)
+    assert parse_evictions({"events": "nope"}) == ([], None)
+
+
+def test_load_reports_reach_the_node_table(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, stub={"waiting": 6, "running": 4, "kv": 0.4}) as c:
+            state = c.gw.controller.nodes.get("n0")
+            assert state is not None
+            await kit.eventually(lambda: state.reported_waiting == 6)
+            assert state.reported_running == 4 and state.kv_util == 0.4
+            assert state.spec.max_model_len == 4096
+            assert state.spec.models == frozenset({kit.MODEL})
+            c.stubs[0].waiting = 1
+            await kit.eventually(lambda: state.reported_waiting == 1)
+
+    kit.run(body())
+
+
+def test_unreachable_node_starts_out_and_flapping_node_leaves_and_returns(kit: Any) -> None:
+    async def body() -> None:
+        dead = {"id": "dead", "url": f"http://127.0.0.1:{kit.closed_port()}"}
+        async with kit.cluster(1, extra_nodes=[dead]) as c:
+            ctl = c.gw.controller
+            assert ctl.nodes.get("dead").healthy is False  # type: ignore[union-attr]
+            assert ctl.admission.c_eff == 64  # only n0's capacity counts
+            for _ in range(4):
+                status, h, _ = await c.post("/v1/completions", {"model": kit.MODEL,
+                                                                "prompt": "x"})
+                assert status == 200 and h["X-Kvgate-Node"] == "n0"
+            errors = dict(((n, k), v) for n, k, v in c.gw.gateway.watcher.error_counts())
+            assert errors.get(("dead", "health"), 0) >= 1
+
+            stub = c.stubs[0]
+            n0 = ctl.nodes.get("n0")
+            assert n0 is not None
+            stub.healthy = False
+            await kit.eventually(lambda: not n0.healthy)
+            stub.healthy = True
+            await kit.eventually(lambda: n0.healthy)
+
+    kit.run(body())
+
+
+def test_eviction_announcements_lower_the_cache_weight(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2) as c:
+            stub = c.stub("n0")
+            stub.evictions = []
+            ctl = c.gw.controller
+            n0, n1 = ctl.nodes.get("n0"), ctl.nodes.get("n1")
+            assert n0 is not None and n1 is not None
+            stub.evictions.append({"seq": 1, "type": "announced", "blocks": 100})
+            await kit.eventually(lambda: n0.cache_weight < 1.0)
+            assert ctl.stats.eviction_warnings == 1
+            stub.evictions.append({"seq": 2, "type": "done"})
+            await kit.eventually(lambda: n0.cache_weight == 1.0)
+            assert ctl.stats.eviction_warnings == 1  # seen once, not once per poll
+            watcher = c.gw.gateway.watcher
+            assert watcher.get("n0").evictions_supported  # type: ignore[union-attr]
+            await kit.eventually(lambda: not watcher.get("n1").evictions_supported)  # type: ignore[union-attr]
+            assert n1.cache_weight == 1.0
+
+    kit.run(body())

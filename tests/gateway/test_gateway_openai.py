@@ -1,0 +1,116 @@
+"""The official openai client against the gateway, streaming and not."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+
+
+def test_openai_sdk_completions_and_chat(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2) as c:
+            client = openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="k", max_retries=0)
+            try:
+                comp = await client.completions.create(model=kit.MODEL, prompt="Say hi",
+                                                       max_tokens=8)
+                assert comp.choices[0].text == "hi there"
+                chat = await client.chat.completions.create(
+                    model=kit.MODEL, messages=[{"role": "user", "content": "hello"}])
+                assert chat.choices[0].message.content == "hi there"
+                assert chat.usage is not None and chat.usage.prompt_tokens == 100
+
+                stream = await client.chat.completions.create(
+                    model=kit.MODEL, messages=[{"role": "user", "content": "hello"}],
+                    stream=True)
+                parts = [ch.choices[0].delta.content async for ch in stream if ch.choices]
+                assert "".join(p or "" for p in parts) == "t0 t1 t2 "
+
+                cstream = await client.completions.create(
+                    model=kit.MODEL, prompt="x", stream=True,
+                    stream_options={"include_usage": True})
+                chunks = [ch async for ch in cstream]
+                assert chunks[-1].choices == [] and chunks[-1].usage is not None
+                assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "t0 t1 t2 "
+
+                raw = await client.completions.with_raw_response.create(
+                    model=kit.MODEL, prompt="x", extra_headers={"X-Request-Id": "my-id-1"})
+                assert raw.headers["x-request-id"] == "my-id-1"
+                assert raw.headers["x-kvgate-node"] in ("n0", "n1")
+                assert raw.headers["x-kvgate-route-reason"]
+                models = await client.models.list()
+                assert [m.id for m in models.data] == [kit.MODEL]
+            finally:
+                await client.close()
+            seen = [s for stub in c.stubs for s in stub.seen]
+            assert any(s.headers.get("X-Request-ID") == "my-id-1" for s in seen)
+            assert c.gw.controller.stats.outcomes["completed"] == 5
+
+    kit.run(body())
+
+
+def test_usage_chunk_stripped_unless_asked_and_cached_tokens_measured(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, stub={"cached": 40}) as c:
+            req = {"model": kit.MODEL, "prompt": "p" * 2000, "stream": True}
+            status, _, raw = await c.post("/v1/completions", req)
+            assert status == 200
+            events = [e for e in raw.decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            assert not any('"usage"' in e for e in events)  # stripped again
+            sent = c.stubs[0].seen[-1].body
+            assert sent["stream_options"] == {"include_usage": True}
+
+            req["stream_options"] = {"include_usage": True}
+            _, _, raw = await c.post("/v1/completions", req)
+            usage = [json.loads(e[6:]) for e in raw.decode().split("\n\n")
+                     if e.startswith("data: {") and '"usage"' in e]
+            assert usage and usage[0]["choices"] == []
+
+            hits = c.gw.controller.stats.hits
+            measured = sum(h.measured_hit_tokens for h in hits.values())
+            assert measured == 80  # 40 cached tokens reported by each of the two streams
+            assert sum(h.measured_prompt_tokens for h in hits.values()) > 0
+
+    kit.run(body())
+
+
+def test_route_headers_can_be_turned_off_and_priority_forwarded(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, server={"route_headers": False}) as c:
+            status, headers, _ = await c.post("/v1/completions",
+                                              {"model": kit.MODEL, "prompt": "x"})
+            assert status == 200
+            assert "X-Kvgate-Node" not in headers and "X-Request-ID" in headers
+            assert c.stubs[0].seen[-1].body["priority"] == 1
+
+    kit.run(body())
+
+
+def test_models_union_and_unknown_model_404(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1) as c:
+            other = await kit.StubEngine(name="x", models=("other",), max_model_len=999).start()
+            try:
+                from kvgate.gateway import NodeConfig
+
+                await c.gw.gateway.watcher.add(NodeConfig(id="x", url=other.url))
+                status, _, raw = await c.get("/v1/models")
+                data = json.loads(raw)["data"]
+                assert status == 200
+                assert {m["id"]: m["max_model_len"] for m in data} == {
+                    kit.MODEL: 4096, "other": 999}
+                status, _, raw = await c.post("/v1/completions", {"model": "other",
+                                                                  "prompt": "x"})
+                assert status == 200 and other.attempts == 1
+                status, _, raw = await c.post("/v1/completions", {"model": "nope",
+                                                                  "prompt": "x"})
+                err = json.loads(raw)["error"]
+                assert status == 404 and err["code"] == "model_not_found"
+                assert err["param"] == "model"
+                assert await c.gw.gateway.watcher.remove(c.gw.gateway.watcher.get("x").node_id)
+            finally:
+                await other.stop()
+
+    kit.run(body())

@@ -1,0 +1,261 @@
+"""Cache affinity, the one retry, client exclusion, mid-stream failures, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+SYSTEM = "You are a careful assistant. " * 200  # ~5600 characters shared by every request
+
+
+def _req(i: int, **extra: Any) -> dict[str, Any]:
+    return {"model": "stub-model", "prompt": SYSTEM + f"question {i}", "max_tokens": 4, **extra}
+
+
+def test_shared_prefix_lands_on_the_same_node(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(3) as c:
+            nodes = set()
+            for i in range(8):
+                status, headers, _ = await c.post("/v1/completions", _req(i))
+                assert status == 200
+                nodes.add(headers["X-Kvgate-Node"])
+            assert len(nodes) == 1
+            assert sorted(s.attempts for s in c.stubs) == [0, 0, 8]
+            assert c.gw.controller.stats.routed["cache_hit"] >= 7
+            hits = c.gw.controller.stats.hits
+            assert sum(h.predicted_hit_tokens for h in hits.values()) > 0
+            # a different prefix is free to go elsewhere, but a repeat goes back home
+            status, headers, _ = await c.post("/v1/completions", _req(99))
+            assert headers["X-Kvgate-Node"] in nodes
+
+    kit.run(body())
+
+
+def test_retry_once_on_another_node_and_never_more(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(3, stub={"mode": "503"}) as c:
+            status, headers, raw = await c.post("/v1/completions", _req(1))
+            assert status == 502
+            assert sum(s.attempts for s in c.stubs) == 2  # first try + one retry
+            assert sorted(s.attempts for s in c.stubs) == [0, 1, 1]
+            failed = headers["X-Kvgate-Node"]
+            assert c.stub(failed).attempts == 1
+            assert json.loads(raw)["error"]["type"] == "server_error"
+            assert c.gw.controller.stats.retries["http_503"] == 1
+            assert c.gw.controller.num_requests() == 0
+
+            # the client's own retry names the failed node: routed around it, no retry
+            for s in c.stubs:
+                s.seen.clear()
+            status, headers, _ = await c.post("/v1/completions", _req(2),
+                                              {"X-Kvgate-Exclude-Node": failed})
+            assert status == 502
+            assert c.stub(failed).attempts == 0
+            assert sum(s.attempts for s in c.stubs) == 1
+
+    kit.run(body())
+
+
+def test_retry_elsewhere_succeeds_on_the_second_node(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2) as c:
+            status, headers, _ = await c.post("/v1/completions", _req(1))
+            home = headers["X-Kvgate-Node"]
+            c.stub(home).mode = "retry-elsewhere"
+            status, headers, _ = await c.post("/v1/completions", _req(2))
+            assert status == 200 and headers["X-Kvgate-Node"] != home
+            assert c.stub(home).attempts == 2
+            assert c.gw.controller.stats.retries["retry_elsewhere"] == 1
+
+    kit.run(body())
+
+
+def test_pool_overloaded_is_not_retried(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2, stub={"mode": "pool-overloaded"}) as c:
+            status, headers, raw = await c.post("/v1/completions", _req(1))
+            assert status == 503
+            assert headers["x-should-retry"] == "false" and headers["Retry-After"] == "1"
+            assert headers["X-Kvgate-Node"] in ("n0", "n1")
+            assert json.loads(raw)["error"]["code"] == "pool_overloaded"
+            assert sum(s.attempts for s in c.stubs) == 1
+
+    kit.run(body())
+
+
+def test_connect_refused_retries_on_another_node(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2, nodes={"health_interval_s": 30.0}) as c:
+            _, headers, _ = await c.post("/v1/completions", _req(1))
+            home = headers["X-Kvgate-Node"]
+            await c.stub(home).stop()  # the port is closed now; health checks are slow
+            status, headers, _ = await c.post("/v1/completions", _req(2))
+            assert status == 200 and headers["X-Kvgate-Node"] != home
+            assert c.gw.controller.stats.retries["connect_error"] == 1
+
+    kit.run(body())
+
+
+def test_engine_4xx_passed_through_without_retry(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2, stub={"mode": "400"}) as c:
+            status, _, raw = await c.post("/v1/completions", _req(1))
+            assert status == 400
+            assert json.loads(raw)["error"]["message"] == "engine says 400"
+            assert sum(s.attempts for s in c.stubs) == 1
+
+    kit.run(body())
+
+
+def test_timeout_before_first_byte_is_not_retried(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2, stub={"mode": "hang"},
+                               upstream={"request_timeout_s": 0.3}) as c:
+            status, _, raw = await c.post("/v1/completions", _req(1))
+            assert status == 502
+            assert json.loads(raw)["error"]["code"] == "timeout"
+            assert sum(s.attempts for s in c.stubs) == 1
+            await kit.eventually(lambda: sum(s.disconnects for s in c.stubs) == 1)
+
+    kit.run(body())
+
+
+def test_stream_broken_after_first_byte_ends_with_error_event(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2, stub={"mode": "die-mid-stream"}) as c:
+            status, _, raw = await c.post("/v1/chat/completions", {
+                "model": kit.MODEL, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]})
+            assert status == 200
+            events = [e for e in raw.decode().split("\n\n") if e]
+            assert events[0].startswith("data: {") and '"t0 "' in events[0]
+            assert events[-1] == "data: [DONE]"
+            err = json.loads(events[-2][len("data: "):])
+            assert err["error"]["type"] == "server_error"
+            assert sum(s.attempts for s in c.stubs) == 1  # no retry after bytes went out
+            ctl = c.gw.controller
+            assert ctl.stats.failures["upstream_error"] == 1
+            assert ctl.num_requests() == 0 and ctl.admission.inuse_total == 0
+
+    kit.run(body())
+
+
+def test_client_disconnect_cancels_upstream_and_frees_the_credit(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "slow"}) as c:
+            ctl = c.gw.controller
+            stub = c.stubs[0]
+            async with aiohttp.ClientSession() as s:
+                resp = await s.post(c.url + "/v1/completions", json=_req(1, stream=True))
+                first = await resp.content.readany()
+                assert first.startswith(b"data: ")
+                assert ctl.admission.inuse_total == 1 and ctl.num_requests() == 1
+                resp.close()
+            await kit.eventually(lambda: stub.disconnects == 1)
+            await kit.eventually(lambda: ctl.num_requests() == 0)
+            assert ctl.admission.inuse_total == 0
+            assert ctl.stats.outcomes["cancelled"] == 1
+            assert c.gw.gateway.metrics.client_disconnects == 1
+
+            # non-streamed: the client gives up while the node is still working
+            async with aiohttp.ClientSession() as s:
+                try:
+                    async with asyncio.timeout(0.3):
+                        await s.post(c.url + "/v1/completions", json=_req(2))
+                except TimeoutError:
+                    pass
+            await kit.eventually(lambda: stub.disconnects == 2)
+            await kit.eventually(lambda: ctl.num_requests() == 0)
+            assert ctl.admission.inuse_total == 0
+            assert ctl.nodes.get(stub.name).inflight == 0  # type: ignore[union-attr]
+
+    kit.run(body())
+
+
+def test_held_request_dispatched_when_a_credit_frees(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "slow"}, admission={"budget": 1}) as c:
+            ctl = c.gw.controller
+            stub = c.stubs[0]
+            async with aiohttp.ClientSession() as s:
+                first = await s.post(c.url + "/v1/completions",
+                                     json=_req(1, stream=True), headers={"X-Kvgate-Priority": "0"})
+                await first.content.readany()
+                stub.mode = "ok"
+                second = asyncio.ensure_future(s.post(
+                    c.url + "/v1/completions", json=_req(2), headers={"X-Kvgate-Priority": "0"}))
+                await kit.eventually(lambda: c.gw.gateway.driver.held == 1)
+                assert ctl.admission.queued_total == 1
+                first.close()  # frees the credit: the held request goes out
+                resp = await second
+                assert resp.status == 200
+                await resp.read()
+                resp.release()
+            assert c.gw.gateway.metrics.queue_wait.count == 1
+            assert ctl.num_requests() == 0 and ctl.admission.inuse_total == 0
+
+    kit.run(body())
+
+
+def test_held_request_whose_client_leaves_is_forgotten(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "slow"}, admission={"budget": 1}) as c:
+            ctl = c.gw.controller
+            p0 = {"X-Kvgate-Priority": "0"}
+            async with aiohttp.ClientSession() as s:
+                first = await s.post(c.url + "/v1/completions", json=_req(1, stream=True),
+                                     headers=p0)
+                await first.content.readany()
+                try:
+                    async with asyncio.timeout(0.3):
+                        await s.post(c.url + "/v1/completions", json=_req(2), headers=p0)
+                except TimeoutError:
+                    pass
+                await kit.eventually(lambda: ctl.admission.queued_total == 0)
+                assert c.gw.gateway.driver.held == 0 and ctl.num_requests() == 1
+                first.close()
+            await kit.eventually(lambda: ctl.num_requests() == 0)
+            assert ctl.admission.inuse_total == 0
+            assert c.stubs[0].attempts == 1  # the abandoned request never reached the node
+            assert ctl.stats.outcomes["cancelled"] == 2
+
+    kit.run(body())
+
+
+def test_burst_through_a_small_budget_completes_and_returns_every_credit(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(3, admission={"budget": 4}) as c:
+            ctl = c.gw.controller
+
+            async def one(i: int) -> int:
+                status, _, _ = await c.post("/v1/completions", _req(i % 5, stream=i % 2 == 0),
+                                            {"X-Kvgate-Priority": "0"})
+                return status
+
+            statuses = await asyncio.gather(*(one(i) for i in range(60)))
+            assert statuses == [200] * 60
+            assert ctl.num_requests() == 0 and ctl.admission.inuse_total == 0
+            assert ctl.admission.queued_total == 0 and c.gw.gateway.driver.held == 0
+            assert ctl.stats.outcomes["completed"] == 60
+            assert sum(s.attempts for s in c.stubs) == 60
+            assert all(s.inflight == 0 for s in ctl.nodes)
+
+    kit.run(body())
+
+
+def test_single_node_503_has_nowhere_to_retry(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "503"}, server={"route_headers": False}) as c:
+            status, headers, raw = await c.post("/v1/completions", _req(1))
+            assert status == 503 and headers["X-Kvgate-Node"] == "n0"
+            assert headers["x-should-retry"] == "false" and "Retry-After" in headers
+            assert json.loads(raw)["error"]["code"] == "overloaded"
+            assert c.stubs[0].attempts == 1
+            assert c.gw.controller.num_requests() == 0
+            assert c.gw.controller.admission.inuse_total == 0
+
+    kit.run(body())

@@ -1,0 +1,138 @@
+"""A stub OpenAI-compatible server for the load generator's tests.
+
+It streams ``tokens`` one-character tokens ``delay_s`` apart, reports usage with a
+prefix cache of its own (cached tokens = longest common prefix with any earlier prompt,
+in 4-character tokens, rounded down to 64-character blocks), can fail chosen requests
+with an HTTP status or a mid-stream error, and records what it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+
+@dataclass
+class Stub:
+    tokens: int = 4
+    delay_s: float = 0.005
+    fail: Callable[[int], int | None] = lambda i: None  # request index -> status
+    stream_error_at: int | None = None  # request index that errors mid-stream
+    cached: bool = True
+    received: list[dict[str, Any]] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    base_url: str = ""
+
+    def _prompt(self, body: dict[str, Any]) -> str:
+        if "messages" in body:
+            return str(body["messages"][-1]["content"])
+        return str(body["prompt"])
+
+    def _cached_tokens(self, prompt: str) -> int:
+        best = 0
+        for p in self.prompts:
+            n = 0
+            for a, b in zip(p, prompt, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return (best // 64 * 64) // 4
+
+    def _usage(self, prompt: str, n_out: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": len(prompt) // 4,
+                                 "completion_tokens": n_out,
+                                 "total_tokens": len(prompt) // 4 + n_out}
+        if self.cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": self._cached_tokens(prompt)}
+        self.prompts.append(prompt)
+        return usage
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "stub-model"}]})
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        index = len(self.received)
+        self.received.append(body)
+        chat = request.path.endswith("/chat/completions")
+        status = self.fail(index)
+        if status is not None:
+            return web.json_response({"error": {"message": "stub failure"}}, status=status)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            n_out = min(self.tokens, int(body.get("max_tokens", self.tokens)))
+            prompt = self._prompt(body)
+            if not body.get("stream"):
+                await asyncio.sleep(self.delay_s * n_out)
+                text = "x" * n_out
+                choice: dict[str, Any] = ({"message": {"role": "assistant", "content": text}}
+                                          if chat else {"text": text})
+                return web.json_response({"choices": [choice],
+                                          "usage": self._usage(prompt, n_out)})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+
+            async def send(obj: object) -> None:
+                await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+            try:
+                if chat:
+                    await send({"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                    "content": ""}}]})
+                for k in range(n_out):
+                    await asyncio.sleep(self.delay_s)
+                    if index == self.stream_error_at and k == 1:
+                        await send({"error": {"message": "boom", "code": 500}})
+                        break
+                    piece = {"delta": {"content": "x"}} if chat else {"text": "x"}
+                    await send({"choices": [{"index": 0, **piece}]})
+                usage = self._usage(prompt, n_out)
+                if body.get("stream_options", {}).get("include_usage"):
+                    await send({"choices": [], "usage": usage})
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            except ConnectionResetError:  # the client went away (time bound)
+                return resp
+        finally:
+            self.in_flight -= 1
+
+
+@asynccontextmanager
+async def serve(stub: Stub) -> AsyncIterator[Stub]:
+    app = web.Application()
+    app.router.add_get("/v1/models", stub.models)
+    app.router.add_post("/v1/completions", stub.complete)
+    app.router.add_post("/v1/chat/completions", stub.complete)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        stub.base_url = f"http://{host}:{port}"
+        yield stub
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+def stub_server() -> Callable[..., AbstractAsyncContextManager[Stub]]:
+    """``async with stub_server(tokens=4, ...) as stub:`` runs a :class:`Stub` with those
+    settings on 127.0.0.1, port 0 (``stub.base_url``)."""
+
+    def make(**kw: Any) -> AbstractAsyncContextManager[Stub]:
+        return serve(Stub(**kw))
+
+    return make

@@ -1,0 +1,107 @@
+"""`kvgate bench` argument parsing and a full run against the stub server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate.loadgen.cli import add_bench_parser, config_from_args, main, run_bench
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvgate")
+    sub = parser.add_subparsers(dest="command")
+    add_bench_parser(sub)
+    return parser.parse_args(["bench", *argv])
+
+
+def test_defaults() -> None:
+    args = _parse()
+    assert args.command == "bench"
+    assert (args.workload, args.trace, args.rate, args.schedule, args.concurrency) == (
+        None, None, None, "rate", None)
+    assert (args.num_requests, args.max_seconds, args.base_url, args.endpoint) == (
+        200, 120.0, "http://127.0.0.1:8000", "completions")
+    assert args.stream and args.progress and not args.save_detailed and args.goodput == []
+    cfg = config_from_args(args)
+    assert math.isinf(cfg.rate) and cfg.workload.name == "gsp"
+    assert len(cfg.workload.requests) >= 200
+
+
+def test_flags_reach_the_config() -> None:
+    args = _parse("--workload", "zipf", "--rate", "2.5", "--concurrency", "8",
+                  "--num-requests", "30", "--max-seconds", "10", "--no-stream",
+                  "--endpoint", "chat", "--model", "m", "--api-key", "k",
+                  "--goodput", "ttft:500", "tpot:50", "--max-prompt-tokens", "1000",
+                  "--output-tokens-cap", "64", "--seed", "9", "--no-progress",
+                  "--block-tokens", "256", "--chars-per-token", "3", "--ignore-eos")
+    cfg = config_from_args(args)
+    assert (cfg.rate, cfg.concurrency, cfg.num_requests, cfg.max_seconds) == (2.5, 8, 30, 10)
+    assert (cfg.stream, cfg.endpoint, cfg.model, cfg.api_key, cfg.progress) == (
+        False, "chat", "m", "k", False)
+    assert dict(cfg.goodput_slos_ms) == {"ttft": 500.0, "tpot": 50.0}
+    assert (cfg.max_prompt_tokens, cfg.output_tokens_cap, cfg.seed) == (1000, 64, 9)
+    assert cfg.workload.block_tokens == 256 and cfg.chars_per_token == 3 and cfg.ignore_eos
+    assert len(cfg.workload.requests) == 30
+    assert math.isinf(config_from_args(_parse("--rate", "inf")).rate)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--rate", "0"], ["--rate", "x"], ["--concurrency", "0"], ["--workload", "nope"],
+    ["--workload", "gsp", "--trace", "f.jsonl"], ["--endpoint", "embeddings"],
+])
+def test_bad_flags_exit(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(*argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--schedule", "trace", "--rate", "3"], ["--save-detailed"], ["--goodput", "itl:5"],
+    ["--trace", "/nonexistent/trace.jsonl"],
+])
+def test_usage_errors_return_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_bench(_parse(*argv)) == 2
+    assert "kvgate bench:" in capsys.readouterr().err
+
+
+def test_full_run_writes_table_and_json(
+    stub_server: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": i * 100, "input_length": 700, "output_length": 3,
+                    "hash_ids": [0, 1, 100 + i]}) + "\n" for i in range(6)))
+    out = tmp_path / "r.json"
+
+    async def go() -> int:
+        async with stub_server(tokens=3) as stub:
+            args = _parse("--trace", str(trace), "--schedule", "trace", "--speedup", "10",
+                          "--base-url", stub.base_url + "/v1", "--json", str(out),
+                          "--save-detailed", "--goodput", "ttft:5000")
+            return await asyncio.to_thread(run_bench, args)
+
+    assert asyncio.run(go()) == 0
+    captured = capsys.readouterr()
+    assert "Serving Benchmark Result" in captured.out
+    assert "6/6 done" in captured.err  # the progress bar
+    data = json.loads(out.read_text())
+    assert data["completed"] == 6 and data["good_requests"] == 6
+    assert data["settings"]["schedule"] == "trace" and len(data["ttfts"]) == 6
+    assert data["cache_hit_ratio"] > 0.5  # 2 of 3 blocks shared
+
+
+def test_main_all_failed_returns_1(stub_server: Callable[..., Any]) -> None:
+    async def go() -> int:
+        async with stub_server(fail=lambda i: 503) as stub:
+            argv = ["--base-url", stub.base_url, "--num-requests", "3", "--no-progress",
+                    "--model", "m"]
+            return await asyncio.to_thread(main, argv)
+
+    assert asyncio.run(go()) == 1

@@ -1,0 +1,137 @@
+"""End to end against the stub server: schedules, bounds, metrics, errors, endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvgate.loadgen.report import LoadReport
+from kvgate.loadgen.runner import LoadConfig, run_load, send_offsets
+from kvgate.sim.workload import SimRequest, Workload
+
+Serve = Callable[..., Any]
+
+
+def _workload(n: int, *, shared_blocks: int = 2, gap_s: float = 0.0, out: int = 4) -> Workload:
+    """n requests: ``shared_blocks`` common 16-token blocks, then a private one."""
+    reqs = tuple(
+        SimRequest(request_id=f"q{i}", arrival_s=i * gap_s,
+                   prompt_tokens=16 * (shared_blocks + 1), output_tokens=out,
+                   block_ids=(*range(shared_blocks), 1000 + i))
+        for i in range(n))
+    return Workload(name="unit", block_tokens=16, requests=reqs)
+
+
+def _run(serve: Serve, stub_kw: dict[str, Any], **kw: Any) -> tuple[LoadReport, Any]:
+    async def go() -> tuple[LoadReport, Any]:
+        async with serve(**stub_kw) as stub:
+            return await run_load(LoadConfig(base_url=stub.base_url, **kw)), stub
+    return asyncio.run(go())
+
+
+def test_poisson_rate_streams_and_measures(stub_server: Serve) -> None:
+    rep, stub = _run(stub_server, dict(tokens=4, delay_s=0.01),
+                     workload=_workload(30), rate=200.0, num_requests=12,
+                     output_tokens_cap=3)
+    assert (rep.sent, rep.completed, rep.failed) == (12, 12, 0)
+    body = stub.received[0]
+    assert body["model"] == "stub-model"  # discovered from GET /v1/models
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 3 and len(body["prompt"]) == 48 * 4
+    assert rep.total_output_tokens == 36 and rep.total_input_tokens == 12 * 48
+    ttft, itl = rep.metrics["ttft"], rep.metrics["itl"]
+    assert ttft.count == 12 and ttft.mean is not None and ttft.mean >= 9.0
+    assert itl.count == 24 and itl.median is not None and 5.0 <= itl.median <= 200.0
+    assert rep.metrics["tpot"].count == 12 and rep.metrics["e2el"].count == 12
+    # two shared 16-token blocks = 128 characters = 32 cached tokens, after the first
+    assert rep.total_cached_tokens >= 32 * 10 and rep.cache_hit_ratio is not None
+    assert 0.5 < rep.cache_hit_ratio < 2 / 3 + 1e-9
+    assert rep.settings["rate"] == 200.0 and rep.settings["model"] == "stub-model"
+    starts = sorted(r.start_s for r in rep.results)
+    assert starts[-1] > 0.0  # Poisson gaps, not a burst
+
+
+def test_concurrency_caps_in_flight(stub_server: Serve) -> None:
+    rep, stub = _run(stub_server, dict(tokens=3, delay_s=0.02),
+                     workload=_workload(20), concurrency=3, num_requests=9)
+    assert rep.completed == 9
+    assert stub.max_in_flight == 3
+    assert rep.peak_concurrency <= 3
+
+
+def test_max_seconds_cancels_and_reports_incomplete(stub_server: Serve) -> None:
+    rep, _ = _run(stub_server, dict(tokens=50, delay_s=0.05),
+                  workload=_workload(10, gap_s=0.1, out=50), schedule="trace", num_requests=10,
+                  max_seconds=0.4)
+    assert rep.completed == 0 and rep.failed == 0
+    assert 2 <= rep.incomplete <= 6 and rep.sent == rep.incomplete
+    assert 0.35 <= rep.duration_s < 1.5
+
+
+def test_trace_schedule_and_speedup() -> None:
+    wl = _workload(4, gap_s=1.0)
+    cfg = LoadConfig(workload=wl, schedule="trace", speedup=10.0)
+    assert send_offsets(cfg, wl.requests) == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert send_offsets(LoadConfig(workload=wl), wl.requests) == [0.0] * 4
+    gaps = send_offsets(LoadConfig(workload=wl, rate=5.0, seed=1), wl.requests)
+    assert gaps == send_offsets(LoadConfig(workload=wl, rate=5.0, seed=1), wl.requests)
+    assert gaps[0] == 0.0 and gaps == sorted(gaps) and gaps[-1] > 0
+
+
+def test_trace_schedule_sends_on_time(stub_server: Serve) -> None:
+    rep, _ = _run(stub_server, dict(tokens=2, delay_s=0.001),
+                  workload=_workload(4, gap_s=1.0), schedule="trace", speedup=10.0)
+    starts = [r.start_s for r in rep.results]
+    assert starts == pytest.approx([0.0, 0.1, 0.2, 0.3], abs=0.06)
+
+
+def test_errors_are_counted_by_status(stub_server: Serve) -> None:
+    def fail(i: int) -> int | None:
+        return {1: 503, 3: 503, 4: 400}.get(i)
+
+    rep, _ = _run(stub_server, dict(fail=fail, stream_error_at=5),
+                  workload=_workload(8), concurrency=1, num_requests=8,
+                  model="given", goodput_slos_ms={"ttft": 10_000})
+    assert rep.completed == 4 and rep.failed == 4
+    assert rep.failed_by_status == {"200": 1, "400": 1, "503": 2}
+    assert rep.errors_by_type == {"http": 3, "stream_error": 1}
+    assert rep.good_requests == 4 and rep.goodput_ratio == pytest.approx(0.5)
+    bad = next(r for r in rep.results if r.status == 503)
+    assert "HTTP 503" in bad.error_detail
+
+
+def test_chat_endpoint_and_no_stream(stub_server: Serve) -> None:
+    rep, stub = _run(stub_server, dict(tokens=3), workload=_workload(3), endpoint="chat",
+                     num_requests=3)
+    assert rep.completed == 3 and rep.total_output_tokens == 9
+    assert stub.received[0]["messages"][0]["role"] == "user"
+    assert rep.metrics["ttft"].count == 3
+    rep, stub = _run(stub_server, dict(tokens=3), workload=_workload(3), stream=False,
+                     num_requests=3, api_key="k")
+    assert rep.completed == 3 and "stream_options" not in stub.received[0]
+    assert rep.metrics["ttft"].count == 0 and rep.metrics["e2el"].count == 3
+    assert rep.total_output_tokens == 9
+
+
+def test_connection_refused_is_a_failure() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = LoadConfig(workload=_workload(2), base_url=f"http://127.0.0.1:{port}",
+                     model="m", num_requests=2)
+    rep = asyncio.run(run_load(cfg))
+    assert rep.failed == 2 and rep.failed_by_status == {"0": 2}
+    assert rep.errors_by_type == {"connection": 2}
+
+
+def test_config_validation() -> None:
+    wl = _workload(1)
+    for bad in ({"rate": 0.0}, {"concurrency": 0}, {"endpoint": "x"}, {"schedule": "x"},
+                {"max_seconds": 0.0}, {"goodput_slos_ms": {"itl": 1.0}},
+                {"output_tokens_cap": 0}):
+        with pytest.raises(ValueError):
+            LoadConfig(workload=wl, **bad)

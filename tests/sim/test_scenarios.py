@@ -1,0 +1,135 @@
+"""Each gray scenario's written pass criteria, on a small cluster (see sim/scenarios.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kvgate.core.admission import AdmissionConfig
+from kvgate.core.config import ControllerConfig
+from kvgate.sim.cluster import ClusterConfig, SimCluster
+from kvgate.sim.report import pct, ttft
+from kvgate.sim.runner import SeededRng, run_policy
+from kvgate.sim.scenarios import SCENARIOS, Plan, p0_admit_shares
+from kvgate.sim.synthetic import multi_turn_chat
+from kvgate.sim.workload import Workload
+
+SLO_TTFT_S = 5.0
+
+
+def config(nodes: int = 4) -> ClusterConfig:
+    ctl = ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=32 * nodes))
+    return ClusterConfig(nodes=nodes, cache_blocks=400, node_capacity=32, controller=ctl)
+
+
+def base(sessions: int = 60, rate: float = 1.0) -> Workload:
+    return multi_turn_chat(rng=SeededRng(2), arrivals=rate, num_sessions=sessions)
+
+
+def run(plan: Plan, policy: str = "kvgate") -> tuple[SimCluster, dict[str, Any]]:
+    return run_policy(plan.workload, plan.config, policy, seed=1, hooks=plan.hooks)
+
+
+def test_p0_ttft_p99_within_slo_under_a_10x_p2_flood() -> None:
+    w = base()
+    plan = SCENARIOS["p2_flood"](w, config(), SeededRng(3))
+    _cluster, rep = run(plan)
+    p2 = rep["by_priority"]["P2"]
+    assert p2["requests"] >= 9 * len(w.requests)  # it really is a 10x flood ...
+    assert rep["rejected"] > 0  # ... that the cluster cannot absorb
+    p0 = rep["by_priority"]["P0"]
+    assert p0["completed"] == p0["requests"] == len(w.requests)
+    assert p0["ttft_p99_s"] <= SLO_TTFT_S
+    assert p2["ttft_p99_s"] > p0["ttft_p99_s"]
+
+
+def test_p2_flood_negative_control_without_classes() -> None:
+    """With every request in one class the same flood breaks the SLO: the test can fail."""
+    w = base()
+    plan = SCENARIOS["p2_flood"](w, config(), SeededRng(3))
+    same = replace(
+        plan.workload, requests=tuple(replace(r, priority=1) for r in plan.workload.requests)
+    )
+    cluster, _rep = run(replace(plan, workload=same))
+    steady = [
+        t
+        for o in cluster.outcomes.values()
+        if not o.req.request_id.startswith("1.") and (t := ttft(o)) is not None
+    ]
+    lost = sum(
+        1
+        for o in cluster.outcomes.values()
+        if not o.req.request_id.startswith("1.") and o.status != "completed"
+    )
+    assert lost > 0 or pct(steady, 0.99) > SLO_TTFT_S
+
+
+def test_attempts_per_request_with_30_percent_of_nodes_failing() -> None:
+    w = base(sessions=80, rate=2.0)
+    plan = SCENARIOS["nodes_fail"](w, config(nodes=10), SeededRng(3))
+    _cluster, rep = run(plan)
+    # the crash hit requests in flight (failed after their first byte, or retried)
+    assert rep["failed"] + sum(rep["retries_by_reason"].values()) > 0
+    assert rep["attempts_per_request"] <= 1.2
+    assert rep["completed"] + rep["rejected"] + rep["failed"] == len(w.requests)
+
+
+def test_coordinator_down_keeps_p0_and_the_safe_limit() -> None:
+    w = base(sessions=80, rate=1.5)
+    plan = SCENARIOS["coordinator_down"](w, config(), SeededRng(3))
+    cluster, rep = run(plan)
+    d = w.duration_s
+    before, during = p0_admit_shares(cluster, 0.3 * d, 0.6 * d)
+    assert during >= 0.9 * before
+    assert plan.probe is not None
+    assert plan.probe.max_inflight_in_window <= plan.probe.budget
+    # P2 is switched off while degraded
+    assert rep["rejects_by_reason"].get("degraded", 0) > 0
+
+
+def test_mass_eviction_reports_with_and_without_the_announcement() -> None:
+    w = base(sessions=80, rate=2.0)
+    reports = {}
+    for announce in (True, False):
+        plan = SCENARIOS["mass_eviction"](w, config(), SeededRng(3), announce=announce)
+        _cluster, rep = run(plan)
+        reports[announce] = rep
+        assert rep["completed"] + rep["rejected"] + rep["failed"] == len(w.requests)
+    for rep in reports.values():
+        assert rep["ttft_p99_s"] > 0 and 0 < rep["hit_ratio"] < 1
+
+
+def test_flooding_tenant_held_to_its_quota_others_unaffected() -> None:
+    w = base()
+    cfg = config(nodes=8)
+    plan = SCENARIOS["tenant_flood"](w, cfg, SeededRng(3), flood=True, quota=4)
+    calm = SCENARIOS["tenant_flood"](w, cfg, SeededRng(3), flood=False, quota=4)
+    c_flood, rep = run(plan)
+    c_calm, _ = run(calm)
+    assert plan.probe is not None
+    assert 0 < plan.probe.max_tenant_inflight["flood"] <= 4
+    assert rep["rejects_by_reason"].get("tenant_quota", 0) > 0
+
+    def others_p99(c: SimCluster) -> float:
+        return pct(
+            [
+                t
+                for o in c.outcomes.values()
+                if o.req.tenant != "flood" and (t := ttft(o)) is not None
+            ],
+            0.99,
+        )
+
+    calm_p99, flood_p99 = others_p99(c_calm), others_p99(c_flood)
+    assert abs(flood_p99 - calm_p99) < 0.2 * calm_p99
+
+
+@pytest.mark.parametrize("name", ["traffic_double"])
+def test_nothing_lost(name: str) -> None:
+    w = base()
+    plan = SCENARIOS[name](w, config(), SeededRng(3))
+    assert len(plan.workload.requests) > len(w.requests)
+    _cluster, rep = run(plan)
+    assert rep["completed"] + rep["rejected"] + rep["failed"] == len(plan.workload.requests)

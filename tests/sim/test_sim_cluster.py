@@ -1,0 +1,140 @@
+"""The simulator drives the real core: outcomes, determinism, bounds, speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from kvgate.core.admission import AdmissionConfig
+from kvgate.core.config import ControllerConfig
+from kvgate.sim.cluster import ClusterConfig
+from kvgate.sim.loop import EventLoop
+from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
+from kvgate.sim.synthetic import multi_turn_chat, shared_prefix_groups
+
+
+def small_config(**kw: object) -> ClusterConfig:
+    ctl = ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=128))
+    base = ClusterConfig(nodes=4, cache_blocks=400, node_capacity=32, controller=ctl)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def gsp(n: int = 160, rate: float = 8.0, seed: int = 1):
+    return shared_prefix_groups(
+        rng=SeededRng(seed), arrivals=rate, num_groups=10, prompts_per_group=n // 10
+    )
+
+
+def test_event_loop_orders_by_time_then_schedule_order() -> None:
+    loop = EventLoop()
+    seen: list[str] = []
+    loop.at(2.0, lambda: seen.append("b"))
+    loop.at(1.0, lambda: seen.append("a"))
+    loop.at(2.0, lambda: seen.append("c"))
+    t = loop.at(1.5, lambda: seen.append("x"))
+    t.cancel()
+    loop.run()
+    assert seen == ["a", "b", "c"] and loop.now == 2.0
+
+
+def test_every_request_ends_exactly_once_and_policies_share_settings() -> None:
+    w = gsp()
+    rep = compare(w, small_config(), ["kvgate", "round_robin"], seed=3)
+    for name, r in rep["policies"].items():  # type: ignore[union-attr]
+        assert r["completed"] + r["rejected"] + r["failed"] == len(w.requests), name
+    assert rep["requests"] == len(w.requests)
+
+
+def test_cache_hit_cuts_ttft_and_kvgate_beats_round_robin_on_hits() -> None:
+    w = gsp()
+    rep = compare(w, small_config(), ["kvgate", "round_robin"], seed=3)
+    pol = rep["policies"]
+    assert pol["kvgate"]["hit_ratio"] > pol["round_robin"]["hit_ratio"] + 0.1  # type: ignore[index]
+    assert pol["kvgate"]["ttft_mean_s"] < pol["round_robin"]["ttft_mean_s"]  # type: ignore[index]
+    b = rep["bounds"]
+    assert pol["kvgate"]["hit_ratio"] <= b["ideal_hit_ratio"] + 1e-9  # type: ignore[index]
+
+
+def test_report_has_the_documented_keys() -> None:
+    rep = compare(gsp(60), small_config(), ["kvgate"], seed=1)
+    assert {"requests", "wall_s", "bounds", "policies"} <= rep.keys()
+    assert {"ideal_hit_ratio", "pooled_lru_hit_ratio"} <= rep["bounds"].keys()  # type: ignore[union-attr]
+    keys = {
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "ttft_mean_s",
+        "hit_ratio",
+        "load_max_over_mean",
+        "goodput_rps",
+        "completed",
+        "rejected",
+        "failed",
+        "tpot_p50_s",
+        "tpot_p99_s",
+        "e2e_p50_s",
+        "e2e_p99_s",
+        "goodput_strict_rps",
+        "hit_ratio_by_bucket",
+        "cache_loss_funnel",
+        "rejects_by_reason",
+        "retries_by_reason",
+        "by_priority",
+        "by_tenant",
+        "throughput_rps",
+        "output_tokens_per_s",
+        "ttft_p90_s",
+    }
+    assert keys <= rep["policies"]["kvgate"].keys()  # type: ignore[index]
+
+
+def test_funnel_accounts_for_every_prompt_block() -> None:
+    w = multi_turn_chat(rng=SeededRng(2), arrivals=2.0, num_sessions=30)
+    cluster, rep = run_policy(w, small_config(), "kvgate", seed=1)
+    funnel = rep["cache_loss_funnel"]
+    done = [o for o in cluster.outcomes.values() if o.status == "completed"]
+    assert sum(funnel.values()) == sum(len(o.req.block_ids) for o in done)  # type: ignore[union-attr]
+    assert funnel["hit"] > 0 and funnel["never_seen"] > 0  # type: ignore[index]
+
+
+def test_all_policies_resolve() -> None:
+    names = resolve_policies(["all"])
+    assert names[0] == "kvgate" and len(names) == 9
+    with pytest.raises(ValueError):
+        resolve_policies(["nope"])
+
+
+DETERMINISM_SCRIPT = """
+import json, sys
+from kvgate.sim.runner import SeededRng, compare
+from kvgate.sim.synthetic import multi_turn_chat
+from kvgate.sim.cluster import ClusterConfig
+from kvgate.core.config import ControllerConfig
+from kvgate.core.admission import AdmissionConfig
+w = multi_turn_chat(rng=SeededRng(5), arrivals=1.5, num_sessions=25)
+cfg = ClusterConfig(nodes=3, cache_blocks=300, gateways=2,
+    controller=ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=96)))
+rep = compare(w, cfg, ["kvgate", "power_of_two", "dynamo_cost"], seed=11)
+sys.stdout.write(json.dumps(rep, sort_keys=True))
+"""
+
+
+def test_same_seed_same_report_bytes_across_processes() -> None:
+    outs = []
+    for hashseed in ("1", "4242"):
+        env = dict(os.environ, PYTHONHASHSEED=hashseed)
+        res = subprocess.run(
+            [sys.executable, "-c", DETERMINISM_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        outs.append(res.stdout)
+    assert outs[0] == outs[1]
+    assert json.loads(outs[0])["policies"]["kvgate"]["completed"] > 0
