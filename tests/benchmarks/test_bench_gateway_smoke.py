@@ -1,0 +1,170 @@
+"""Smoke test of the gateway benchmark's parts: the stub upstream and wrk's parsing.
+
+The full benchmark (minutes of load) is not run here.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import select
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_kvgate_bench_{name}", BENCH_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("bench_gateway")
+
+
+@pytest.fixture(scope="module")
+def stub_port() -> Iterator[int]:
+    cmd = [sys.executable, str(BENCH_DIR / "stub_upstream.py"), "--port", "0"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        try:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], 10.0)
+            assert ready, "the stub did not start within 10 s"
+            line = proc.stdout.readline().decode()
+            assert line.startswith("stub upstream listening on http://127.0.0.1:"), line
+            yield int(line.rsplit(":", 1)[1])
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def _post(conn: http.client.HTTPConnection, body: dict[str, object]
+          ) -> http.client.HTTPResponse:
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    return conn.getresponse()
+
+
+def test_stub_models_health_metrics_keep_alive(stub_port: int) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", stub_port, timeout=5)
+    try:
+        conn.request("GET", "/v1/models")
+        resp = conn.getresponse()
+        models = json.loads(resp.read())
+        assert resp.status == 200
+        assert models["data"][0]["id"] == "stub-model"
+        assert models["data"][0]["max_model_len"] > 0
+        sock = conn.sock
+        for path, status in (("/health", 200), ("/metrics", 200), ("/kvgate/evictions", 404)):
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            text = resp.read().decode()
+            assert resp.status == status
+            if path == "/metrics":
+                assert "vllm:num_requests_running" in text
+                assert "vllm:kv_cache_usage_perc" in text
+        assert conn.sock is sock  # the same connection throughout: keep-alive
+    finally:
+        conn.close()
+
+
+def test_stub_completion_unary(stub_port: int) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", stub_port, timeout=5)
+    try:
+        resp = _post(conn, {"model": "stub-model", "prompt": "hello " * 300, "max_tokens": 4})
+        obj = json.loads(resp.read())
+        assert resp.status == 200
+        assert resp.getheader("Content-Type") == "application/json"
+        assert obj["object"] == "text_completion"
+        assert obj["choices"][0]["text"]
+        assert obj["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    finally:
+        conn.close()
+
+
+def _events(raw: bytes) -> list[str]:
+    return [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e]
+
+
+def test_stub_completion_stream(stub_port: int) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", stub_port, timeout=5)
+    try:
+        base = {"model": "stub-model", "prompt": "hi", "stream": True}
+        resp = _post(conn, base)
+        assert resp.status == 200
+        assert resp.getheader("Content-Type") == "text/event-stream"
+        events = _events(resp.read())  # http.client undoes the chunked encoding
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert len(chunks) >= 2
+        assert all(c["choices"] for c in chunks)  # no usage chunk unless asked for
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+        resp = _post(conn, {**base, "stream_options": {"include_usage": True}})
+        events = _events(resp.read())
+        usage = json.loads(events[-2])
+        assert usage["choices"] == []
+        assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    finally:
+        conn.close()
+
+
+WRK_TEXT = """Running 2s test @ http://127.0.0.1:8100/v1/completions
+  1 threads and 8 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   712.15us    1.28ms  18.90ms   90.80%
+    Req/Sec    24.51k     9.89k   45.67k    80.00%
+  Latency Distribution
+     50%  192.00us
+     75%    0.86ms
+     90%    1.96ms
+     99%    5.14s
+  48731 requests in 2.00s, 17.52MB read
+  Socket errors: connect 0, read 1, write 0, timeout 2
+  Non-2xx or 3xx responses: 5
+Requests/sec:  24351.53
+Transfer/sec:      8.76MB
+"""
+
+
+def test_parse_wrk_text() -> None:
+    got = bench.parse_wrk(WRK_TEXT)
+    assert got["p50_ms"] == pytest.approx(0.192)
+    assert got["p75_ms"] == pytest.approx(0.86)
+    assert got["p99_ms"] == pytest.approx(5140.0)
+    assert got["requests"] == 48731
+    assert got["rps"] == pytest.approx(24351.53)
+    assert got["non2xx"] == 5
+    assert got["socket_errors"] == 3
+
+
+def test_goals_are_the_issues() -> None:
+    assert bench.GOALS["added_p50_ms"] == ("<=", 1.0)
+    assert bench.GOALS["cpu_ms_per_request"] == ("<=", 0.3)
+    assert bench.GOALS["max_rps"] == (">=", 2000.0)
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
+def test_wrk_against_stub(stub_port: int, tmp_path: Path) -> None:
+    for stream in (False, True):
+        script = tmp_path / f"s{int(stream)}.lua"
+        script.write_text(bench.lua_script(bench.make_body(stream=stream)))
+        got = bench.run_wrk(stub_port, script, connections=2, duration=1, pin=[])
+        assert got["requests"] > 0
+        assert got["non2xx"] == 0 and got["socket_errors"] == 0
+        assert 0 < got["p50_ms"] <= got["p99_ms"]
