@@ -24,6 +24,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
     from kvgate.commands.simulate import add_simulate_parser
+    from kvgate.commands.up import add_up_parser
     from kvgate.engine.server import add_engine_parser
     from kvgate.gateway.serve import add_serve_parser
     from kvgate.loadgen.cli import add_bench_parser
@@ -32,6 +33,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_simulate_parser(sub)
     add_engine_parser(sub)
     add_bench_parser(sub)
+    add_up_parser(sub)
     return parser
 
 
@@ -58,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvgate.loadgen.cli import run_bench
 
         return run_bench(args)
+    if args.command == "up":
+        from kvgate.commands.up import run_up
+
+        return run_up(args)
     parser.print_help()
     return 0
 

@@ -13,6 +13,8 @@ Routes (all in :func:`register_routes`)::
     GET  /health        liveness; never touches the limiter
     GET  /ready         200 with a healthy node and a usable lease, else 503
     GET  /metrics       Prometheus text (metrics_text.py)
+    /admin/...          the admin API (admin.py)
+    GET  /dashboard     the live dashboard (dashboard.py)
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from aiohttp import web
 from kvgate.core.admission import InProcessCoordinator, LeaseState
 from kvgate.core.controller import Controller
 from kvgate.core.nodes import NodeTable
+from kvgate.gateway.admin import register_admin
 from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.dashboard import register_dashboard
 from kvgate.gateway.driver import Driver, InProcessLeaseClient, LeaseClient
 from kvgate.gateway.errors import Handler, error_middleware, json_response
 from kvgate.gateway.identity import Authenticator
@@ -143,6 +147,8 @@ def register_routes(app: web.Application, gw: Gateway) -> None:
     app.router.add_get("/health", gw.health)
     app.router.add_get("/ready", gw.ready_handler)
     app.router.add_get("/metrics", gw.metrics_handler)
+    register_admin(app, gw)  # /admin/... (bearer admin token; 403 when none is set)
+    register_dashboard(app, gw)  # /dashboard, /dashboard/state (read-only, no secrets)
 
 
 def _metrics_middleware(gw: Gateway) -> Any:

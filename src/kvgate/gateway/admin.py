@@ -1,0 +1,343 @@
+"""The admin API under ``/admin``: inspect and change a running gateway.
+
+Every route needs ``Authorization: Bearer <server.admin_token>``; a missing or wrong
+token is a 401 with an OpenAI-shaped body, and a gateway with no admin token
+configured answers 403 on every admin route (the API is off, not open)::
+
+    GET    /admin/nodes               every node: health, drain, load, index, spec
+    POST   /admin/nodes               {"url", "id"?, "capacity"?, ...} add (probed first)
+    GET    /admin/nodes/{id}          one node
+    DELETE /admin/nodes/{id}          remove
+    POST   /admin/nodes/{id}/drain    {"draining": true|false} (default true)
+    GET    /admin/config              the running configuration, secrets redacted
+    GET    /admin/admission           the admission snapshot (lease, classes, tenants)
+    GET    /admin/decisions?limit=N   recent routing decisions with their reasons
+
+The view builders (:func:`node_view`, :func:`admission_view`, :func:`decision_view`)
+are shared with the dashboard, which shows the same facts without secrets. Every
+controller call happens on the event loop's thread, between awaits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hmac
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from kvgate.core.admission import AdmissionStats, Priority
+from kvgate.core.errors import AuthError, ClientRequestError, ConfigError, KvgateError
+from kvgate.core.ids import NodeId
+from kvgate.core.nodes import NodeState
+from kvgate.core.stats import DecisionRecord
+from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.config_load import parse_node
+from kvgate.gateway.errors import json_response
+
+if TYPE_CHECKING:
+    from kvgate.gateway.app import Gateway
+
+REDACTED = "***"
+DECISIONS_DEFAULT = 50
+
+
+class AdminDisabled(KvgateError):
+    """No admin token is configured: the admin API is off."""
+
+    http_status = 403
+    error_type = "permission_error"
+
+
+class NotFound(KvgateError):
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class Conflict(KvgateError):
+    http_status = 409
+    error_type = "invalid_request_error"
+
+
+# ----------------------------------------------------------------------------- views
+
+
+def _class(p: int) -> str:
+    return f"P{p}"
+
+
+def node_view(gw: Gateway, state: NodeState, now: float) -> dict[str, Any]:
+    """One node as the admin API and the dashboard show it (no secrets)."""
+    table = gw.controller.nodes
+    node_id = state.spec.node_id
+    rt = gw.watcher.get(node_id)
+    spec = state.spec
+    age = None if state.report_time is None else round(max(0.0, now - state.report_time), 3)
+    return {
+        "id": node_id,
+        "url": rt.url if rt is not None else None,
+        "healthy": state.healthy,
+        "draining": state.draining,
+        "eligible": state.healthy and not state.draining,
+        "load": {
+            "waiting": state.reported_waiting,
+            "running": state.reported_running,
+            "kv_usage": round(state.kv_util, 4),
+            "report_age_s": age,
+            "stale": table.is_stale(state, now),
+            "inflight": state.inflight,
+            "sent_since_report": state.sent_since_report,
+            "queue": table.queue(state, now),
+            "cache_weight": state.cache_weight,
+            "consecutive_failures": state.consecutive_failures,
+        },
+        "index": {
+            "entries": gw.controller.index.node_entries(node_id),
+            "speculative": gw.controller.index.speculative_entries(node_id),
+        },
+        "spec": {
+            "models": sorted(spec.models),
+            "max_model_len": spec.max_model_len,
+            "capacity": spec.capacity,
+            "cache_blocks": spec.cache_blocks,
+        },
+        "probe_errors": dict(rt.errors) if rt is not None else {},
+    }
+
+
+def nodes_view(gw: Gateway, now: float) -> list[dict[str, Any]]:
+    states = sorted(gw.controller.nodes, key=lambda s: s.spec.node_id)
+    return [node_view(gw, s, now) for s in states]
+
+
+def admission_view(a: AdmissionStats) -> dict[str, Any]:
+    """``controller.admission.stats()`` as JSON (classes keyed P0/P1/P2)."""
+    rejected: dict[str, dict[str, int]] = {}
+    for (reason, p), n in sorted(a.rejected.items()):
+        rejected.setdefault(reason.value, {})[_class(p)] = n
+    classes = {
+        _class(p): {
+            "inuse": a.inuse[p],
+            "queued": a.queued[p],
+            "cap": a.class_caps[p],
+            "ceiling": a.ceilings[p],
+            "admitted": a.admitted[p],
+            "rejected": sum(n for (_, q), n in a.rejected.items() if q == p),
+        }
+        for p in Priority
+    }
+    tenants = sorted(set(a.tenant_inflight) | set(a.tenant_queued) | set(a.tenant_limits))
+    return {
+        "gateway_id": a.gateway_id,
+        "lease_state": a.lease_state.value,
+        "degraded": a.degraded,
+        "epoch": a.epoch,
+        "c_eff": a.c_eff,
+        "lease_total": a.lease_total,
+        "inuse_total": a.inuse_total,
+        "p0_reserve": a.p0_reserve,
+        "breaker": {"state": a.breaker_state.value, "reason": a.breaker_reason},
+        "bypass": {"inuse": a.bypass_inuse, "limit": a.bypass_limit,
+                   "admitted": a.bypass_admitted},
+        "classes": classes,
+        "tenants": {
+            t: {
+                "inflight": a.tenant_inflight.get(t, 0),
+                "queued": a.tenant_queued.get(t, 0),
+                "limit": a.tenant_limits.get(t),
+            }
+            for t in tenants
+        },
+        "counters": {
+            "admitted": sum(a.admitted),
+            "bypass_admitted": a.bypass_admitted,
+            "rejected": sum(a.rejected.values()),
+            "refreshes": a.refreshes,
+            "refresh_failures": a.refresh_failures,
+        },
+        "rejected": rejected,
+    }
+
+
+def decision_view(d: DecisionRecord, now: float) -> dict[str, Any]:
+    return {
+        "request_id": d.request_id,
+        "node": d.node_id,
+        "reason": d.reason,
+        "matched_blocks": d.matched_blocks,
+        "best_matched_blocks": d.best_matched_blocks,
+        "score": round(d.score, 4),
+        "attempt": d.attempt,
+        "age_s": round(max(0.0, now - d.at), 3),
+    }
+
+
+def decisions_view(gw: Gateway, now: float, limit: int) -> list[dict[str, Any]]:
+    """The most recent routing decisions, newest first."""
+    recent = list(gw.controller.stats.recent)[-limit:] if limit > 0 else []
+    return [decision_view(d, now) for d in reversed(recent)]
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | frozenset | set):
+        return [_plain(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def redacted_config(config: GatewayConfig) -> dict[str, Any]:
+    """The configuration as JSON with every secret replaced by ``***``: the admin token,
+    the API keys (kept as entries so their tenants and caps stay visible) and the
+    nodes' API keys."""
+    out: dict[str, Any] = _plain(config)
+    server = out["server"]
+    if server.get("admin_token") is not None:
+        server["admin_token"] = REDACTED
+    for node in out["nodes"]["static"]:
+        if node.get("api_key") is not None:
+            node["api_key"] = REDACTED
+    keys = out["auth"]["keys"]
+    out["auth"]["keys"] = [{"key": REDACTED, **spec} for _, spec in sorted(keys.items(),
+                           key=lambda kv: (kv[1]["tenant"], kv[0]))]
+    return out
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+class AdminApi:
+    """The handlers; one per gateway, registered by :func:`register_admin`."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        token = gw.config.server.admin_token
+        self._token = token.encode("utf-8") if token else None
+
+    def check(self, request: web.Request) -> None:
+        if self._token is None:
+            raise AdminDisabled("admin API disabled: set server.admin_token",
+                                code="admin_disabled")
+        auth = request.headers.get("Authorization", "")
+        scheme, _, given = auth.strip().partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode("utf-8", "surrogatepass"), self._token
+        )
+        if not ok:
+            raise AuthError(
+                "The admin API needs Authorization: Bearer <server.admin_token>."
+                if not auth else "Incorrect admin token provided.",
+                code="invalid_admin_token",
+            )
+
+    def _node(self, request: web.Request) -> NodeState:
+        node_id = request.match_info["id"]
+        state = self.gw.controller.nodes.get(NodeId(node_id))
+        if state is None:
+            raise NotFound(f"no node {node_id!r}", param="id", code="node_not_found")
+        return state
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise ClientRequestError(f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ClientRequestError("the body must be a JSON object")
+        return body
+
+    async def list_nodes(self, request: web.Request) -> web.StreamResponse:
+        self.check(request)
+        gw = self.gw
+        now = gw.clock()
+        return json_response(200, {
+            "object": "list",
+            "data": nodes_view(gw, now),
+            "healthy": gw.watcher.healthy_count(),
+        })
+
+    async def get_node(self, request: web.Request) -> web.StreamResponse:
+        self.check(request)
+        return json_response(200, node_view(self.gw, self._node(request), self.gw.clock()))
+
+    async def add_node(self, request: web.Request) -> web.StreamResponse:
+        self.check(request)
+        body = await self._body(request)
+        try:
+            config = parse_node(body, "node")
+        except ConfigError as exc:
+            raise ClientRequestError(exc.message, param=exc.param) from exc
+        gw = self.gw
+        if NodeId(config.id) in gw.controller.nodes or gw.watcher.get(config.id) is not None:
+            raise Conflict(f"node {config.id!r} already exists; DELETE it first",
+                           param="id", code="node_exists")
+        await gw.watcher.add(config)
+        state = gw.controller.nodes.get(NodeId(config.id))
+        if state is None:  # removed while it was being probed
+            raise Conflict(f"node {config.id!r} was removed while being added", param="id")
+        return json_response(201, node_view(gw, state, gw.clock()))
+
+    async def remove_node(self, request: web.Request) -> web.StreamResponse:
+        self.check(request)
+        node_id = request.match_info["id"]
+        if not await self.gw.watcher.remove(NodeId(node_id)):
+            if NodeId(node_id) not in self.gw.controller.nodes:
+                raise NotFound(f"no node {node_id!r}", param="id", code="node_not_found")
+            self.gw.controller.remove_node(NodeId(node_id), self.gw.clock())
+        return json_response(200, {"id": node_id, "deleted": True})
+
+    async def drain_node(self, request: web.Request) -> web.StreamResponse:
+        self.check(request)
+        state = self._node(request)
+        body = await self._body(request)
+        draining = body.get("draining", True)
+        if not isinstance(draining, bool):
+            raise ClientRequestError("'draining' must be true or false", param="draining")
+        gw = self.gw
+        gw.controller.set_draining(state.spec.node_id, draining, gw.clock())
+        return json_response(200, node_view(gw, state, gw.clock()))
+
+    async def config(self, request: web.Request) -> web.StreamResponse:
+        self.check(request)
+        return json_response(200, redacted_config(self.gw.config))
+
+    async def admission(self, request: web.Request) -> web.StreamResponse:
+        self.check(request)
+        return json_response(200, admission_view(self.gw.controller.admission.stats()))
+
+    async def decisions(self, request: web.Request) -> web.StreamResponse:
+        self.check(request)
+        text = request.query.get("limit", str(DECISIONS_DEFAULT))
+        try:
+            limit = int(text)
+        except ValueError:
+            limit = -1
+        if limit < 0:
+            raise ClientRequestError("'limit' must be an integer >= 0", param="limit")
+        gw = self.gw
+        return json_response(200, {"object": "list",
+                                   "data": decisions_view(gw, gw.clock(), limit)})
+
+
+def register_admin(app: web.Application, gw: Gateway) -> None:
+    """Add the ``/admin`` routes (always registered; they answer 403 without a token)."""
+    api = AdminApi(gw)
+    r = app.router
+    r.add_get("/admin/nodes", api.list_nodes)
+    r.add_post("/admin/nodes", api.add_node)
+    r.add_get("/admin/nodes/{id}", api.get_node)
+    r.add_delete("/admin/nodes/{id}", api.remove_node)
+    r.add_post("/admin/nodes/{id}/drain", api.drain_node)
+    r.add_get("/admin/config", api.config)
+    r.add_get("/admin/admission", api.admission)
+    r.add_get("/admin/decisions", api.decisions)

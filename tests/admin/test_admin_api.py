@@ -1,0 +1,304 @@
+"""The admin API: auth, nodes (list, add, drain, remove), config redaction, admission,
+decisions; against a gateway in front of real engine servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+PATHS = [
+    ("GET", "/admin/nodes"), ("POST", "/admin/nodes"), ("GET", "/admin/nodes/e0"),
+    ("DELETE", "/admin/nodes/e0"), ("POST", "/admin/nodes/e0/drain"), ("GET", "/admin/config"),
+    ("GET", "/admin/admission"), ("GET", "/admin/decisions"),
+]
+
+
+def _is_openai_error(body: Any) -> bool:
+    return (isinstance(body, dict) and set(body) == {"error"}
+            and {"message", "type", "param", "code"} <= set(body["error"]))
+
+
+def test_admin_disabled_without_token(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(1, server={"admin_token": None}) as s:
+            for method, path in PATHS:
+                status, data, _ = await s.call(method, path, {})
+                assert status == 403, (method, path)
+                assert _is_openai_error(data)
+                assert data["error"]["message"] == "admin API disabled: set server.admin_token"
+            assert len(s.gw.nodes) == 1  # nothing was removed
+
+    admin_kit.run(body())
+
+
+def test_admin_needs_the_bearer_token(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(1) as s:
+            for token in (None, "wrong-token-123", admin_kit.TOKEN + "x", ""):
+                for method, path in PATHS:
+                    status, data, headers = await s.call(method, path, {}, token=token)
+                    assert status == 401, (token, method, path)
+                    assert _is_openai_error(data)
+                    assert headers.get("WWW-Authenticate") == "Bearer"
+            status, _, _ = await s.call("GET", "/admin/nodes",
+                                        headers={"Authorization": f"Basic {admin_kit.TOKEN}"},
+                                        token=None)
+            assert status == 401
+            assert len(s.gw.nodes) == 1
+            status, data, _ = await s.call("GET", "/admin/nodes")
+            assert status == 200 and data["object"] == "list"
+
+    admin_kit.run(body())
+
+
+def test_list_nodes_shows_health_load_index_and_spec(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(2) as s:
+            status, node = await s.chat("tell me about caches " * 100)
+            assert status == 200 and node is not None
+            await admin_kit.eventually(lambda: all(
+                st.report_time is not None for st in s.gw.nodes))
+            status, data, _ = await s.call("GET", "/admin/nodes")
+            assert status == 200
+            assert data["healthy"] == 2
+            by_id = {n["id"]: n for n in data["data"]}
+            assert set(by_id) == {"e0", "e1"}
+            for n in by_id.values():
+                assert n["healthy"] is True and n["draining"] is False
+                assert n["url"] == s.engine(n["id"]).url
+                load = n["load"]
+                for key in ("waiting", "running", "kv_usage", "report_age_s", "inflight",
+                            "queue", "cache_weight"):
+                    assert key in load
+                assert load["report_age_s"] is not None and load["report_age_s"] >= 0
+                assert n["spec"]["models"] == [admin_kit.MODEL]
+                assert n["spec"]["max_model_len"] == s.engine(n["id"]).max_model_len
+                assert n["spec"]["capacity"] == 64
+            assert by_id[node]["index"]["entries"] > 0
+            other = ({"e0", "e1"} - {node}).pop()
+            assert by_id[other]["index"]["entries"] == 0
+            status, one, _ = await s.call("GET", f"/admin/nodes/{node}")
+            assert status == 200 and one["id"] == node
+            status, err, _ = await s.call("GET", "/admin/nodes/nope")
+            assert status == 404 and _is_openai_error(err)
+
+    admin_kit.run(body())
+
+
+def test_add_node_probes_it_and_routes_to_it(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(1) as s:
+            extra = await admin_kit.start_engine("e9")
+            try:
+                status, node, _ = await s.call(
+                    "POST", "/admin/nodes", {"url": extra.url + "/v1", "id": "e9",
+                                             "capacity": 8})
+                assert status == 201, node
+                assert node["id"] == "e9" and node["healthy"] is True
+                assert node["url"] == extra.url
+                assert node["spec"]["capacity"] == 8
+                assert node["spec"]["models"] == [admin_kit.MODEL]  # discovered
+                status, data, _ = await s.call("GET", "/admin/nodes")
+                assert [n["id"] for n in data["data"]] == ["e0", "e9"]
+                # capacity feeds the budget: C_eff = 64 + 8
+                _, adm, _ = await s.call("GET", "/admin/admission")
+                assert adm["c_eff"] == 72
+                # the new node takes traffic once e0 is drained
+                await s.call("POST", "/admin/nodes/e0/drain", {"draining": True})
+                assert (await s.chat("hello there")) == (200, "e9")
+                # duplicates and bad bodies are refused, and change nothing
+                status, err, _ = await s.call("POST", "/admin/nodes",
+                                              {"url": extra.url, "id": "e9"})
+                assert status == 409 and _is_openai_error(err)
+                for bad in ({"id": "x"}, {"url": "ftp://a:1"}, {"url": extra.url, "capacity": 0},
+                            {"url": extra.url, "colour": "red"}, [1, 2], b"{not json"):
+                    status, err, _ = await s.call("POST", "/admin/nodes", bad)
+                    assert status == 400, bad
+                    assert _is_openai_error(err)
+                assert len(s.gw.nodes) == 2
+                # a node that does not answer is added, but out of rotation until it does
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    closed = sock.getsockname()[1]
+                status, node, _ = await s.call(
+                    "POST", "/admin/nodes", {"url": f"http://127.0.0.1:{closed}"})
+                assert status == 201
+                assert node["id"] == f"127.0.0.1:{closed}" and node["healthy"] is False
+            finally:
+                await extra.stop()
+
+    admin_kit.run(body())
+
+
+def test_drain_and_undrain(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(2) as s:
+            status, node, _ = await s.call("POST", "/admin/nodes/e0/drain", {"draining": True})
+            assert status == 200 and node["draining"] is True and node["eligible"] is False
+            assert s.gw.nodes.get("e0").draining  # type: ignore[arg-type,union-attr]
+            for i in range(6):
+                assert (await s.chat(f"prompt number {i} " * 40)) == (200, "e1")
+            _, data, _ = await s.call("GET", "/admin/nodes")
+            assert data["healthy"] == 1
+            _, adm, _ = await s.call("GET", "/admin/admission")
+            assert adm["c_eff"] == 64  # the drained node's capacity left the budget
+            status, node, _ = await s.call("POST", "/admin/nodes/e0/drain", {"draining": False})
+            assert status == 200 and node["draining"] is False and node["eligible"] is True
+            status, node, _ = await s.call("POST", "/admin/nodes/e0/drain")  # default: drain
+            assert status == 200 and node["draining"] is True
+            status, err, _ = await s.call("POST", "/admin/nodes/e0/drain", {"draining": "yes"})
+            assert status == 400 and err["error"]["param"] == "draining"
+            status, _, _ = await s.call("POST", "/admin/nodes/zz/drain", {"draining": True})
+            assert status == 404
+
+    admin_kit.run(body())
+
+
+def test_remove_node(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(2) as s:
+            status, data, _ = await s.call("DELETE", "/admin/nodes/e1")
+            assert status == 200 and data == {"id": "e1", "deleted": True}
+            _, data, _ = await s.call("GET", "/admin/nodes")
+            assert [n["id"] for n in data["data"]] == ["e0"]
+            assert s.gw.gateway.watcher.get("e1") is None
+            for i in range(3):
+                assert (await s.chat(f"after removal {i}")) == (200, "e0")
+            status, err, _ = await s.call("DELETE", "/admin/nodes/e1")
+            assert status == 404 and err["error"]["code"] == "node_not_found"
+
+    admin_kit.run(body())
+
+
+def test_config_is_redacted(admin_kit: Any) -> None:
+    secrets = ("sk-acme-very-secret", "sk-ops-also-secret", "node-api-key-secret")
+
+    async def body() -> None:
+        async with admin_kit.stack(
+            1,
+            auth={"keys": {secrets[0]: {"tenant": "acme", "max_priority": 1},
+                           secrets[1]: {"tenant": "ops", "max_priority": 0, "bypass": True}}},
+            admission={"budget": 100, "tenant_quotas": {"acme": 5}},
+        ) as s:
+            extra = await admin_kit.start_engine("e5")
+            try:
+                status, _, _ = await s.call("POST", "/admin/nodes",
+                                            {"url": extra.url, "id": "e5",
+                                             "api_key": secrets[2]})
+                assert status == 201
+                status, cfg, _ = await s.call("GET", "/admin/config")
+            finally:
+                await extra.stop()
+            assert status == 200
+            text = json.dumps(cfg)
+            for secret in (*secrets, admin_kit.TOKEN):
+                assert secret not in text
+            assert cfg["server"]["admin_token"] == "***"
+            assert cfg["admission"]["budget"] == 100
+            assert cfg["admission"]["tenant_quotas"] == {"acme": 5}
+            assert cfg["routing"]["policy"] == "kvgate"
+            assert cfg["nodes"]["static"][0]["id"] == "e0"
+            keys = cfg["auth"]["keys"]
+            assert [k["tenant"] for k in keys] == ["acme", "ops"]
+            assert all(k["key"] == "***" for k in keys)
+            assert keys[1]["bypass"] is True
+            # the dashboard is served without a token and carries no secret either
+            status, state, _ = await s.call("GET", "/dashboard/state", token=None)
+            assert status == 200
+            assert not any(sec in json.dumps(state) for sec in (*secrets, admin_kit.TOKEN))
+
+    admin_kit.run(body())
+
+
+def test_admission_json(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(2, admission={"budget": 50, "tenant_quotas": {"acme": 3}},
+                                   auth={"keys": {"sk-acme-1": {"tenant": "acme"}}}) as s:
+            for i in range(3):
+                async with s.session.post(
+                    s.url + "/v1/chat/completions",
+                    json={"model": admin_kit.MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": f"hi {i}"}]},
+                    headers={"Authorization": "Bearer sk-acme-1"},
+                ) as r:
+                    assert r.status == 200
+            status, adm, _ = await s.call("GET", "/admin/admission")
+            assert status == 200
+            assert adm["lease_state"] == "active"
+            assert adm["degraded"] is False
+            assert adm["c_eff"] == 50
+            assert adm["lease_total"] > 0
+            assert set(adm["classes"]) == {"P0", "P1", "P2"}
+            for c in adm["classes"].values():
+                assert {"inuse", "queued", "cap", "admitted", "rejected"} <= set(c)
+            assert adm["classes"]["P1"]["admitted"] == 3
+            assert adm["classes"]["P1"]["inuse"] == 0
+            assert adm["counters"]["admitted"] == 3
+            assert adm["breaker"]["state"] == "closed"
+            assert {"inuse", "limit"} <= set(adm["bypass"])
+            # a request in flight shows in its class and under its tenant
+            async with s.session.post(
+                s.url + "/v1/chat/completions",
+                json={"model": admin_kit.MODEL, "max_tokens": 3000, "stream": True,
+                      "messages": [{"role": "user", "content": "a long answer please"}]},
+                headers={"Authorization": "Bearer sk-acme-1"},
+            ) as r:
+                assert r.status == 200
+                await r.content.readany()
+                _, adm, _ = await s.call("GET", "/admin/admission")
+            assert adm["classes"]["P1"]["inuse"] == 1
+            assert adm["inuse_total"] == 1
+            assert adm["tenants"]["acme"]["inflight"] == 1
+            assert adm["tenants"]["acme"]["queued"] == 0
+            assert adm["tenants"]["acme"]["limit"] in (None, 1, 2, 3)
+
+    admin_kit.run(body())
+
+
+def test_recent_decisions_with_reasons(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(2) as s:
+            prefix = "a long shared system prompt " * 60
+            nodes = [(await s.chat(prefix + f"question {i}"))[1] for i in range(4)]
+            status, data, _ = await s.call("GET", "/admin/decisions")
+            assert status == 200
+            decisions = data["data"]
+            assert len(decisions) == 4
+            assert [d["node"] for d in decisions] == nodes[::-1]  # newest first
+            assert decisions[-1]["reason"] == "load"  # nothing cached yet
+            assert decisions[0]["reason"] == "cache_hit"
+            assert decisions[0]["matched_blocks"] > 0
+            for d in decisions:
+                assert {"request_id", "node", "reason", "score", "attempt", "age_s"} <= set(d)
+            _, data, _ = await s.call("GET", "/admin/decisions?limit=1")
+            assert len(data["data"]) == 1
+            status, _, _ = await s.call("GET", "/admin/decisions?limit=-1")
+            assert status == 400
+
+    admin_kit.run(body())
+
+
+def test_dashboard_page_and_state(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(2) as s:
+            await s.chat("hello")
+            status, html, headers = await s.call("GET", "/dashboard", token=None)
+            assert status == 200 and headers["Content-Type"].startswith("text/html")
+            for el in ('id="requests-total"', 'id="nodes-body"', 'id="lease-state"',
+                       'id="decisions-body"', 'id="hits-body"'):
+                assert el in html
+            assert "/*__KVGATE_STATE__*/" not in html  # the state is embedded
+            assert "http://" not in html.split("<script>")[0]  # no external assets
+            assert "<script src" not in html and "<link" not in html
+            status, state, _ = await s.call("GET", "/dashboard/state", token=None)
+            assert status == 200
+            assert state["requests"]["total"] == 1
+            assert state["requests"]["completed"] == 1
+            assert [n["id"] for n in state["nodes"]] == ["e0", "e1"]
+            assert [h["bucket"] for h in state["hit_ratio"]] == ["lt1k", "1k_4k", "4k_16k",
+                                                                  "ge16k"]
+            assert state["admission"]["lease_state"] == "active"
+            assert len(state["decisions"]) == 1
+
+    admin_kit.run(body())

@@ -1,0 +1,162 @@
+"""End-to-end harness: real sockets on 127.0.0.1, real engine servers, one gateway.
+
+Handed out as the `e2e` fixture (the suite runs with --import-mode=importlib).
+Each test body runs in its own event loop under a hard timeout; servers, sessions
+and child processes are closed on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+
+from kvgate.engine.server import EngineServer, EngineServerConfig, start_engine_server
+from kvgate.gateway import GatewayServer, start_gateway
+from kvgate.gateway.config_load import build_config
+from kvgate.protocol import SSEParser
+
+T = TypeVar("T")
+MODEL = "kvgate-sim"
+TOKEN = "e2e-admin-token-123"
+
+
+@dataclass
+class Stack:
+    gw: GatewayServer
+    engines: list[EngineServer]
+    session: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.gw.url
+
+    def engine(self, node_id: str) -> EngineServer:
+        return next(e for e in self.engines if e.node_id == node_id)
+
+    async def fault(self, node_id: str, action: str, **params: Any) -> None:
+        async with self.session.post(self.engine(node_id).url + "/admin/fault",
+                                     json={"action": action, **params}) as r:
+            assert r.status == 200, await r.text()
+
+    async def engine_metric(self, node_id: str, name: str) -> float:
+        return await metric(self.session, self.engine(node_id).url, name)
+
+
+async def metric(session: aiohttp.ClientSession, base_url: str, name: str) -> float:
+    """Sum of the samples of ``name`` on a Prometheus page (0 if absent)."""
+    async with session.get(base_url + "/metrics") as r:
+        text = await r.text()
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
+        total += float(m.group(1))
+    return total
+
+
+def gateway_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) -> Any:
+    raw: dict[str, dict[str, Any]] = {
+        "server": {"port": 0, "seed": 1, "shutdown_timeout_s": 0.5, "admin_token": TOKEN},
+        "nodes": {"static": node_list, "health_interval_s": 0.1, "health_timeout_s": 0.5,
+                  "metrics_interval_s": 0.1, "evictions_interval_s": 0.1,
+                  "unhealthy_after": 2, "healthy_after": 1, "startup_probe_timeout_s": 2.0},
+        "routing": {"params": {"epsilon": 0.0}},
+        "upstream": {"connect_timeout_s": 1.0, "request_timeout_s": 10.0,
+                     "stream_idle_timeout_s": 10.0},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return build_config(raw)
+
+
+@contextlib.asynccontextmanager
+async def stack(n: int = 2, *, speedup: float = 20.0, num_blocks: int = 4000,
+                **sections: dict[str, Any]) -> AsyncIterator[Stack]:
+    engines: list[EngineServer] = []
+    gw: GatewayServer | None = None
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
+    try:
+        for i in range(n):
+            engines.append(await start_engine_server(EngineServerConfig(
+                port=0, speedup=speedup, node_id=f"e{i}", model=MODEL, num_blocks=num_blocks)))
+        nodes = [{"id": e.node_id, "url": e.url} for e in engines]
+        gw = await start_gateway(gateway_config(nodes, **sections))
+        yield Stack(gw, engines, session)
+    finally:
+        if gw is not None:
+            await gw.stop()
+        await session.close()
+        for e in engines:
+            await e.stop()
+
+
+async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
+    """Every event of a stream: JSON objects, and the string "[DONE]"."""
+    parser = SSEParser()
+    out: list[Any] = []
+    async for chunk in resp.content.iter_any():
+        for event in parser.feed(chunk):
+            out.append("[DONE]" if event.is_done else event.json())
+    return out
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the PID exists (a zombie counts: nobody reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - someone else's process reused the PID
+        return True
+    return True
+
+
+def run(coro: Awaitable[T], timeout: float = 30.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+class E2E:
+    MODEL = MODEL
+    TOKEN = TOKEN
+    run = staticmethod(run)
+    stack = staticmethod(stack)
+    metric = staticmethod(metric)
+    read_sse = staticmethod(read_sse)
+    eventually = staticmethod(eventually)
+    pid_alive = staticmethod(pid_alive)
+
+
+@pytest.fixture
+def e2e() -> type[E2E]:
+    return E2E
+
+
+@pytest.fixture
+def chromium() -> str:
+    """Path of a Chromium binary; skipped only when absent outside CI."""
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.environ.get("CI") != "true":
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    pytest.fail("chromium is required under CI=true (apt-get install chromium)")

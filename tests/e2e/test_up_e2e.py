@@ -1,0 +1,125 @@
+"""`kvgate up`: engine processes behind a gateway, started, used and stopped cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+import aiohttp
+from openai import AsyncOpenAI
+
+from kvgate.commands.up import start_cluster
+
+PROMPT = "A long description of the deployment runbook, step by step. " * 50
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_kvgate_up_subprocess_serves_and_stops_cleanly(e2e: Any) -> None:
+    async def body() -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvgate.cli", "up", "--nodes", "2", "--port", "0",
+            "--engine-num-blocks", "2048",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        lines: list[str] = []
+        engine_pids: list[int] = []
+        try:
+            async with asyncio.timeout(25):
+                while not lines or "Press Ctrl-C" not in lines[-1]:
+                    line = await proc.stdout.readline()
+                    assert line, f"kvgate up exited early: {await proc.stderr.read()!r}"
+                    lines.append(line.decode())
+            out = "".join(lines)
+            gateway = re.search(r"gateway\s+(http://127\.0\.0\.1:\d+)", out)
+            assert gateway is not None, out
+            url = gateway.group(1)
+            for needle in (f"{url}/v1", f"{url}/dashboard", f"{url}/metrics", "curl "):
+                assert needle in out
+            engine_pids = [int(p) for p in re.findall(r"engine-\d\s+http://\S+\s+\(pid (\d+)\)",
+                                                      out)]
+            assert len(engine_pids) == 2
+            token = re.search(r"admin token \(generated\): (\S+)", out)
+            assert token is not None
+
+            async with AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
+                                   timeout=10.0) as client:
+                for _ in range(2):
+                    done = await client.chat.completions.create(
+                        model="kvgate-sim", max_tokens=8,
+                        messages=[{"role": "user", "content": PROMPT}])
+                assert done.usage is not None and done.usage.prompt_tokens_details is not None
+                assert (done.usage.prompt_tokens_details.cached_tokens or 0) > 0
+            async with aiohttp.ClientSession() as session:
+                headers = {"Authorization": f"Bearer {token.group(1)}"}
+                async with session.get(url + "/admin/nodes", headers=headers) as r:
+                    nodes = await r.json()
+                assert [n["id"] for n in nodes["data"]] == ["engine-0", "engine-1"]
+                async with session.get(url + "/dashboard/state") as r:
+                    assert (await r.json())["requests"]["completed"] == 2
+
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(15):
+                rest = await proc.stdout.read()
+                code = await proc.wait()
+            err = await proc.stderr.read()
+            assert code == 0, (rest, err)
+            assert b"kvgate up: stopped" in rest
+            for pid in engine_pids:
+                assert not e2e.pid_alive(pid), f"engine pid {pid} left behind"
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            _kill_leftovers([p for p in engine_pids if e2e.pid_alive(p)])
+
+    e2e.run(body(), timeout=50)
+
+
+def test_start_cluster_survives_a_killed_engine_process(e2e: Any) -> None:
+    async def body() -> None:
+        cluster = await start_cluster(
+            nodes=2, port=0, engine_num_blocks=2048, admin_token="test-admin-token",
+            gateway_overrides={"nodes": {"health_interval_s": 5.0},
+                               "routing": {"params": {"epsilon": 0.0}}},
+        )
+        pids = cluster.engine_pids
+        try:
+            assert len(cluster.engine_urls) == 2
+            async with aiohttp.ClientSession() as session:
+                body = {"model": "kvgate-sim", "max_tokens": 4,
+                        "messages": [{"role": "user", "content": PROMPT}]}
+                async with session.post(cluster.gateway_url + "/v1/chat/completions",
+                                        json=body) as r:
+                    assert r.status == 200
+                    holder = r.headers["X-Kvgate-Node"]
+                victim = next(e for e in cluster.engines if e.node_id == holder)
+                os.kill(victim.pid, signal.SIGKILL)
+                async with asyncio.timeout(5):
+                    while victim.alive():
+                        await asyncio.sleep(0.02)
+                # not yet started anywhere: retried on the other engine, and it succeeds
+                async with session.post(cluster.gateway_url + "/v1/chat/completions",
+                                        json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["X-Kvgate-Node"] != holder
+            assert sum(cluster.gateway.controller.stats.retries.values()) == 1
+        finally:
+            await cluster.stop()
+            _kill_leftovers([p for p in pids if e2e.pid_alive(p)])
+        for pid in pids:
+            assert not e2e.pid_alive(pid)
+        assert not cluster.log_dir.exists()  # the temporary log directory is removed
+
+    e2e.run(body(), timeout=40)
