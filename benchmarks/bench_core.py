@@ -5,7 +5,10 @@
 Keys printed (one JSON object with --json):
   route_p50_us, route_p99_us   one routing decision (candidate filter + index match +
                                kvgate policy scoring; hashing excluded) for 32 000-character
-                               prompts, 64 nodes, 1 000 000 indexed (block, node) entries
+                               prompts, 64 nodes, 1 000 000 indexed (block, node) entries,
+                               with the gateway holding a lease (normal operation)
+  route_safe_mode_p50_us, ...  the same in safe mode (no lease: candidates are also
+                               filtered by their reported load)
   hash_32k_p50_us              hashing one 32 000-character prompt into its chain
   admit_p50_us, admit_p99_us   stage-1 admission plus the quota book, per request
   index_bytes_per_entry        traced memory of the whole index / (block, node) entries
@@ -62,19 +65,19 @@ def _populate(
     nodes: list[NodeId],
     prompts: int,
     entries: int,
-) -> list[tuple[tuple[int, ...], int]]:
+) -> list[str]:
     """Index `prompts` query prompts with spread matches, then fill to `entries`.
 
-    Returns the query chains with their prompt token estimates. Match lengths run
-    from a miss at the first block to a full match; each prefix has 1-16 holders.
+    Returns the query prompts. Match lengths run from a miss at the first block to a
+    full match; each prefix has 1-16 holders.
     """
     idx = index.index if isinstance(index, Controller) else index
-    queries: list[tuple[tuple[int, ...], int]] = []
+    queries: list[str] = []
     now = 0.0
     for i in range(prompts):
         text = _text(rng, PROMPT_CHARS)
         chain = hasher.chain_for_prompt(text)
-        queries.append((chain, hasher.estimate_tokens_prompt(text)))
+        queries.append(text)
         kind = i % 10
         if kind == 0:
             continue  # a miss at the first block
@@ -91,6 +94,50 @@ def _populate(
     return queries
 
 
+def _contexts(ctl: Controller, hasher: TextChunkHasher, prompts: list[str]) -> list[RouteContext]:
+    """Fresh contexts, built as the controller builds them on arrival (its hot-prefix
+    depth included), from freshly hashed chains: new objects every pass, so nothing
+    of a previous routing call can be reused, and block keys are equal to the
+    index's keys but not the same objects, as for a real request."""
+    hot_depth = ctl.config.hot_prefix_blocks
+    out = []
+    for text in prompts:
+        chain = hasher.chain_for_prompt(text)
+        hot_blocks = min(hot_depth, len(chain))
+        out.append(
+            RouteContext(
+                chain=chain,
+                prompt_tokens=hasher.estimate_tokens_prompt(text),
+                tokens_per_block=hasher.tokens_per_block,
+                hot_key=chain[hot_blocks - 1] if chain else None,
+                hot_blocks=hot_blocks,
+            )
+        )
+    return out
+
+
+def _time_route(
+    ctl: Controller, hasher: TextChunkHasher, prompts: list[str], reps: int, now: float
+) -> list[float]:
+    samples: list[float] = []
+    route = ctl.route
+    for rep in range(reps):
+        ctxs = _contexts(ctl, hasher, prompts)  # outside the timing, like hashing
+        gc.collect()
+        gc.disable()
+        try:
+            for ctx in ctxs:
+                t0 = time.perf_counter_ns()
+                d = route(ctx, now)
+                t1 = time.perf_counter_ns()
+                if rep:  # the first pass warms up
+                    samples.append((t1 - t0) / 1000)
+                assert d is not None
+        finally:
+            gc.enable()
+    return samples
+
+
 def bench_route(args: argparse.Namespace, out: dict[str, float]) -> None:
     rng = random.Random(1)
     hasher = TextChunkHasher(block_chars=256)
@@ -99,33 +146,26 @@ def bench_route(args: argparse.Namespace, out: dict[str, float]) -> None:
     per_node = 2 * args.entries // args.nodes + 1000
     for n in nodes:
         ctl.add_node(NodeSpec(node_id=n, cache_blocks=per_node, capacity=64), 0.0)
-    queries = _populate(ctl, rng, hasher, nodes=nodes, prompts=args.prompts, entries=args.entries)
+    prompts = _populate(ctl, rng, hasher, nodes=nodes, prompts=args.prompts, entries=args.entries)
     out["index_entries"] = ctl.index.num_entries()
     for i, n in enumerate(nodes):
         ctl.on_load_report(n, waiting=i % 5, running=8 + i % 7, kv_util=(i % 10) / 10, now=1.0)
-    ctxs = [
-        RouteContext(chain=c, prompt_tokens=t, tokens_per_block=hasher.tokens_per_block)
-        for c, t in queries
-    ]
-    samples: list[float] = []
-    route = ctl.route
-    gc.collect()
-    gc.disable()
-    try:
-        for rep in range(args.reps):
-            for ctx in ctxs:
-                t0 = time.perf_counter_ns()
-                d = route(ctx, 1.5)
-                t1 = time.perf_counter_ns()
-                if rep:
-                    samples.append((t1 - t0) / 1000)
-                assert d is not None
-    finally:
-        gc.enable()
+    now = 1.5
+
+    # Safe mode: a new controller has no lease yet.
+    assert ctl.admission.degraded
+    samples = _time_route(ctl, hasher, prompts, args.reps, now)
+    out["route_safe_mode_p50_us"] = round(statistics.median(samples), 2)
+    out["route_safe_mode_p99_us"] = round(_pct(samples, 0.99), 2)
+
+    # Normal operation: a lease from the coordinator.
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 1.0)
+    assert not ctl.admission.degraded
+    samples = _time_route(ctl, hasher, prompts, args.reps, now)
     out["route_p50_us"] = round(statistics.median(samples), 2)
     out["route_p99_us"] = round(_pct(samples, 0.99), 2)
     out["route_samples"] = len(samples)
-    matched = [len(ctl.index.match(ctx.chain, 1.5)) for ctx in ctxs]
+    matched = [len(ctl.index.match(hasher.chain_for_prompt(t), now)) for t in prompts]
     out["route_prompts_with_a_holder"] = sum(1 for m in matched if m)
 
 

@@ -115,9 +115,8 @@ class Controller:
 
     def set_healthy(self, node_id: NodeId, healthy: bool, now: float) -> None:
         state = self.nodes.get(node_id)
-        if state is None or state.healthy == healthy:
+        if state is None or not self.nodes.set_healthy(state, healthy):
             return
-        state.healthy = healthy
         if healthy:
             state.consecutive_failures = 0
             self._ejected_until.pop(node_id, None)
@@ -125,12 +124,11 @@ class Controller:
 
     def set_draining(self, node_id: NodeId, draining: bool, now: float) -> None:
         state = self.nodes.get(node_id)
-        if state is not None and state.draining != draining:
-            state.draining = draining
+        if state is not None and self.nodes.set_draining(state, draining):
             self._capacity_changed(now)
 
     def _capacity_changed(self, now: float) -> None:
-        healthy = [s for s in self.nodes if s.healthy and not s.draining]
+        healthy, _ = self.nodes.eligible()
         self.admission.set_cluster_capacity(
             healthy_capacity=sum(s.spec.capacity for s in healthy),
             healthy_nodes=len(healthy),
@@ -248,21 +246,18 @@ class Controller:
     def candidates(
         self, ctx: RouteContext, excluded: set[NodeId] | frozenset[NodeId], now: float
     ) -> list[NodeState]:
+        # Health, drain and model filters are cached by the node table (they change on
+        # membership/health events, not per request); only what varies per request is
+        # filtered here, and usually nothing is: no exclusion and every node fits.
+        pool, min_len = self.nodes.eligible(ctx.model)
         need = ctx.prompt_tokens + ctx.max_tokens
-        out = [
-            s
-            for s in self.nodes
-            if s.healthy
-            and not s.draining
-            and s.spec.node_id not in excluded
-            and s.spec.max_model_len >= need
-            and (not ctx.model or s.serves(ctx.model))
-        ]
+        fits = pool if need <= min_len else (s for s in pool if s.spec.max_model_len >= need)
+        out = list(fits)
+        if excluded:
+            out = [s for s in out if s.spec.node_id not in excluded]
         if self.admission.degraded:
             # Safe mode: the global view is gone, so only nodes that say they have room.
-            limit = self.config.safe_mode_max_queue
-            nodes = self.nodes
-            out = [s for s in out if not nodes.is_stale(s, now) and nodes.queue(s, now) < limit]
+            out = self.nodes.with_room(out, now, self.config.safe_mode_max_queue)
         return out
 
     def route(

@@ -15,15 +15,31 @@ count carries most of the signal). A report older than ``stale_after_s`` is
 queue taken from the gateway's own in-flight count.
 
 Only :class:`NodeTable` mutates :class:`NodeState`; policies get read-only use.
+Routing runs for every request, so the table also keeps what lets it skip
+repeated work (both are exact, never approximations):
+
+* ``version`` counts membership, spec, health and drain changes; the eligible
+  nodes (healthy, not draining), per model, are cached until it moves
+  (:meth:`NodeTable.eligible`).
+* ``load_seq`` counts load changes (report, send, completion) and a bounded
+  journal names the nodes changed (:meth:`NodeTable.load_changes_since`), so a
+  policy that caches per-node load scores recomputes only those nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvgate.core.errors import ConfigError
 from kvgate.core.ids import NodeId
+
+# Journal of load changes: past this many entries the older half is dropped (amortised
+# O(1)); a reader that fell further behind than what is kept rescans every node.
+_LOAD_LOG_MAX = 4096
+# Distinct model names whose eligible lists are cached (names come from requests, so
+# the cache is bounded; past it the cache starts over).
+_ELIGIBLE_MODELS_MAX = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,9 +59,14 @@ class NodeSpec:
             raise ConfigError(f"node {self.node_id}: capacity, max_model_len must be >= 1")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class NodeState:
-    """Live state of one node. Mutated only by :class:`NodeTable`."""
+    """Live state of one node. Mutated only by :class:`NodeTable`.
+
+    Compared and hashed by identity (one object per node and table), so policies can
+    keep sets of states. Set health, drain and load through the table, which counts
+    the changes its caches depend on.
+    """
 
     spec: NodeSpec
     slot: int  # stable small integer, the node's bit in index bitmasks
@@ -90,16 +111,27 @@ class NodeTable:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self.stale_after_s = stale_after_s
+        self.version = 0  # bumped on every membership, spec, health or drain change
+        self.load_seq = 0  # bumped on every load change of any node
+        self._load_log: list[NodeState] = []  # the last load changes, oldest first
+        # model ("" = any) -> (eligible nodes in table order, their smallest max_model_len)
+        self._eligible: dict[str, tuple[tuple[NodeState, ...], int]] = {}
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._eligible.clear()
 
     # --- membership -----------------------------------------------------------------
     def add(self, spec: NodeSpec) -> NodeState:
         if spec.node_id in self._by_id:
             state = self._by_id[spec.node_id]
             state.spec = spec
+            self._changed()
             return state
         slot = self._free_slots.pop() if self._free_slots else self._take_slot()
         state = NodeState(spec=spec, slot=slot)
         self._by_id[spec.node_id] = state
+        self._changed()
         return state
 
     def _take_slot(self) -> int:
@@ -111,7 +143,44 @@ class NodeTable:
         state = self._by_id.pop(node_id, None)
         if state is not None:
             self._free_slots.append(state.slot)
+            self._changed()
         return state
+
+    def set_healthy(self, state: NodeState, healthy: bool) -> bool:
+        """Set the node's health; returns whether it changed."""
+        if state.healthy == healthy:
+            return False
+        state.healthy = healthy
+        self._changed()
+        return True
+
+    def set_draining(self, state: NodeState, draining: bool) -> bool:
+        """Set the node's draining flag; returns whether it changed."""
+        if state.draining == draining:
+            return False
+        state.draining = draining
+        self._changed()
+        return True
+
+    def eligible(self, model: str = "") -> tuple[tuple[NodeState, ...], int]:
+        """Healthy, non-draining nodes serving ``model`` ("" = any model), in table order,
+        and the smallest ``max_model_len`` among them (0 when there are none).
+
+        Cached until the next membership, spec, health or drain change, so the routing
+        hot path filters only what varies per request.
+        """
+        hit = self._eligible.get(model)
+        if hit is None:
+            pool = tuple(
+                s
+                for s in self._by_id.values()
+                if s.healthy and not s.draining and (not model or s.serves(model))
+            )
+            hit = (pool, min((s.spec.max_model_len for s in pool), default=0))
+            if len(self._eligible) >= _ELIGIBLE_MODELS_MAX:
+                self._eligible.clear()
+            self._eligible[model] = hit
+        return hit
 
     def get(self, node_id: NodeId) -> NodeState | None:
         return self._by_id.get(node_id)
@@ -138,16 +207,35 @@ class NodeTable:
             state.kv_util = min(1.0, max(0.0, kv_util))
         state.report_time = now
         state.sent_since_report = 0
+        self._load_changed(state)
 
     def on_sent(self, state: NodeState) -> None:
         state.inflight += 1
         state.sent_since_report += 1
+        self._load_changed(state)
 
     def on_done(self, state: NodeState, *, sent_at: float) -> None:
         """A request sent at ``sent_at`` left the node (finished, failed or cancelled)."""
         state.inflight = max(0, state.inflight - 1)
         if state.report_time is None or sent_at >= state.report_time:
             state.sent_since_report = max(0, state.sent_since_report - 1)
+        self._load_changed(state)
+
+    def _load_changed(self, state: NodeState) -> None:
+        self.load_seq += 1
+        log = self._load_log
+        if len(log) >= _LOAD_LOG_MAX:
+            del log[: len(log) // 2]
+        log.append(state)
+
+    def load_changes_since(self, seq: int) -> list[NodeState] | None:
+        """The nodes whose load changed since ``load_seq`` was ``seq`` (repeats possible,
+        removed nodes included), or None when the journal no longer reaches that far."""
+        n = self.load_seq - seq
+        if n <= 0:
+            return [] if n == 0 else None
+        log = self._load_log
+        return log[-n:] if n <= len(log) else None
 
     def load(self, state: NodeState, now: float) -> LoadView:
         rt = state.report_time
@@ -183,3 +271,15 @@ class NodeTable:
     def is_stale(self, state: NodeState, now: float) -> bool:
         rt = state.report_time
         return rt is None or now - rt > self.stale_after_s
+
+    def with_room(self, states: Iterable[NodeState], now: float, max_queue: int) -> list[NodeState]:
+        """The ``states`` with a fresh report and a queue below ``max_queue``, in order
+        (safe mode's filter; the rule of is_stale() and queue(), inlined)."""
+        stale_after = self.stale_after_s
+        return [
+            s
+            for s in states
+            if (rt := s.report_time) is not None
+            and not now - rt > stale_after
+            and s.reported_waiting + s.sent_since_report < max_queue
+        ]

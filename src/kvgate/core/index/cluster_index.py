@@ -6,16 +6,18 @@ Every node gets a small integer *slot* (freed slots are reused, lowest first)
 and so a bit ``1 << slot``. The table keeps:
 
 * ``_masks``: one dict, block hash -> int bitmask of the slots holding the block.
-  This is all :meth:`ClusterIndex.match` reads: it walks the chain AND-ing
-  masks (``accumulate`` in C) and stops at the first zero, so its cost grows with
-  the matched chain length, never with the table size or the node count. A
-  node's match length is the position where its bit drops out of the running AND.
+  :meth:`ClusterIndex.match` reads only this: it fetches the masks of the chain's
+  blocks in C up to the first block nobody holds, so its cost grows with the
+  matched length, never with the table size or the node count. A node's match
+  is where its bit drops out of the running AND of the masks; the AND can only
+  change where a new group of equal masks starts, so the Python-level work is
+  per group (usually 1-3), not per block.
 * per node, ``lru``: an ``OrderedDict`` block -> last-touch time, least recently
   touched first. It mirrors the engine's prefix cache: capacity in blocks, LRU
   eviction from the front, and blocks of a chain touched LAST TO FIRST so a
   prefix's root is the most recently used and evicted last. One float object is
-  shared by all blocks of one insert, so an entry costs one dict slot plus one
-  linked-list node (about 140 bytes per (block, node) entry all included).
+  shared by all blocks of one insert; no Python object per entry besides the
+  block's int (about 100-110 bytes per (block, node) entry, everything included).
 * per node, ``spec``: an ``OrderedDict`` of the *speculative* entries (precise
   mode: the gateway's routing guess before the engine's ``BlockStored`` event),
   block -> deadline. Speculative entries live in ``lru`` and ``_masks`` like any
@@ -26,14 +28,15 @@ and so a bit ``1 << slot``. The table keeps:
 Time comes in as ``now`` (seconds). Touch times are the index clock, the largest
 ``now`` seen, so each node's ``lru`` is ordered by touch time and its TTL-expired
 entries are a prefix of it (likewise deadlines in ``spec``). An entry touched at
-``t`` is live while ``now < t + ttl_s``; a speculative one also while
-``now < deadline``. Expiry is exact and amortised: a heap holds, per non-empty
-node, one item whose due time is <= the node's earliest expiry; ``expire`` pops
-due items, drops the expired prefix of that node and reschedules it.
-``insert`` and ``match`` call it first, but only when the heap's head is due
-(one float comparison otherwise), so stored state never contains an expired
-entry once ``match``/``insert``/``expire`` has seen ``now``. ``num_entries``,
-``holders`` and ``remove_blocks`` take no time and see stored state as is.
+``t`` is expired once ``t + ttl_s <= now``; a speculative one also once its
+deadline ``<= now``. Expiry is exact and amortised: a heap holds, per non-empty
+node, one item due no later than the node's earliest expiry. ``expire`` and
+``insert`` pop the due items and drop each such node's expired prefix, so
+afterwards nothing stored is expired. ``match`` stays cheap: it drops the expired
+entries of only the nodes holding the chain's first block (the only ones that can
+match), and only when the heap's head is due (one float comparison otherwise).
+Expired entries of other nodes may stay stored until the next ``insert`` or
+``expire``; ``num_entries``, ``holders`` and ``remove_blocks`` see stored state.
 
 Events may race membership changes, so operations on an unknown node are
 no-ops that return 0; ``set_capacity`` on an unknown node raises ``KeyError``.
@@ -95,11 +98,7 @@ class ClusterIndex:
         self._masks: dict[BlockHash, int] = {}
         self._nodes: dict[NodeId, _Node] = {}
         self._slot_ids: list[NodeId] = []  # slot -> node id (_NO_NODE when free)
-        self._slot_nodes: list[_Node | None] = []  # slot -> node (None when free)
         self._free_slots: list[int] = []  # a heap: lowest free slot first
-        # decoding table: _rows[k][byte] = ids of the slots 8k..8k+7 whose bits are in byte
-        self._rows: list[list[tuple[NodeId, ...]]] = []
-        self._dirty_rows: set[int] = set()
         self._heap: list[tuple[float, int, _Node]] = []  # (due, seq, node)
         self._seq = 0
         self._next_due = _INF  # the heap's head due time
@@ -121,12 +120,9 @@ class ClusterIndex:
         else:
             slot = len(self._slot_ids)
             self._slot_ids.append(node_id)
-            self._slot_nodes.append(None)
         node = _Node(node_id, slot, capacity_blocks)
         self._nodes[node_id] = node
         self._slot_ids[slot] = node_id
-        self._slot_nodes[slot] = node
-        self._dirty_rows.add(slot >> 3)
 
     def set_capacity(self, node_id: NodeId, capacity_blocks: int) -> None:
         """Change a node's capacity; shrinking evicts its least recently used blocks at once."""
@@ -146,9 +142,7 @@ class ClusterIndex:
         node.alive = False
         del self._nodes[node_id]
         self._slot_ids[node.slot] = _NO_NODE
-        self._slot_nodes[node.slot] = None
         heapq.heappush(self._free_slots, node.slot)
-        self._dirty_rows.add(node.slot >> 3)
 
     def clear_node(self, node_id: NodeId) -> int:
         """Engine reset (``AllBlocksCleared``): drop all the node holds; returns the count."""
@@ -249,8 +243,8 @@ class ClusterIndex:
         """
         masks = self._masks
         if now >= self._next_due and chain:
-            # Only nodes holding chain[0] can match; expire just those that have entries
-            # due (a pending heap item <= now). insert and expire do the rest of the work.
+            # Only nodes holding chain[0] can match: expire just those among the due
+            # nodes; insert and expire do the rest of the work.
             first = masks.get(chain[0])
             if first:
                 self._expire_holders(first, now)
@@ -258,9 +252,7 @@ class ClusterIndex:
         ml = cast("list[int]", list(takewhile(bool, map(masks.get, chain))))
         if not ml:
             return {}
-        if self._dirty_rows:
-            self._rebuild_rows()
-        rows = self._rows
+        ids = self._slot_ids
         out: dict[NodeId, int] = {}
         # The running AND of the masks only changes where a value appears that the run
         # is not a subset of; that is at the start of a group of equal masks, and the
@@ -271,11 +263,11 @@ class ClusterIndex:
             kept = run & v
             if kept != run:
                 pos = ml.index(v, pos)
-                _decode_into(out, rows, run ^ kept, pos)
+                _decode_into(out, ids, run ^ kept, pos)
                 run = kept
                 if not run:
                     return out
-        _decode_into(out, rows, run, len(ml))
+        _decode_into(out, ids, run, len(ml))
         return out
 
     def holders(self, block_hash: BlockHash) -> frozenset[NodeId]:
@@ -325,23 +317,6 @@ class ClusterIndex:
         self._drop(node, list(islice(node.lru, count)))
         self.evicted_capacity += count
 
-    def _rebuild_rows(self) -> None:
-        ids = self._slot_ids
-        rows = self._rows
-        while len(rows) * 8 < len(ids):
-            rows.append([])
-            self._dirty_rows.add(len(rows) - 1)
-        for k in self._dirty_rows:
-            if k >= len(rows):
-                continue
-            row: list[tuple[NodeId, ...]] = [()] * 256
-            for byte in range(1, 256):
-                low = byte & -byte
-                slot = (k << 3) + low.bit_length() - 1
-                row[byte] = (*row[byte ^ low], ids[slot]) if slot < len(ids) else row[byte ^ low]
-            rows[k] = row
-        self._dirty_rows.clear()
-
     def _schedule(self, node: _Node, due: float) -> None:
         """Make sure the node has a heap item due no later than ``due``."""
         if due >= node.sched_due:
@@ -371,14 +346,24 @@ class ClusterIndex:
         return dropped
 
     def _expire_holders(self, mask: int, now: float) -> None:
-        """Expire the nodes in ``mask`` that have an entry due (match's share of the work)."""
-        by_slot = self._slot_nodes
-        while mask:
-            low = mask & -mask
-            node = by_slot[low.bit_length() - 1]
-            if node is not None and node.sched_due <= now:
-                self._expire_and_reschedule(node, now)
-            mask ^= low
+        """Expire the due nodes whose bit is in ``mask`` (match's share of the work).
+
+        Costs O(due nodes * log nodes): the other due items go back on the heap.
+        """
+        heap = self._heap
+        others = []
+        while heap and heap[0][0] <= now:
+            item = heapq.heappop(heap)
+            node = item[2]
+            if not node.alive or item[1] != node.sched_seq:
+                continue  # superseded
+            if node.bit & mask:
+                self._expire_and_reschedule(node, now)  # pushes a due > now
+            else:
+                others.append(item)
+        for item in others:
+            heapq.heappush(heap, item)
+        self._next_due = heap[0][0] if heap else _INF
 
     def _expire_and_reschedule(self, node: _Node, now: float) -> int:
         node.sched_seq = -1  # its pending item, if any, is now superseded
@@ -414,19 +399,16 @@ class ClusterIndex:
         return len(ttl_victims) + len(spec_victims)
 
 
-def _decode_into(
-    out: dict[NodeId, int], rows: list[list[tuple[NodeId, ...]]], mask: int, value: int
-) -> None:
-    """Set ``out[node] = value`` for every node whose slot bit is in ``mask``."""
-    if mask < 256:
-        for nid in rows[0][mask]:
-            out[nid] = value
-        return
-    nbytes = (mask.bit_length() + 7) >> 3
-    for row, byte in zip(rows, mask.to_bytes(nbytes, "little"), strict=False):
-        if byte:
-            for nid in row[byte]:
-                out[nid] = value
+def _decode_into(out: dict[NodeId, int], ids: list[NodeId], mask: int, value: int) -> None:
+    """Set ``out[node] = value`` for every node whose slot bit is in ``mask``.
+
+    One step per set bit: a change point of the running AND drops one or a few nodes,
+    so this beats table-driven decoding (bytes of the mask) at these mask widths.
+    """
+    while mask:
+        top = mask.bit_length() - 1
+        out[ids[top]] = value
+        mask ^= 1 << top
 
 
 def _check_capacity(node_id: NodeId, capacity_blocks: int) -> None:

@@ -29,11 +29,24 @@ On top of the score, in this order:
 
 Exactly one ``rng.random()`` is drawn per decision, so a seeded driver replays
 the same decisions whatever the cluster state.
+
+Cost
+----
+Routing runs per request over every candidate, so the load part of the score is
+kept per node (:class:`_LoadScores`) in best-first order and recomputed only for
+nodes whose load changed (the node table's load journal), when a fresh report
+may have gone stale (``now`` passed the oldest fresh report's bound), or on a
+membership change. Per request, only the holders (the nodes in ``matches``,
+usually a few) are scored in Python; the best non-holder is the first candidate
+non-holder in that order. Replication and exploration targets are looked for
+only when those branches can fire. Decisions are the same as scoring every
+candidate in one loop (tests/core/test_kvgate_reference.py checks this).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
 from kvgate.core.errors import ConfigError
@@ -41,6 +54,133 @@ from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeState, NodeTable
 from kvgate.core.rng import Rng
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
+
+_INF = float("inf")
+
+# (w_load, max_queue, util_weight, stale_after_s): what the scores were computed with
+_Params = tuple[float, int, float, float]
+
+# More load changes than this since the last request: rescore every node instead.
+_MAX_INCREMENTAL = 16
+
+
+class _Load:
+    """One node's load terms at the time they were computed."""
+
+    __slots__ = ("node_id", "penalty", "queue", "rank", "score", "slot", "state", "util")
+
+    def __init__(self, state: NodeState, queue: int, util: float, params: _Params) -> None:
+        w_load, max_queue, util_weight, _ = params
+        self.state = state
+        self.node_id = state.spec.node_id
+        self.slot = state.slot
+        self.queue = queue
+        self.util = util
+        self.penalty = min(queue / max_queue, 1.0) + util_weight * util
+        self.score = -w_load * self.penalty  # the score of a node that matches nothing
+        # Sorted ascending, ranks run from the best non-holder to the worst under the
+        # policy's tie-break (higher score, then lower queue, then lower slot). Slots
+        # are unique in a table, so comparisons never reach the _Load.
+        self.rank = (-self.score, queue, state.slot, self)
+
+
+class _LoadScores:
+    """The load terms of every node of one :class:`NodeTable`, kept best first.
+
+    Valid for any ``now`` from the latest one it was computed at until the oldest
+    fresh report becomes stale: ``now - report_time`` only grows with ``now``, so a
+    stale node stays stale, and no fresh node turns stale before the oldest one.
+    """
+
+    __slots__ = (
+        "by_id",
+        "load_seq",
+        "now",
+        "oldest_fresh",
+        "order",
+        "params",
+        "pool",
+        "pool_list",
+        "pool_set",
+        "states",
+        "table",
+        "version",
+    )
+
+    def __init__(self) -> None:
+        self.table: NodeTable | None = None
+        self.version = -1
+        self.load_seq = -1
+        self.params: _Params | None = None
+        self.now = -_INF
+        self.oldest_fresh = _INF  # the oldest report_time among fresh nodes
+        self.by_id: dict[NodeId, _Load] = {}
+        self.states: frozenset[NodeState] = frozenset()  # every scored state
+        self.order: list[tuple[float, int, int, _Load]] = []  # the ranks, ascending
+        # the table's eligible pool last seen, as a list and as a set
+        self.pool: tuple[NodeState, ...] | None = None
+        self.pool_list: list[NodeState] = []
+        self.pool_set: frozenset[NodeState] = frozenset()
+
+    def sync(self, nodes: NodeTable, now: float, params: _Params) -> None:
+        """Bring the scores up to date for ``now``."""
+        if (
+            nodes is not self.table
+            or nodes.version != self.version
+            or params != self.params
+            or now < self.now
+            or now - self.oldest_fresh > params[3]
+        ):
+            self.rebuild(nodes, nodes, now, params)
+            return
+        if nodes.load_seq != self.load_seq:
+            changed = nodes.load_changes_since(self.load_seq)
+            if changed is None or len(changed) > _MAX_INCREMENTAL:
+                self.rebuild(nodes, nodes, now, params)
+                return
+            for state in changed:
+                self._update(nodes, state, now, params)
+            self.load_seq = nodes.load_seq
+        self.now = now
+
+    def rebuild(
+        self, nodes: NodeTable, states: Iterable[NodeState], now: float, params: _Params
+    ) -> None:
+        """Score ``states`` (the table's nodes, or foreign candidates) from scratch."""
+        self.table = nodes if states is nodes else None
+        self.version = nodes.version
+        self.load_seq = nodes.load_seq
+        self.params = params
+        self.now = now
+        self.oldest_fresh = _INF
+        self.by_id = {s.spec.node_id: self._load(nodes, s, now, params) for s in states}
+        self.states = frozenset(load.state for load in self.by_id.values())
+        self.order = sorted(load.rank for load in self.by_id.values())
+
+    def candidate_set(self, nodes: NodeTable, model: str) -> frozenset[NodeState]:
+        """The set of the table's eligible nodes for ``model``, kept while it is the same."""
+        pool = nodes.eligible(model)[0]
+        if pool is not self.pool:
+            self.pool, self.pool_list, self.pool_set = pool, list(pool), frozenset(pool)
+        return self.pool_set
+
+    def _load(self, nodes: NodeTable, state: NodeState, now: float, params: _Params) -> _Load:
+        if not nodes.is_stale(state, now):
+            rt = state.report_time
+            assert rt is not None
+            self.oldest_fresh = min(self.oldest_fresh, rt)
+        return _Load(state, nodes.queue(state, now), nodes.utilisation(state, now), params)
+
+    def _update(self, nodes: NodeTable, state: NodeState, now: float, params: _Params) -> None:
+        old = self.by_id.get(state.spec.node_id)
+        if old is None or old.state is not state:
+            return  # not a node of this snapshot (removed since)
+        new = self._load(nodes, state, now, params)
+        if new.rank[:3] != old.rank[:3] or new.util != old.util:
+            order = self.order
+            del order[bisect_left(order, old.rank)]
+            insort(order, new.rank)
+            self.by_id[new.node_id] = new
 
 
 class KvgatePolicy:
@@ -80,6 +220,7 @@ class KvgatePolicy:
         self.replica_rps = replica_rps
         self.max_replicas = max_replicas
         self._tripped: set[NodeId] = set()  # holders whose breaker is open
+        self._loads = _LoadScores()
 
     def on_finished(self, node_id: NodeId, now: float) -> None:
         return None
@@ -108,93 +249,102 @@ class KvgatePolicy:
         if not candidates:
             return None
         draw = rng.random()
+        params = (self.w_load, self.max_queue, self.util_weight, nodes.stale_after_s)
+        loads = self._loads
+        loads.sync(nodes, now, params)
+        # Membership in the candidates: usually they are the table's eligible pool as
+        # the controller passes it (nothing filtered per request), whose set is kept.
+        cands = loads.candidate_set(nodes, ctx.model)
+        if candidates != loads.pool_list:
+            cands = frozenset(candidates)
+            if len(cands) != len(candidates) or not cands <= loads.states:
+                # Outside the contract (candidates are distinct nodes of the table):
+                # score just these, by the same rules, without touching the cache.
+                loads = _LoadScores()
+                loads.rebuild(nodes, candidates, now, params)
+        by_id = loads.by_id
         tpb = ctx.tokens_per_block
         prompt = ctx.prompt_tokens
         inv_prefix = 1.0 / self.max_prefix_len
-        inv_queue = 1.0 / self.max_queue
-        w_cache, w_load, util_w = self.w_cache, self.w_load, self.util_weight
+        w_cache, w_load = self.w_cache, self.w_load
+        hot_blocks = ctx.hot_blocks
+        tripped_set, open_queue = self._tripped, self.breaker_open_queue
 
-        best: NodeState | None = None
-        best_key = (float("-inf"), 0, 0)
+        best: _Load | None = None
+        best_key = (-_INF, 0, 0)  # (score, -queue, -slot): the highest wins
+        best_score = -_INF  # best_key[0]
         best_bonus = 0.0
-        best_penalty = 0.0
-        best_queue = 0
         best_match = 0  # longest match among candidates
         holders_at_best = 0
         best_match_tripped = False
-        least: NodeState | None = None  # least-loaded non-holder, for replication
-        least_key = (float("inf"), 0)
-        idle: NodeState | None = None  # least-utilised idle non-holder, for exploration
-        idle_util = float("inf")
         hot_holders = 0
-        hot_blocks = ctx.hot_blocks
-        stale_after = nodes.stale_after_s
-        max_queue = self.max_queue
-        idle_queue = self.idle_queue
-        get_match = matches.get
-        # The load rule of NodeTable.queue()/utilisation(), inlined: this loop runs for
-        # every candidate of every request.
-        for s in candidates:
-            rt = s.report_time
-            if rt is None or now - rt > stale_after:
-                q, u = s.inflight, 1.0
-            else:
-                q, u = s.reported_waiting + s.sent_since_report, s.kv_util
-            penalty = (q * inv_queue if q < max_queue else 1.0) + util_w * u
-            nid = s.spec.node_id
-            m = get_match(nid, 0)
-            if m:
-                if hot_blocks and m >= hot_blocks:
-                    hot_holders += 1
-                tripped = self._breaker_open(nid, q)
-                if m > best_match:
-                    best_match, best_match_tripped, holders_at_best = m, tripped, 1
-                elif m == best_match:
-                    holders_at_best += 1
-                    best_match_tripped = best_match_tripped and tripped
-                if tripped:
-                    score = -w_load * penalty
-                    bonus = 0.0
-                else:
-                    saved = min(m * tpb, prompt)
-                    bonus = min(saved * inv_prefix, 1.0) * s.cache_weight
-                    score = w_cache * bonus - w_load * penalty
-            else:
-                if penalty < least_key[0] or (penalty == least_key[0] and s.slot < least_key[1]):
-                    least, least_key = s, (penalty, s.slot)
-                if q <= idle_queue and u < idle_util:
-                    idle, idle_util = s, u
-                score = -w_load * penalty
+        # The holders: the only candidates whose score depends on the request.
+        for nid, m in matches.items():
+            load = by_id.get(nid)
+            if load is None or not m or load.state not in cands:
+                continue
+            q = load.queue
+            if hot_blocks and m >= hot_blocks:
+                hot_holders += 1
+            tripped = (q >= open_queue or nid in tripped_set) and self._breaker_open(nid, q)
+            if m > best_match:
+                best_match, best_match_tripped, holders_at_best = m, tripped, 1
+            elif m == best_match:
+                holders_at_best += 1
+                best_match_tripped = best_match_tripped and tripped
+            if tripped:
                 bonus = 0.0
-            if score >= best_key[0]:
-                key = (score, -q, -s.slot)
+                score = -w_load * load.penalty
+            else:
+                # min(m * tpb, prompt) and min(saved / max_prefix_len, 1), without the calls
+                saved = m * tpb
+                if saved > prompt:
+                    saved = prompt
+                bonus = saved * inv_prefix
+                if bonus > 1.0:
+                    bonus = 1.0
+                bonus *= load.state.cache_weight
+                score = w_cache * bonus - w_load * load.penalty
+            if score >= best_score:
+                key = (score, -q, -load.slot)
                 if key > best_key:
-                    best, best_key = s, key
-                    best_bonus, best_penalty, best_queue = bonus, penalty, q
+                    best, best_key, best_score, best_bonus = load, key, score, bonus
+        # Every non-holder scores -w_load * penalty: the best is the first candidate
+        # non-holder in rank order (usually the first rank or close to it).
+        for _, q, slot, load in loads.order:
+            if load.state in cands and not matches.get(load.node_id):
+                key = (load.score, -q, -slot)
+                if key > best_key:
+                    best, best_key, best_bonus = load, key, 0.0
+                break
         assert best is not None
-        chosen = best
-        chosen_match = matches.get(best.spec.node_id, 0)
+        chosen = best.state
+        chosen_match = matches.get(best.node_id, 0)
         reason = self._reason(
             chosen_match, best_match, holders_at_best, best_bonus, best_match_tripped
         )
 
         # Hot-prefix replication: one more holder when the holders cannot keep up.
+        least: NodeState | None = None
         if (
             self.replica_rps is not None
-            and least is not None
             and hot_holders
             and hot_holders < self.max_replicas
             and ctx.hot_rate > self.replica_rps * hot_holders
         ):
+            least = _least_loaded(candidates, matches, by_id)
+        if least is not None:
             chosen, reason, chosen_match = least, RouteReason.REPLICATION, 0
         # Exploration: a small share of cache hits goes to an idle node that misses.
-        elif idle is not None and chosen_match and draw < self.epsilon:
-            chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
+        elif chosen_match and draw < self.epsilon:
+            idle = _most_idle(candidates, matches, by_id, self.idle_queue)
+            if idle is not None:
+                chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
 
         parts: dict[str, float] = {
             "bonus": best_bonus,
-            "penalty": best_penalty,
-            "queue": float(best_queue),
+            "penalty": best.penalty,
+            "queue": float(best.queue),
             "w_cache": w_cache,
             "w_load": w_load,
         }
@@ -222,3 +372,34 @@ class KvgatePolicy:
         if best_match and best_match_tripped:
             return RouteReason.BREAKER
         return RouteReason.LOAD
+
+
+def _least_loaded(
+    candidates: Sequence[NodeState], matches: Mapping[NodeId, int], by_id: Mapping[NodeId, _Load]
+) -> NodeState | None:
+    """The non-holder candidate with the lowest penalty, then the lowest slot."""
+    least: NodeState | None = None
+    least_key = (_INF, 0)
+    for s in candidates:
+        if not matches.get(s.spec.node_id):
+            key = (by_id[s.spec.node_id].penalty, s.slot)
+            if key < least_key:
+                least, least_key = s, key
+    return least
+
+
+def _most_idle(
+    candidates: Sequence[NodeState],
+    matches: Mapping[NodeId, int],
+    by_id: Mapping[NodeId, _Load],
+    idle_queue: int,
+) -> NodeState | None:
+    """The first non-holder candidate with queue <= idle_queue and the lowest utilisation."""
+    idle: NodeState | None = None
+    idle_util = _INF
+    for s in candidates:
+        if not matches.get(s.spec.node_id):
+            load = by_id[s.spec.node_id]
+            if load.queue <= idle_queue and load.util < idle_util:
+                idle, idle_util = s, load.util
+    return idle

@@ -1,0 +1,320 @@
+"""kvgate's policy keeps per-node load scores between requests; its decisions must be
+exactly those of scoring every candidate afresh in one loop.
+
+The reference below is that loop, written from the policy's docstring: every
+candidate gets ``w_cache * bonus - w_load * penalty``, the highest
+``(score, -queue, -slot)`` wins, the breaker is consulted for every holder, and the
+replication / exploration targets are the least-penalised / least-utilised idle
+non-holder (the first such in candidate order). Random tables, load changes between
+requests, time moving on (and back), membership and health changes, and direct
+``cache_weight`` edits all go through both; every field of every decision must match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvgate.core.ids import NodeId
+from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
+from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
+from kvgate.core.routing.kvgate import KvgatePolicy
+
+NAMES = [NodeId(f"n{i}") for i in range(8)]
+
+
+class FixedRng:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+@dataclass
+class Reference:
+    """The straightforward scorer: one pass over the candidates, nothing kept but the
+    breaker's hysteresis."""
+
+    p: KvgatePolicy
+    tripped: set[NodeId]
+
+    def breaker_open(self, nid: NodeId, queue: int) -> bool:
+        if nid in self.tripped:
+            if queue <= self.p.breaker_close_queue:
+                self.tripped.discard(nid)
+                return False
+            return True
+        if queue >= self.p.breaker_open_queue:
+            self.tripped.add(nid)
+            return True
+        return False
+
+    def select(
+        self,
+        ctx: RouteContext,
+        candidates: Sequence[NodeState],
+        matches: Mapping[NodeId, int],
+        nodes: NodeTable,
+        draw: float,
+        now: float,
+    ) -> RouteDecision | None:
+        p = self.p
+        if not candidates:
+            return None
+        best: NodeState | None = None
+        best_key = (float("-inf"), 0, 0)
+        best_bonus = best_penalty = 0.0
+        best_queue = best_match = holders_at_best = hot_holders = 0
+        best_match_tripped = False
+        least: NodeState | None = None
+        least_key = (float("inf"), 0)
+        idle: NodeState | None = None
+        idle_util = float("inf")
+        for s in candidates:
+            q = nodes.queue(s, now)
+            u = nodes.utilisation(s, now)
+            penalty = min(q / p.max_queue, 1.0) + p.util_weight * u
+            m = matches.get(s.node_id, 0)
+            bonus = 0.0
+            if m:
+                if ctx.hot_blocks and m >= ctx.hot_blocks:
+                    hot_holders += 1
+                tripped = self.breaker_open(s.node_id, q)
+                if m > best_match:
+                    best_match, best_match_tripped, holders_at_best = m, tripped, 1
+                elif m == best_match:
+                    holders_at_best += 1
+                    best_match_tripped = best_match_tripped and tripped
+                if not tripped:
+                    saved = min(m * ctx.tokens_per_block, ctx.prompt_tokens)
+                    # as the policy always has: times the inverse, not divided by
+                    bonus = min(saved * (1.0 / p.max_prefix_len), 1.0) * s.cache_weight
+            else:
+                if (penalty, s.slot) < least_key:
+                    least, least_key = s, (penalty, s.slot)
+                if q <= p.idle_queue and u < idle_util:
+                    idle, idle_util = s, u
+            score = p.w_cache * bonus - p.w_load * penalty
+            key = (score, -q, -s.slot)
+            if key > best_key:
+                best, best_key = s, key
+                best_bonus, best_penalty, best_queue = bonus, penalty, q
+        assert best is not None
+        chosen, chosen_match = best, matches.get(best.node_id, 0)
+        if chosen_match and best_bonus > 0:
+            single = chosen_match >= best_match and holders_at_best == 1
+            reason = RouteReason.CACHE_HIT if single else RouteReason.SPREAD
+        elif best_match and best_match_tripped:
+            reason = RouteReason.BREAKER
+        else:
+            reason = RouteReason.LOAD
+        if (
+            p.replica_rps is not None
+            and least is not None
+            and hot_holders
+            and hot_holders < p.max_replicas
+            and ctx.hot_rate > p.replica_rps * hot_holders
+        ):
+            chosen, reason, chosen_match = least, RouteReason.REPLICATION, 0
+        elif idle is not None and chosen_match and draw < p.epsilon:
+            chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
+        return RouteDecision(
+            node_id=chosen.node_id,
+            reason=reason,
+            matched_blocks=chosen_match,
+            best_matched_blocks=best_match,
+            score=best_key[0],
+            parts={
+                "bonus": best_bonus,
+                "penalty": best_penalty,
+                "queue": float(best_queue),
+                "w_cache": p.w_cache,
+                "w_load": p.w_load,
+            },
+        )
+
+
+# --- operations -------------------------------------------------------------------------
+name_st = st.sampled_from(NAMES)
+small = st.integers(0, 40)
+util_st = st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.9, 1.0])
+
+ops_st = st.lists(
+    st.one_of(
+        st.tuples(st.just("report"), name_st, small, util_st),
+        st.tuples(st.just("sent"), name_st),
+        st.tuples(st.just("done"), name_st, st.booleans()),
+        st.tuples(st.just("time"), st.sampled_from([0.0, 0.5, 1.0, 2.5, 4.0, -1.0])),
+        st.tuples(st.just("weight"), name_st, st.sampled_from([1.0, 0.5, 0.0])),
+        st.tuples(st.just("health"), name_st, st.booleans()),
+        st.tuples(st.just("add"), name_st),
+        st.tuples(st.just("remove"), name_st),
+        st.tuples(
+            st.just("select"),
+            st.lists(st.booleans(), min_size=8, max_size=8),  # which nodes are candidates
+            st.dictionaries(name_st, st.integers(0, 12), max_size=8),  # matches
+            st.floats(0.0, 0.999),  # the draw
+            st.sampled_from([0, 1, 4]),  # hot_blocks
+            st.sampled_from([0.0, 3.0, 20.0]),  # hot_rate
+            st.sampled_from(["pool", "list", "tuple"]),  # how the candidates come
+        ),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+policy_st = st.builds(
+    KvgatePolicy,
+    w_cache=st.sampled_from([3.0, 1.0, 0.5]),
+    w_load=st.sampled_from([1.0, 2.0, 0.3]),
+    max_prefix_len=st.sampled_from([256, 1000, 8192]),
+    max_queue=st.sampled_from([4, 7, 32]),
+    util_weight=st.sampled_from([0.3, 0.0, 1.0]),
+    breaker_open_queue=st.sampled_from([6, 24]),
+    breaker_close_queue=st.sampled_from([2, 5]),
+    epsilon=st.sampled_from([0.0, 0.05, 0.5]),
+    idle_queue=st.sampled_from([0, 2]),
+    replica_rps=st.sampled_from([None, 2.0]),
+    max_replicas=st.sampled_from([2, 4]),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=policy_st, start=st.integers(1, 8), ops=ops_st)
+def test_same_decisions_as_the_reference(
+    policy: KvgatePolicy, start: int, ops: list[tuple[object, ...]]
+) -> None:
+    table = NodeTable(stale_after_s=3.0)
+    for nid in NAMES[:start]:
+        table.add(NodeSpec(node_id=nid))
+    ref = Reference(p=policy, tripped=set())
+    now = 10.0
+    sent_at: dict[NodeId, list[float]] = {}
+    for op in ops:
+        kind = op[0]
+        if kind == "report":
+            _, nid, waiting, util = op
+            table.report(nid, waiting=waiting, running=1, kv_util=util, now=now)  # type: ignore[arg-type]
+        elif kind == "sent":
+            state = table.get(op[1])  # type: ignore[arg-type]
+            if state is not None:
+                table.on_sent(state)
+                sent_at.setdefault(state.node_id, []).append(now)
+        elif kind == "done":
+            state = table.get(op[1])  # type: ignore[arg-type]
+            if state is not None and sent_at.get(state.node_id):
+                times = sent_at[state.node_id]
+                table.on_done(state, sent_at=times.pop(0 if op[2] else -1))
+        elif kind == "time":
+            now += op[1]  # type: ignore[operator]
+        elif kind == "weight":
+            state = table.get(op[1])  # type: ignore[arg-type]
+            if state is not None:
+                state.cache_weight = op[2]  # type: ignore[assignment]
+        elif kind == "health":
+            state = table.get(op[1])  # type: ignore[arg-type]
+            if state is not None:
+                table.set_healthy(state, op[2])  # type: ignore[arg-type]
+        elif kind == "add":
+            table.add(NodeSpec(node_id=op[1]))  # type: ignore[arg-type]
+        elif kind == "remove":
+            table.remove(op[1])  # type: ignore[arg-type]
+            sent_at.pop(op[1], None)  # type: ignore[call-overload]
+        else:
+            _, pick, matches, draw, hot_blocks, hot_rate, how = op
+            pool, _ = table.eligible()
+            if how == "pool":
+                cands: Sequence[NodeState] = list(pool)
+            else:
+                chosen = [s for s in table if pick[NAMES.index(s.node_id)]]  # type: ignore[index]
+                cands = tuple(chosen) if how == "tuple" else chosen
+            ctx = RouteContext(
+                chain=tuple(range(12)),
+                prompt_tokens=12 * 64 - 10,
+                tokens_per_block=64,
+                hot_key=1 if hot_blocks else None,
+                hot_blocks=hot_blocks,  # type: ignore[arg-type]
+                hot_rate=hot_rate,  # type: ignore[arg-type]
+            )
+            want = ref.select(ctx, cands, matches, table, draw, now)  # type: ignore[arg-type]
+            got = policy.select(ctx, cands, matches, table, FixedRng(draw), now)  # type: ignore[arg-type]
+            assert got == want
+            assert policy._tripped == ref.tripped
+
+
+def test_load_journal_reaches_back_or_says_it_cannot() -> None:
+    table = NodeTable()
+    a = table.add(NodeSpec(node_id=NodeId("a")))
+    b = table.add(NodeSpec(node_id=NodeId("b")))
+    seq = table.load_seq
+    assert table.load_changes_since(seq) == []
+    table.on_sent(a)
+    table.report(NodeId("b"), waiting=1, running=0, kv_util=0.0, now=1.0)
+    table.report(NodeId("zz"), waiting=1, running=0, kv_util=0.0, now=1.0)  # unknown: no change
+    assert table.load_changes_since(seq) == [a, b]
+    for _ in range(10_000):
+        table.on_done(a, sent_at=0.0)
+    assert table.load_changes_since(seq) is None  # trimmed: the reader must rescan
+    assert table.load_changes_since(table.load_seq - 1) == [a]
+
+
+def test_scores_follow_a_report_and_a_send_without_a_rescan() -> None:
+    """The cached path itself (not only its fallback) follows single load changes."""
+    table = NodeTable(stale_after_s=5.0)
+    for nid in NAMES[:4]:
+        table.add(NodeSpec(node_id=nid))
+        table.report(nid, waiting=0, running=0, kv_util=0.0, now=0.0)
+    p = KvgatePolicy(epsilon=0)
+    ctx = RouteContext(chain=(1,), prompt_tokens=64, tokens_per_block=64)
+
+    def pick(now: float) -> NodeId:
+        d = p.select(ctx, list(table.eligible()[0]), {}, table, FixedRng(0.9), now)
+        assert d is not None
+        return d.node_id
+
+    assert pick(1.0) == "n0"  # all equal: lowest slot
+    n0 = table.get(NodeId("n0"))
+    assert n0 is not None
+    table.on_sent(n0)
+    assert pick(1.0) == "n1"
+    table.report(NodeId("n1"), waiting=3, running=0, kv_util=0.0, now=1.0)
+    assert pick(1.0) == "n2"
+    # n0, n2, n3 reported at 0.0 go stale after 5 s; n1 (queue 3, fresh) is then best
+    assert pick(5.5) == "n1"
+
+
+def test_time_moving_back_makes_a_report_fresh_again() -> None:
+    table = NodeTable(stale_after_s=3.0)
+    for nid in NAMES[:2]:
+        table.add(NodeSpec(node_id=nid))
+    table.report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=10.0)
+    table.report(NodeId("n1"), waiting=0, running=0, kv_util=0.5, now=12.0)
+    p = KvgatePolicy(epsilon=0)
+    ctx = RouteContext(chain=(1,), prompt_tokens=64, tokens_per_block=64)
+    cands = list(table.eligible()[0])
+    d = p.select(ctx, cands, {}, table, FixedRng(0.9), 14.0)  # n0 stale: utilisation 1
+    assert d is not None and d.node_id == "n1"
+    d = p.select(ctx, cands, {}, table, FixedRng(0.9), 13.0)  # n0 fresh again
+    assert d is not None and d.node_id == "n0"
+
+
+def test_candidates_outside_the_table_are_scored_like_the_reference() -> None:
+    """Outside the contract (a removed node's state, a repeated-free foreign list): the
+    policy scores the given states directly and still agrees with the reference."""
+    table = NodeTable(stale_after_s=5.0)
+    for i, nid in enumerate(NAMES[:3]):
+        table.add(NodeSpec(node_id=nid))
+        table.report(nid, waiting=i, running=0, kv_util=0.1 * i, now=1.0)
+    gone = table.remove(NodeId("n0"))
+    assert gone is not None
+    cands = [gone, *table]
+    p = KvgatePolicy(epsilon=0)
+    ref = Reference(p=KvgatePolicy(epsilon=0), tripped=set())
+    ctx = RouteContext(chain=(1,), prompt_tokens=640, tokens_per_block=64)
+    for matches in ({}, {NodeId("n2"): 3}, {NodeId("n0"): 1, NodeId("n1"): 1}):
+        got = p.select(ctx, cands, matches, table, FixedRng(0.9), 2.0)
+        assert got == ref.select(ctx, cands, matches, table, 0.9, 2.0)
