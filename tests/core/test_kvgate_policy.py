@@ -44,7 +44,9 @@ def ctx(blocks: int = 100, tpb: int = 64, **kw: object) -> RouteContext:
 
 def test_score_follows_the_brief() -> None:
     t, c = table({"a": (8, 0.5), "b": (0, 0.0)})
-    d = KvgatePolicy(epsilon=0).select(ctx(), c, {NodeId("a"): 64}, t, FixedRng(0.9), NOW)
+    d = KvgatePolicy(form="brief", epsilon=0).select(
+        ctx(), c, {NodeId("a"): 64}, t, FixedRng(0.9), NOW
+    )
     assert d is not None and d.node_id == "a" and d.reason is RouteReason.CACHE_HIT
     # 64 blocks * 64 tokens = 4096 of 8192 -> bonus 0.5; penalty 8/32 + 0.3*0.5 = 0.4
     assert d.parts["bonus"] == pytest.approx(0.5)
@@ -55,7 +57,7 @@ def test_score_follows_the_brief() -> None:
 def test_bonus_grows_with_saved_prefill_not_with_fraction() -> None:
     # a full match of a short prompt saves less than a half match of a long one
     t, c = table({"short": (0, 0.0), "long": (0, 0.0)})
-    p = KvgatePolicy(epsilon=0)
+    p = KvgatePolicy(form="brief", epsilon=0)
     short = p.select(ctx(blocks=4), c[:1], {NodeId("short"): 4}, t, FixedRng(0.9), NOW)
     long_ = p.select(ctx(blocks=100), c[1:], {NodeId("long"): 50}, t, FixedRng(0.9), NOW)
     assert short is not None and long_ is not None
@@ -64,14 +66,14 @@ def test_bonus_grows_with_saved_prefill_not_with_fraction() -> None:
 
 def test_small_match_loses_to_much_lower_load() -> None:
     t, c = table({"holder": (30, 0.9), "idle": (0, 0.0)})
-    d = KvgatePolicy(epsilon=0, breaker_open_queue=31).select(
+    d = KvgatePolicy(form="brief", epsilon=0, breaker_open_queue=31).select(
         ctx(), c, {NodeId("holder"): 4}, t, FixedRng(0.9), NOW
     )
     assert d is not None and d.node_id == "idle" and d.reason is RouteReason.LOAD
 
 
 def test_breaker_drops_bonus_with_hysteresis() -> None:
-    p = KvgatePolicy(epsilon=0, breaker_open_queue=24, breaker_close_queue=12)
+    p = KvgatePolicy(form="brief", epsilon=0, breaker_open_queue=24, breaker_close_queue=12)
     m = {NodeId("a"): 100}
     t, c = table({"a": (24, 0.2), "b": (10, 0.2)})
     d = p.select(ctx(), c, m, t, FixedRng(0.9), NOW)
@@ -89,14 +91,14 @@ def test_breaker_drops_bonus_with_hysteresis() -> None:
 def test_spread_among_holders_by_load() -> None:
     t, c = table({"a": (10, 0.5), "b": (2, 0.5), "c": (0, 0.0)})
     m = {NodeId("a"): 100, NodeId("b"): 100}
-    d = KvgatePolicy(epsilon=0).select(ctx(), c, m, t, FixedRng(0.9), NOW)
+    d = KvgatePolicy(form="brief", epsilon=0).select(ctx(), c, m, t, FixedRng(0.9), NOW)
     assert d is not None and d.node_id == "b" and d.reason is RouteReason.SPREAD
 
 
 def test_exploration_sends_a_hit_to_an_idle_miss() -> None:
     t, c = table({"a": (3, 0.5), "idle": (0, 0.1), "busy": (5, 0.0)})
     m = {NodeId("a"): 100}
-    p = KvgatePolicy(epsilon=0.05)
+    p = KvgatePolicy(form="brief", epsilon=0.05)
     d = p.select(ctx(), c, m, t, FixedRng(0.01), NOW)
     assert d is not None and d.node_id == "idle" and d.reason is RouteReason.EXPLORATION
     d = p.select(ctx(), c, m, t, FixedRng(0.06), NOW)
@@ -105,7 +107,7 @@ def test_exploration_sends_a_hit_to_an_idle_miss() -> None:
 
 def test_exploration_rate_is_about_epsilon() -> None:
     t, c = table({"a": (3, 0.5), "idle": (0, 0.1)})
-    p = KvgatePolicy(epsilon=0.05)
+    p = KvgatePolicy(form="brief", epsilon=0.05)
     rng = random.Random(5)
     n = sum(
         p.select(ctx(), c, {NodeId("a"): 100}, t, rng, NOW).reason is RouteReason.EXPLORATION  # type: ignore[union-attr]
@@ -116,7 +118,7 @@ def test_exploration_rate_is_about_epsilon() -> None:
 
 def test_hot_prefix_gets_a_replica_up_to_the_cap() -> None:
     t, c = table({"a": (2, 0.2), "b": (0, 0.0), "c": (1, 0.0)})
-    p = KvgatePolicy(epsilon=0, replica_rps=5.0, max_replicas=2)
+    p = KvgatePolicy(form="brief", epsilon=0, replica_rps=5.0, max_replicas=2)
     hot = ctx(hot_key=7, hot_blocks=4, hot_rate=6.0)
     d = p.select(hot, c, {NodeId("a"): 100}, t, FixedRng(0.9), NOW)
     assert d is not None and d.node_id == "b" and d.reason is RouteReason.REPLICATION
@@ -131,29 +133,76 @@ def test_hot_prefix_gets_a_replica_up_to_the_cap() -> None:
 
 def test_eviction_warning_weight_cuts_the_bonus() -> None:
     t, c = table({"a": (8, 0.3), "b": (0, 0.0)})
-    d = KvgatePolicy(epsilon=0).select(ctx(), c, {NodeId("a"): 100}, t, FixedRng(0.9), NOW)
+    d = KvgatePolicy(form="brief", epsilon=0).select(
+        ctx(), c, {NodeId("a"): 100}, t, FixedRng(0.9), NOW
+    )
     assert d is not None and d.node_id == "a"
     c[0].cache_weight = 0.1
-    d = KvgatePolicy(epsilon=0).select(ctx(), c, {NodeId("a"): 100}, t, FixedRng(0.9), NOW)
+    d = KvgatePolicy(form="brief", epsilon=0).select(
+        ctx(), c, {NodeId("a"): 100}, t, FixedRng(0.9), NOW
+    )
     assert d is not None and d.node_id == "b"
 
 
 def test_stale_report_counts_as_loaded() -> None:
     t, c = table({"a": (0, 0.0), "b": (0, 0.0)})
     t.report(NodeId("a"), waiting=0, running=0, kv_util=0.0, now=NOW - 60)
-    d = KvgatePolicy(epsilon=0).select(ctx(), c, {}, t, FixedRng(0.9), NOW)
+    d = KvgatePolicy(form="brief", epsilon=0).select(ctx(), c, {}, t, FixedRng(0.9), NOW)
     assert d is not None and d.node_id == "b"
 
 
 def test_never_picks_a_non_candidate() -> None:
     t, c = table({"a": (0, 0.0), "b": (9, 0.9)})
-    d = KvgatePolicy(epsilon=1.0).select(ctx(), c[1:], {NodeId("a"): 100}, t, FixedRng(0.0), NOW)
+    d = KvgatePolicy(form="brief", epsilon=1.0).select(
+        ctx(), c[1:], {NodeId("a"): 100}, t, FixedRng(0.0), NOW
+    )
     assert d is not None and d.node_id == "b"
-    assert KvgatePolicy().select(ctx(), [], {}, t, FixedRng(0.0), NOW) is None
+    assert KvgatePolicy(form="brief").select(ctx(), [], {}, t, FixedRng(0.0), NOW) is None
 
 
 def test_bad_config() -> None:
     with pytest.raises(ConfigError):
         KvgatePolicy(breaker_open_queue=4, breaker_close_queue=8)
     with pytest.raises(ConfigError):
-        KvgatePolicy(epsilon=2.0)
+        KvgatePolicy(form="brief", epsilon=2.0)
+
+
+# --- the predicted-TTFT form (the default) ----------------------------------------------
+
+
+def test_ttft_form_weighs_saved_prefill_against_queued_prefill() -> None:
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
+    p = KvgatePolicy(epsilon=0, prefill_tokens_per_s=1000.0, cache_gain=2.0, decode_s=0.0)
+    m = {NodeId("holder"): 10}  # 10 blocks x 64 tokens = 640 tokens = 0.64 s saved
+    # 1.0 s of queued prefill on the holder: 2 x 0.64 - 1.0 > 0 -> still the holder
+    t.on_sent(c[0], prefill_tokens=1000)
+    d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "holder"
+    assert d.parts["bonus"] == pytest.approx(0.64) and d.parts["penalty"] == pytest.approx(1.0)
+    # 1.5 s queued: 1.28 - 1.5 < 0 -> the idle node, which saves nothing but waits for nothing
+    t.on_sent(c[0], prefill_tokens=500)
+    d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "idle" and d.reason is RouteReason.LOAD
+    # the first token came back: the queued prefill is gone, the holder wins again
+    t.on_prefilled(c[0], 1500)
+    d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "holder"
+
+
+def test_ttft_form_bonus_is_not_capped() -> None:
+    t, c = table({"a": (0, 0.0)})
+    p = KvgatePolicy(epsilon=0, prefill_tokens_per_s=10_000.0, decode_s=0.0)
+    short = p.select(ctx(blocks=200), c, {NodeId("a"): 150}, t, FixedRng(0.9), NOW)
+    long_ = p.select(ctx(blocks=400), c, {NodeId("a"): 300}, t, FixedRng(0.9), NOW)
+    assert short is not None and long_ is not None
+    assert long_.parts["bonus"] == pytest.approx(2 * short.parts["bonus"])
+
+
+def test_ttft_form_decode_load_from_kv_utilisation() -> None:
+    t, c = table({"busy": (0, 0.9), "calm": (0, 0.1)})
+    p = KvgatePolicy(epsilon=0, decode_s=3.0, kv_pressure_s=5.0)
+    d = p.select(ctx(), c, {}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "calm"
+    # 3 x 0.9 + 5 x (0.9 - 0.8) x 5 = 2.7 + 2.5
+    busy = p.select(ctx(), c[:1], {}, t, FixedRng(0.9), NOW)
+    assert busy is not None and busy.parts["penalty"] == pytest.approx(5.2)

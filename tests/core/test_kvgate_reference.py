@@ -77,7 +77,15 @@ class Reference:
         for s in candidates:
             q = nodes.queue(s, now)
             u = nodes.utilisation(s, now)
-            penalty = min(q / p.max_queue, 1.0) + p.util_weight * u
+            ttft = p.form == "ttft"
+            if ttft:
+                penalty = (
+                    s.pending_prefill_tokens / p.prefill_tokens_per_s
+                    + p.decode_s * u
+                    + p.kv_pressure_s * max(0.0, (u - 0.8) * 5.0)
+                )
+            else:
+                penalty = min(q / p.max_queue, 1.0) + p.util_weight * u
             m = matches.get(s.node_id, 0)
             bonus = 0.0
             if m:
@@ -92,13 +100,19 @@ class Reference:
                 if not tripped:
                     saved = min(m * ctx.tokens_per_block, ctx.prompt_tokens)
                     # as the policy always has: times the inverse, not divided by
-                    bonus = min(saved * (1.0 / p.max_prefix_len), 1.0) * s.cache_weight
+                    if ttft:
+                        bonus = saved * (1.0 / p.prefill_tokens_per_s) * s.cache_weight
+                    else:
+                        bonus = min(saved * (1.0 / p.max_prefix_len), 1.0) * s.cache_weight
             else:
                 if (penalty, s.slot) < least_key:
                     least, least_key = s, (penalty, s.slot)
                 if q <= p.idle_queue and u < idle_util:
                     idle, idle_util = s, u
-            score = p.w_cache * bonus - p.w_load * penalty
+            if ttft:
+                score = p.cache_gain * bonus - penalty
+            else:
+                score = p.w_cache * bonus - p.w_load * penalty
             key = (score, -q, -s.slot)
             if key > best_key:
                 best, best_key = s, key
@@ -132,8 +146,8 @@ class Reference:
                 "bonus": best_bonus,
                 "penalty": best_penalty,
                 "queue": float(best_queue),
-                "w_cache": p.w_cache,
-                "w_load": p.w_load,
+                "w_cache": p.cache_gain if p.form == "ttft" else p.w_cache,
+                "w_load": 1.0 if p.form == "ttft" else p.w_load,
             },
         )
 
@@ -147,6 +161,7 @@ ops_st = st.lists(
     st.one_of(
         st.tuples(st.just("report"), name_st, small, util_st),
         st.tuples(st.just("sent"), name_st),
+        st.tuples(st.just("prefilled"), name_st),
         st.tuples(st.just("done"), name_st, st.booleans()),
         st.tuples(st.just("time"), st.sampled_from([0.0, 0.5, 1.0, 2.5, 4.0, -1.0])),
         st.tuples(st.just("weight"), name_st, st.sampled_from([1.0, 0.5, 0.0])),
@@ -180,6 +195,10 @@ policy_st = st.builds(
     idle_queue=st.sampled_from([0, 2]),
     replica_rps=st.sampled_from([None, 2.0]),
     max_replicas=st.sampled_from([2, 4]),
+    form=st.sampled_from(["brief", "ttft"]),
+    prefill_tokens_per_s=st.sampled_from([100.0, 12_000.0]),
+    decode_s=st.sampled_from([0.0, 3.0]),
+    cache_gain=st.sampled_from([1.0, 5.0]),
 )
 
 
@@ -202,8 +221,12 @@ def test_same_decisions_as_the_reference(
         elif kind == "sent":
             state = table.get(op[1])  # type: ignore[arg-type]
             if state is not None:
-                table.on_sent(state)
+                table.on_sent(state, prefill_tokens=700)
                 sent_at.setdefault(state.node_id, []).append(now)
+        elif kind == "prefilled":
+            state = table.get(op[1])  # type: ignore[arg-type]
+            if state is not None and state.pending_prefill_tokens:
+                table.on_prefilled(state, 700)
         elif kind == "done":
             state = table.get(op[1])  # type: ignore[arg-type]
             if state is not None and sent_at.get(state.node_id):
@@ -268,7 +291,7 @@ def test_scores_follow_a_report_and_a_send_without_a_rescan() -> None:
     for nid in NAMES[:4]:
         table.add(NodeSpec(node_id=nid))
         table.report(nid, waiting=0, running=0, kv_util=0.0, now=0.0)
-    p = KvgatePolicy(epsilon=0)
+    p = KvgatePolicy(form="brief", epsilon=0)
     ctx = RouteContext(chain=(1,), prompt_tokens=64, tokens_per_block=64)
 
     def pick(now: float) -> NodeId:
@@ -293,7 +316,7 @@ def test_time_moving_back_makes_a_report_fresh_again() -> None:
         table.add(NodeSpec(node_id=nid))
     table.report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=10.0)
     table.report(NodeId("n1"), waiting=0, running=0, kv_util=0.5, now=12.0)
-    p = KvgatePolicy(epsilon=0)
+    p = KvgatePolicy(form="brief", epsilon=0)
     ctx = RouteContext(chain=(1,), prompt_tokens=64, tokens_per_block=64)
     cands = list(table.eligible()[0])
     d = p.select(ctx, cands, {}, table, FixedRng(0.9), 14.0)  # n0 stale: utilisation 1
@@ -312,8 +335,8 @@ def test_candidates_outside_the_table_are_scored_like_the_reference() -> None:
     gone = table.remove(NodeId("n0"))
     assert gone is not None
     cands = [gone, *table]
-    p = KvgatePolicy(epsilon=0)
-    ref = Reference(p=KvgatePolicy(epsilon=0), tripped=set())
+    p = KvgatePolicy(form="brief", epsilon=0)
+    ref = Reference(p=KvgatePolicy(form="brief", epsilon=0), tripped=set())
     ctx = RouteContext(chain=(1,), prompt_tokens=640, tokens_per_block=64)
     for matches in ({}, {NodeId("n2"): 3}, {NodeId("n0"): 1, NodeId("n1"): 1}):
         got = p.select(ctx, cands, matches, table, FixedRng(0.9), 2.0)

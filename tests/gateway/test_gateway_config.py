@@ -168,3 +168,14 @@ def test_kvgate_serve_reports_config_errors(capsys: pytest.CaptureFixture[str]) 
 
     assert run_serve(_parse(["--port", "99999"])) == 2
     assert "server.port" in capsys.readouterr().err
+
+
+def test_request_ids_are_unique_and_reprefixed() -> None:
+    from kvgate.gateway.proxy import RequestIds
+
+    ids = RequestIds()
+    first = [ids.next() for _ in range(1000)]
+    assert len(set(first)) == 1000 and all(r.startswith("kvg-") for r in first)
+    ids.reset()  # a restart or a forked worker: a new random prefix
+    assert ids.next() not in first
+    assert RequestIds().next() != RequestIds().next()

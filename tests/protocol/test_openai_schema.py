@@ -253,3 +253,38 @@ def test_error_bodies() -> None:
     err = ProtocolError("m", param="p")
     assert isinstance(err, ValueError) and err.http_status == 400 and err.param == "p"
     assert "param='p'" in repr(err)
+
+
+def test_edit_body_splices_absent_keys_and_matches_with_fields() -> None:
+    from kvgate.protocol import edit_body
+
+    body = b'{"model":"m","prompt":"h\\u00e9llo \\"x\\"","stream":true} \n'
+    req = parse_completion_request(body)
+    out = edit_body(body, req.raw, {"priority": 3, "stream_options": {"include_usage": True}})
+    assert out.startswith(b'{"model":"m","prompt":"h\\u00e9llo \\"x\\"","stream":true,')
+    assert json.loads(out) == json.loads(
+        with_fields(req.raw, priority=3, stream_options={"include_usage": True}))
+    assert edit_body(b" {  } ", {}, {"a": 1}) == b' {  "a":1} '
+    assert edit_body(body, req.raw, {}) is body
+    # present keys (a merge, a replacement) and REMOVE fall back to re-serialising
+    merged = b'{"model":"m","prompt":"p","stream":true,"stream_options":{"x":1},"priority":1}'
+    r2 = parse_completion_request(merged).raw
+    got = json.loads(edit_body(merged, r2, {"stream_options": {"include_usage": True},
+                                            "priority": 2, "model": REMOVE}))
+    assert got == {"prompt": "p", "stream": True, "priority": 2,
+                   "stream_options": {"x": 1, "include_usage": True}}
+    # integers past 64 bits stay exact integers (orjson would read them as floats)
+    big = b'{"model":"m","prompt":"p","seed":123456789012345678901234567890,"priority":1}'
+    r3 = parse_completion_request(big)
+    assert b"123456789012345678901234567890" in edit_body(big, r3.raw, {"priority": 5})
+    big_prio = b'{"model":"m","prompt":"p","priority":123456789012345678901234567890}'
+    assert parse_completion_request(big_prio).priority == 123456789012345678901234567890
+    with pytest.raises(InvalidTypeError):
+        parse_completion_request(b'{"model":"m","prompt":"p","max_tokens":1e30}')
+    tokens = b'{"model":"m","prompt":[123456789012345678901234567890, 1]}'
+    assert parse_completion_request(tokens).prompt_token_ids == (
+        123456789012345678901234567890, 1)
+    # UTF-16 bodies (json detects the encoding) are never spliced into
+    utf16 = json.dumps({"model": "m", "prompt": "p"}).encode("utf-16")
+    r4 = parse_completion_request(utf16)
+    assert json.loads(edit_body(utf16, r4.raw, {"priority": 1}))["priority"] == 1

@@ -172,3 +172,15 @@ def test_encode_event_splits_lines() -> None:
     assert encode_event("a\nb") == b"data: a\ndata: b\n\n"
     assert encode_event("a\r\nb", event="e") == b"event: e\ndata: a\ndata: b\n\n"
     assert encode_event(b"[DONE]") == DONE_EVENT
+
+
+def test_cached_tokens_of_body() -> None:
+    from kvgate.protocol import cached_tokens_of_body
+
+    body = b'{"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}}'
+    assert cached_tokens_of_body(body) == 4
+    assert cached_tokens_of_body(b'{"usage":{"prompt_tokens":9}}') is None
+    assert cached_tokens_of_body(b'{"usage":{"prompt_tokens_details":{"cached\\u005ftokens":2}}}'
+                                 ) == 2
+    assert cached_tokens_of_body(b"[1]") is None
+    assert cached_tokens_of_body(b"not json cached_tokens") is None

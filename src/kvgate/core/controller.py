@@ -72,6 +72,7 @@ class _Request:
     excluded: set[NodeId] = field(default_factory=set)
     first_byte: bool = False
     predicted_hit_tokens: int = 0
+    pending_prefill_tokens: int = 0  # uncached prompt tokens not yet prefilled
 
 
 class Controller:
@@ -288,7 +289,8 @@ class Controller:
         record.predicted_hit_tokens = min(
             decision.matched_blocks * ctx.tokens_per_block, ctx.prompt_tokens
         )
-        self.nodes.on_sent(node)
+        record.pending_prefill_tokens = ctx.prompt_tokens - record.predicted_hit_tokens
+        self.nodes.on_sent(node, prefill_tokens=record.pending_prefill_tokens)
         if ctx.chain:
             self.index.insert(
                 node.spec.node_id,
@@ -326,6 +328,9 @@ class Controller:
         if record is None or record.first_byte:
             return
         record.first_byte = True
+        if record.node is not None:
+            self.nodes.on_prefilled(record.node, record.pending_prefill_tokens)
+        record.pending_prefill_tokens = 0
         if record.ticket is not None and record.attempts == 1:
             self.admission.record_ttft(record.ticket.priority, now - record.sent_at, now)
 
@@ -367,7 +372,10 @@ class Controller:
         node = record.node
         self.stats.failures[failure.value] += 1
         if node is not None:
-            self.nodes.on_done(node, sent_at=record.sent_at)
+            self.nodes.on_done(
+                node, sent_at=record.sent_at, pending_prefill_tokens=record.pending_prefill_tokens
+            )
+            record.pending_prefill_tokens = 0
             self.policy.on_finished(node.spec.node_id, now)
             self._note_node_failure(node, failure, now)
             record.excluded.add(node.spec.node_id)
@@ -424,7 +432,9 @@ class Controller:
     def _close(self, record: _Request, now: float, *, node_done: bool = True) -> list[Decision]:
         node = record.node
         if node_done and node is not None:
-            self.nodes.on_done(node, sent_at=record.sent_at)
+            self.nodes.on_done(
+                node, sent_at=record.sent_at, pending_prefill_tokens=record.pending_prefill_tokens
+            )
             self.policy.on_finished(node.spec.node_id, now)
         if record.attempts == 2 and node_done:
             self._retries_in_flight = max(0, self._retries_in_flight - 1)

@@ -80,6 +80,9 @@ class NodeState:
     # the gateway's own counts
     inflight: int = 0  # all requests this gateway has in flight on the node
     sent_since_report: int = 0  # of those, sent after the last report
+    # prompt tokens this gateway sent that the node has not prefilled yet (uncached part
+    # of requests not past their first byte): the work a new request queues behind
+    pending_prefill_tokens: int = 0
     cache_weight: float = 1.0  # < 1 while the node has announced a coming eviction
     consecutive_failures: int = 0
     extra: dict[str, float] = field(default_factory=dict)
@@ -209,16 +212,27 @@ class NodeTable:
         state.sent_since_report = 0
         self._load_changed(state)
 
-    def on_sent(self, state: NodeState) -> None:
+    def on_sent(self, state: NodeState, *, prefill_tokens: int = 0) -> None:
         state.inflight += 1
         state.sent_since_report += 1
+        state.pending_prefill_tokens += prefill_tokens
         self._load_changed(state)
 
-    def on_done(self, state: NodeState, *, sent_at: float) -> None:
-        """A request sent at ``sent_at`` left the node (finished, failed or cancelled)."""
+    def on_prefilled(self, state: NodeState, prefill_tokens: int) -> None:
+        """The node produced a request's first token: its prefill is no longer queued."""
+        if prefill_tokens:
+            state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - prefill_tokens)
+            self._load_changed(state)
+
+    def on_done(
+        self, state: NodeState, *, sent_at: float, pending_prefill_tokens: int = 0
+    ) -> None:
+        """A request sent at ``sent_at`` left the node (finished, failed or cancelled);
+        ``pending_prefill_tokens`` is what it still had queued if it never got a token."""
         state.inflight = max(0, state.inflight - 1)
         if state.report_time is None or sent_at >= state.report_time:
             state.sent_since_report = max(0, state.sent_since_report - 1)
+        state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - pending_prefill_tokens)
         self._load_changed(state)
 
     def _load_changed(self, state: NodeState) -> None:

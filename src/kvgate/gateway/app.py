@@ -36,7 +36,7 @@ from kvgate.gateway.admin import register_admin
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.dashboard import register_dashboard
 from kvgate.gateway.driver import Driver, InProcessLeaseClient, LeaseClient
-from kvgate.gateway.errors import Handler, error_middleware, json_response
+from kvgate.gateway.errors import edge_middleware, json_response
 from kvgate.gateway.identity import Authenticator
 from kvgate.gateway.metrics_text import GatewayMetrics, render
 from kvgate.gateway.node_watcher import NodeWatcher
@@ -151,29 +151,10 @@ def register_routes(app: web.Application, gw: Gateway) -> None:
     register_dashboard(app, gw)  # /dashboard, /dashboard/state (read-only, no secrets)
 
 
-def _metrics_middleware(gw: Gateway) -> Any:
-    @web.middleware
-    async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
-        resource = request.match_info.route.resource
-        endpoint = resource.canonical if resource is not None else "unmatched"
-        status = 500
-        try:
-            resp = await handler(request)
-            status = resp.status
-            return resp
-        except asyncio.CancelledError:
-            status = 499  # client closed request (nginx's code)
-            raise
-        finally:
-            gw.metrics.responses[(endpoint, status)] += 1
-
-    return count
-
-
 def build_app(gw: Gateway) -> web.Application:
     app = web.Application(
         client_max_size=gw.config.server.client_max_size,
-        middlewares=[_metrics_middleware(gw), error_middleware],
+        middlewares=[edge_middleware(gw.metrics.responses)],  # errors + response counts
     )
     app[GATEWAY_KEY] = gw
     register_routes(app, gw)

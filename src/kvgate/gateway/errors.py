@@ -16,9 +16,11 @@ turn the controller's ``Reject`` / ``Fail`` decisions into responses with
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -144,6 +146,13 @@ def _http_exception_response(exc: web.HTTPException) -> web.Response:
     return json_response(status, body, headers)
 
 
+def _with_request_id(request: web.Request, resp: web.Response) -> web.Response:
+    rid = request.headers.get(REQUEST_ID_HEADER)
+    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
+        resp.headers[REQUEST_ID_HEADER] = rid
+    return resp
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -154,7 +163,34 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         resp = error_response(exc)
     except Exception as exc:  # foreign exceptions: translated here, and only here
         resp = error_response(exc)
-    rid = request.headers.get(REQUEST_ID_HEADER)
-    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
-        resp.headers[REQUEST_ID_HEADER] = rid
-    return resp
+    return _with_request_id(request, resp)
+
+
+def edge_middleware(responses: Counter[tuple[str, int]]) -> Any:
+    """:func:`error_middleware` and the response counter (``responses[(endpoint,
+    status)]``, 499 when the client went away) in one middleware: one layer per
+    request instead of two."""
+
+    @web.middleware
+    async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        status = 500
+        try:
+            try:
+                resp: web.StreamResponse = await handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                resp = _with_request_id(request, error_response(exc))
+            except asyncio.CancelledError:
+                status = 499  # client closed request (nginx's code)
+                raise
+            except Exception as exc:  # foreign exceptions: translated here, and only here
+                resp = _with_request_id(request, error_response(exc))
+            status = resp.status
+            return resp
+        finally:
+            responses[(endpoint, status)] += 1
+
+    return edge

@@ -20,7 +20,9 @@ One request, in order (each step a 4xx when it fails, never a 500):
 from __future__ import annotations
 
 import asyncio
-import uuid
+import itertools
+import os
+import secrets
 from typing import Any
 
 from aiohttp import web
@@ -36,9 +38,9 @@ from kvgate.gateway.relay import Flight, Relay
 from kvgate.protocol import (
     ChatRequest,
     CompletionRequest,
+    edit_body,
     parse_chat_request,
     parse_completion_request,
-    with_fields,
 )
 
 EXCLUDE_HEADER = "X-Kvgate-Exclude-Node"
@@ -46,6 +48,29 @@ EXCLUDE_HEADER = "X-Kvgate-Exclude-Node"
 FORWARDED_HEADERS = ("X-Session-ID", "traceparent", "tracestate", "baggage")
 SALT_ROLE = "\x00cache_salt"
 MAX_REQUEST_ID_LEN = 128
+
+
+class RequestIds:
+    """``kvg-<random per-process prefix>-<counter>``: unique across restarts and forked
+    workers (a new prefix after a fork) at the cost of an increment, not a uuid4."""
+
+    __slots__ = ("_count", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = ""
+        self._count = itertools.count()
+        self.reset()
+
+    def reset(self) -> None:
+        self._prefix = f"kvg-{secrets.token_hex(8)}-"
+        self._count = itertools.count(1)
+
+    def next(self) -> RequestId:
+        return RequestId(f"{self._prefix}{next(self._count):x}")
+
+
+request_ids = RequestIds()
+os.register_at_fork(after_in_child=request_ids.reset)
 
 
 class ModelNotFoundError(ClientRequestError):
@@ -77,8 +102,11 @@ class CompletionsHandler:
 
     async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            async with asyncio.timeout(self._body_timeout):
+            if request.content.is_eof():  # the whole body is in already: no timer needed
                 body = await request.read()
+            else:
+                async with asyncio.timeout(self._body_timeout):
+                    body = await request.read()
         except TimeoutError as exc:
             raise RequestTimeoutError(
                 "Timed out reading the request body.", code="request_timeout"
@@ -98,7 +126,7 @@ class CompletionsHandler:
                 param="model",
                 code="model_not_found",
             )
-        rid = RequestId("kvg-" + uuid.uuid4().hex)
+        rid = request_ids.next()
         client_rid = _client_request_id(request.headers.get(REQUEST_ID_HEADER)) or rid
         prompt_form = _prompt_form(parsed)
         arrived = RequestArrived(
@@ -129,7 +157,7 @@ class CompletionsHandler:
             rid=rid,
             client_rid=client_rid,
             path="/v1/chat/completions" if chat else "/v1/completions",
-            body=with_fields(parsed.raw, **edits) if edits else body,
+            body=edit_body(body, parsed.raw, edits) if edits else body,
             stream=parsed.stream,
             wants_usage=parsed.include_usage,
             headers=headers,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from dataclasses import dataclass
 
 import aiohttp
@@ -51,6 +50,7 @@ from kvgate.protocol import (
     ProtocolError,
     SSEParser,
     cached_tokens,
+    cached_tokens_of_body,
     error_event,
     is_error_chunk,
     is_usage_only_chunk,
@@ -187,10 +187,11 @@ class Relay:
         rt = self.watcher.get(dispatch.node_id)
         if rt is None:  # removed between the decision and now
             return self._next(flight, FailureKind.CONNECT_ERROR)
-        headers = {**flight.headers, **rt.headers}
+        headers = {**flight.headers, **rt.headers} if rt.headers else flight.headers
         try:
             resp = await self.upstream.post(
-                rt.url + flight.path, flight.body, headers, stream=flight.stream
+                self.upstream.url(rt.url, flight.path), flight.body, headers,
+                stream=flight.stream,
             )
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             return self._next(flight, classify_exception(exc))
@@ -243,12 +244,7 @@ class Relay:
             return self._next(flight, classify_exception(exc), before_first_byte=False)
         cached = None
         if resp.content_type == "application/json":
-            try:
-                obj = json.loads(body)
-            except (ValueError, RecursionError):
-                obj = None
-            if isinstance(obj, dict):
-                cached = cached_tokens(obj)
+            cached = cached_tokens_of_body(body)
         flight.done = True
         self.driver.finish(flight.rid, cached)
         headers = self._headers(flight)

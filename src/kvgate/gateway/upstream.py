@@ -28,6 +28,7 @@ import asyncio
 from collections.abc import Mapping
 
 import aiohttp
+from yarl import URL
 
 from kvgate.core.admission import FailureKind
 from kvgate.gateway.config import NodesConfig, UpstreamConfig
@@ -68,7 +69,9 @@ class Upstream:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s),
             auto_decompress=True,
             skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies: skip the jar
         )
+        self._urls: dict[tuple[str, str], URL] = {}
         probe_timeout = max(nodes.health_timeout_s, nodes.metrics_timeout_s)
         self.probe_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=64, ttl_dns_cache=60),
@@ -87,12 +90,23 @@ class Upstream:
     def timeout(self, stream: bool) -> aiohttp.ClientTimeout:
         return self._stream_timeout if stream else self._unary_timeout
 
+    def url(self, base: str, path: str) -> URL:
+        """``base + path`` parsed once (yarl parsing is a cost per request otherwise)."""
+        key = (base, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) > 4096:  # nodes come and go: never grow without bound
+                self._urls.clear()
+            url = self._urls[key] = URL(base + path)
+        return url
+
     async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str], *, stream: bool
+        self, url: str | URL, body: bytes, headers: Mapping[str, str], *, stream: bool
     ) -> aiohttp.ClientResponse:
         """Send one attempt; returns once the response headers are in (raises on failure)."""
         return await self.session.post(
-            url, data=body, headers=dict(headers), timeout=self.timeout(stream),
+            url, data=body, headers=headers,
+            timeout=self._stream_timeout if stream else self._unary_timeout,
             allow_redirects=False,
         )
 

@@ -21,6 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+try:  # fast path; the stdlib json decides whatever orjson refuses
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - orjson is a declared dependency
+    _orjson = None  # type: ignore[assignment]
+
 from kvgate.protocol.errors import SSEError, error_body
 
 __all__ = [
@@ -30,6 +35,7 @@ __all__ = [
     "SSEParser",
     "Usage",
     "cached_tokens",
+    "cached_tokens_of_body",
     "encode_event",
     "error_event",
     "is_error_chunk",
@@ -61,11 +67,7 @@ class SSEEvent:
         """The data as a JSON object, or ``None`` for ``[DONE]``, non-JSON or non-objects."""
         if self.is_done:
             return None
-        try:
-            obj = json.loads(self.data)
-        except (ValueError, RecursionError):
-            return None
-        return obj if isinstance(obj, dict) else None
+        return _json_object(self.data)
 
 
 class SSEParser:
@@ -245,3 +247,29 @@ def cached_tokens(obj: Mapping[str, Any]) -> int | None:
     ``--enable-prompt-tokens-details``), or ``None``."""
     usage = parse_usage(obj)
     return usage.cached_tokens if usage is not None else None
+
+
+def _json_object(data: str | bytes) -> dict[str, Any] | None:
+    obj: Any = None
+    parsed = False
+    if _orjson is not None:
+        try:
+            obj = _orjson.loads(data)
+            parsed = True
+        except _orjson.JSONDecodeError:
+            pass
+    if not parsed:
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError):
+            return None
+    return obj if isinstance(obj, dict) else None
+
+
+def cached_tokens_of_body(body: bytes) -> int | None:
+    """:func:`cached_tokens` of a non-streamed JSON response body (``None`` when the body
+    is not a JSON object); skips parsing a body that cannot hold the field."""
+    if b"cached_tokens" not in body and b"\\u" not in body:  # (a key may be escaped)
+        return None
+    obj = _json_object(body)
+    return cached_tokens(obj) if obj is not None else None

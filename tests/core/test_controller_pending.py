@@ -1,0 +1,56 @@
+"""The controller keeps each node's queued prefill work for the predicted-TTFT score."""
+
+from __future__ import annotations
+
+import random
+
+from kvgate.core.admission import FailureKind, InProcessCoordinator
+from kvgate.core.config import ControllerConfig
+from kvgate.core.controller import Controller
+from kvgate.core.decisions import Dispatch
+from kvgate.core.events import RequestArrived
+from kvgate.core.ids import NodeId, RequestId
+from kvgate.core.nodes import NodeSpec
+
+
+def cluster() -> Controller:
+    ctl = Controller(
+        ControllerConfig(hasher="trace", policy_params={"epsilon": 0}), rng=random.Random(1)
+    )
+    for i in range(2):
+        ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}")), 0.0)
+        ctl.on_load_report(NodeId(f"n{i}"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    return ctl
+
+
+def arrive(ctl: Controller, rid: str, ids: tuple[int, ...], tokens: int) -> Dispatch:
+    d = ctl.on_arrival(
+        RequestArrived(request_id=RequestId(rid), block_ids=ids, prompt_tokens=tokens), 0.1
+    )
+    assert isinstance(d, Dispatch)
+    return d
+
+
+def pending(ctl: Controller) -> dict[str, int]:
+    return {s.node_id: s.pending_prefill_tokens for s in ctl.nodes}
+
+
+def test_pending_prefill_follows_dispatch_first_byte_and_end() -> None:
+    ctl = cluster()
+    a = arrive(ctl, "a", (1, 2, 3, 4), 20_000)
+    assert pending(ctl)[a.node_id] == 20_000
+    # a second request sharing 3 blocks (1536 tokens: 5 x 0.128 s of credit) goes
+    # elsewhere: the holder has 20 000 tokens (1.67 s) of prefill queued ...
+    b = arrive(ctl, "b", (1, 2, 3, 9), 2048)
+    assert b.node_id != a.node_id and pending(ctl)[b.node_id] == 2048
+    # ... once the first token is out, its prefill is no longer queued
+    ctl.on_first_byte(RequestId("a"), 0.5)
+    assert pending(ctl)[a.node_id] == 0
+    ctl.on_finished(RequestId("a"), 0.6, cached_tokens=0)
+    # a failure before the first byte takes the queued work away too
+    out = ctl.on_failed(RequestId("b"), FailureKind.POOL_OVERLOADED, 0.7, before_first_byte=True)
+    assert out and all(v == 0 for v in pending(ctl).values())
+    # with nothing queued the holder of 3 blocks wins again
+    c = arrive(ctl, "c", (1, 2, 3, 7), 2048)
+    assert c.node_id == a.node_id and c.route.matched_blocks == 3
