@@ -107,7 +107,7 @@ class Reference:
             else:
                 if (penalty, s.slot) < least_key:
                     least, least_key = s, (penalty, s.slot)
-                if q <= p.idle_queue and u < idle_util:
+                if q <= p.idle_queue and u <= p.idle_util and s.inflight == 0 and u < idle_util:
                     idle, idle_util = s, u
             if ttft:
                 score = p.cache_gain * bonus - penalty

@@ -40,7 +40,9 @@ On top of the score, in this order:
    ``replica_rps`` per current holder, and it has fewer than ``max_replicas``
    holders, the request goes to the least-loaded non-holder: one more replica.
 4. **Exploration.** With probability ``epsilon``, when the winner is a cache hit,
-   an idle node that misses gets the request instead, so idle nodes warm up.
+   an idle node that misses gets the request instead, so idle nodes warm up. Idle
+   means idle: nothing queued, nothing of ours in flight, KV utilisation at most
+   ``idle_util``.
 
 Exactly one ``rng.random()`` is drawn per decision, so a seeded driver replays
 the same decisions whatever the cluster state.
@@ -225,6 +227,7 @@ class KvgatePolicy:
         breaker_close_queue: int = 12,
         epsilon: float = 0.05,
         idle_queue: int = 0,
+        idle_util: float = 0.2,
         replica_rps: float | None = None,
         max_replicas: int = 4,
         form: str = "ttft",
@@ -252,6 +255,7 @@ class KvgatePolicy:
         self.breaker_close_queue = breaker_close_queue
         self.epsilon = epsilon
         self.idle_queue = idle_queue
+        self.idle_util = idle_util
         self.replica_rps = replica_rps
         self.max_replicas = max_replicas
         self.form = form
@@ -393,7 +397,7 @@ class KvgatePolicy:
             chosen, reason, chosen_match = least, RouteReason.REPLICATION, 0
         # Exploration: a small share of cache hits goes to an idle node that misses.
         elif chosen_match and draw < self.epsilon:
-            idle = _most_idle(candidates, matches, by_id, self.idle_queue)
+            idle = _most_idle(candidates, matches, by_id, self.idle_queue, self.idle_util)
             if idle is not None:
                 chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
 
@@ -449,13 +453,21 @@ def _most_idle(
     matches: Mapping[NodeId, int],
     by_id: Mapping[NodeId, _Load],
     idle_queue: int,
+    max_util: float,
 ) -> NodeState | None:
-    """The first non-holder candidate with queue <= idle_queue and the lowest utilisation."""
+    """The least-utilised non-holder that is really idle: queue <= idle_queue, nothing of
+    ours in flight, KV utilisation <= max_util (a busy cluster has none, and then
+    exploration costs no hits)."""
     idle: NodeState | None = None
     idle_util = _INF
     for s in candidates:
         if not matches.get(s.spec.node_id):
             load = by_id[s.spec.node_id]
-            if load.queue <= idle_queue and load.util < idle_util:
+            if (
+                load.queue <= idle_queue
+                and load.util <= max_util
+                and s.inflight == 0
+                and load.util < idle_util
+            ):
                 idle, idle_util = s, load.util
     return idle
