@@ -55,19 +55,25 @@ def test_kvgate_up_subprocess_serves_and_stops_cleanly(e2e: Any) -> None:
 
             async with AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
                                    timeout=10.0) as client:
-                for _ in range(2):
+                # The policy explores on purpose (5 % of cache hits go to an idle node
+                # that misses), so one repeat may miss; three repeats all exploring is
+                # a 1-in-8000 chance.
+                cached = []
+                for _ in range(4):
                     done = await client.chat.completions.create(
                         model="kvgate-sim", max_tokens=8,
                         messages=[{"role": "user", "content": PROMPT}])
-                assert done.usage is not None and done.usage.prompt_tokens_details is not None
-                assert (done.usage.prompt_tokens_details.cached_tokens or 0) > 0
+                    assert done.usage is not None
+                    assert done.usage.prompt_tokens_details is not None
+                    cached.append(done.usage.prompt_tokens_details.cached_tokens or 0)
+                assert max(cached[1:]) > 0
             async with aiohttp.ClientSession() as session:
                 headers = {"Authorization": f"Bearer {token.group(1)}"}
                 async with session.get(url + "/admin/nodes", headers=headers) as r:
                     nodes = await r.json()
                 assert [n["id"] for n in nodes["data"]] == ["engine-0", "engine-1"]
                 async with session.get(url + "/dashboard/state") as r:
-                    assert (await r.json())["requests"]["completed"] == 2
+                    assert (await r.json())["requests"]["completed"] == 4
 
             proc.send_signal(signal.SIGTERM)
             async with asyncio.timeout(15):

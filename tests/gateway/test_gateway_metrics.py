@@ -7,6 +7,7 @@ import re
 import socket
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from kvgate.core.admission import (
@@ -52,10 +53,14 @@ def test_metrics_page_declares_every_documented_name(kit: Any) -> None:
     kit.run(body())
 
 
-def test_tcp_nodelay_and_setup_hook(kit: Any) -> None:
+@pytest.mark.parametrize("client", ["lean", "aiohttp"])
+def test_tcp_nodelay_and_setup_hook(kit: Any, client: str) -> None:
+    """Both sides of the gateway set TCP_NODELAY, with either upstream client."""
     async def body() -> None:
-        async with kit.cluster(1, stub={"mode": "slow"}) as c:  # holds its connection
+        async with kit.cluster(1, stub={"mode": "slow"},  # holds its connection
+                               upstream={"client": client}) as c:
             cfg = c.gw.gateway.config
+            assert cfg.upstream.client == client
             stub_url = c.stubs[0].url
 
             async def probe(request: web.Request) -> web.Response:

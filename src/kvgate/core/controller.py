@@ -88,7 +88,14 @@ class Controller:
         self.rng = rng
         self.hasher: Hasher = make_hasher(cfg.hasher, **dict(cfg.hasher_params))
         self.nodes = NodeTable(stale_after_s=cfg.stale_after_s)
-        self.index = ClusterIndex(ttl_s=cfg.index_ttl_s, speculative_ttl_s=cfg.speculative_ttl_s)
+        self._index = ClusterIndex(ttl_s=cfg.index_ttl_s, speculative_ttl_s=cfg.speculative_ttl_s)
+        # Deferred inserts of dispatched chains (off by default): a driver that turns
+        # this on calls flush_index() soon after a decision (after the request went
+        # out); any use of the index before that flushes first, in order, with the
+        # same arguments, so the index and every later decision are exactly as if the
+        # insert had happened inside the decision.
+        self.defer_index_inserts = False
+        self._pending_inserts: list[tuple[NodeId, BlockChain, float, bool]] = []
         self.hot = HotPrefixTracker(window_s=cfg.hot_window_s)
         self.policy = make_policy(cfg.policy, cfg.policy_params)
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
@@ -97,6 +104,26 @@ class Controller:
         self._requests: dict[RequestId, _Request] = {}
         self._retries_in_flight = 0
         self._ejected_until: dict[NodeId, float] = {}
+        # model -> the largest max_model_len among the nodes serving it (None: no node),
+        # valid while the node table's version (membership, spec, health) is unchanged
+        self._max_len_cache: dict[str, int | None] = {}
+        self._max_len_version = -1
+
+    @property
+    def index(self) -> ClusterIndex:
+        """The cache location table (pending inserts applied first)."""
+        if self._pending_inserts:
+            self.flush_index()
+        return self._index
+
+    def flush_index(self) -> None:
+        """Apply the deferred inserts of dispatched chains, oldest first."""
+        pending = self._pending_inserts
+        if pending:
+            self._pending_inserts = []
+            insert = self._index.insert
+            for node_id, chain, at, speculative in pending:
+                insert(node_id, chain, at, speculative=speculative)
 
     # ------------------------------------------------------------------ membership
     def add_node(self, spec: NodeSpec, now: float) -> None:
@@ -240,8 +267,20 @@ class Controller:
         )
 
     def _max_seq_len(self, model: str) -> int | None:
+        """The largest ``max_model_len`` among all nodes serving ``model`` (healthy or
+        not), cached per model until the node table's ``version`` moves."""
+        cache = self._max_len_cache
+        if self._max_len_version != self.nodes.version:
+            cache.clear()
+            self._max_len_version = self.nodes.version
+        elif model in cache:
+            return cache[model]
         lens = [s.spec.max_model_len for s in self.nodes if s.serves(model)]
-        return max(lens) if lens else None
+        value = max(lens) if lens else None
+        if len(cache) >= 64:  # model names come from requests: keep the cache bounded
+            cache.clear()
+        cache[model] = value
+        return value
 
     # ------------------------------------------------------------------ routing
     def candidates(
@@ -292,12 +331,11 @@ class Controller:
         record.pending_prefill_tokens = ctx.prompt_tokens - record.predicted_hit_tokens
         self.nodes.on_sent(node, prefill_tokens=record.pending_prefill_tokens)
         if ctx.chain:
-            self.index.insert(
-                node.spec.node_id,
-                ctx.chain,
-                now,
-                speculative=self.config.index_mode == "precise",
-            )
+            speculative = self.config.index_mode == "precise"
+            if self.defer_index_inserts and len(self._pending_inserts) < 1024:
+                self._pending_inserts.append((node.spec.node_id, ctx.chain, now, speculative))
+            else:
+                self.index.insert(node.spec.node_id, ctx.chain, now, speculative=speculative)
         self.stats.routed[decision.reason.value] += 1
         self.stats.recent.append(
             DecisionRecord(

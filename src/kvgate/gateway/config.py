@@ -89,9 +89,18 @@ class UpstreamConfig:
     max_response_bytes: int = 64 * 1024 * 1024  # a non-streamed answer larger is a 502
     forward_priority: bool = True  # write the class into the body's `priority` (vLLM
     # needs --scheduling-policy priority for non-zero values)
+    # The HTTP client of the hop to the nodes: "lean" (kvgate.gateway.lean_http, a
+    # keep-alive pool on aiohttp's protocol and parser) or "aiohttp" (ClientSession).
+    client: Literal["lean", "aiohttp"] = "lean"
+    keepalive_s: float = 4.0  # an idle pooled connection older than this is not reused
+    # (keep it below the nodes' own keep-alive timeout: uvicorn/vLLM's is 5 s)
 
     def __post_init__(self) -> None:
+        if self.client not in ("lean", "aiohttp"):
+            raise ConfigError(f"upstream.client must be 'lean' or 'aiohttp', got {self.client!r}",
+                              param="client")
         _positive("upstream", connect_timeout_s=self.connect_timeout_s,
+                  keepalive_s=self.keepalive_s,
                   stream_idle_timeout_s=self.stream_idle_timeout_s,
                   request_timeout_s=self.request_timeout_s, pool_limit=self.pool_limit,
                   max_response_bytes=self.max_response_bytes)

@@ -121,6 +121,11 @@ class Driver:
         self.tick_interval_s = tick_interval_s
         self._waiters: dict[RequestId, asyncio.Future[Decision]] = {}
         self.lease_errors = 0
+        # The index insert of a dispatched chain runs after the request went out (a
+        # loop callback), not inside the decision; the core flushes it first whenever
+        # the index is used, so the next decision sees the chain all the same.
+        controller.defer_index_inserts = True
+        self._flush_scheduled = False
 
     # ------------------------------------------------------------------ requests
     async def admit(self, req: RequestArrived) -> Decision:
@@ -129,6 +134,8 @@ class Driver:
         decision = self.controller.on_arrival(req, self.clock())
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         if not isinstance(decision, Hold):
+            if isinstance(decision, Dispatch):
+                self._schedule_flush()
             return decision
         rid = req.request_id
         fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
@@ -150,9 +157,25 @@ class Driver:
             self._waiters.pop(rid, None)
             self.metrics.queue_wait.observe(self.clock() - held_at)
 
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # called outside the loop: no later, do it now
+                self.controller.flush_index()
+                return
+            self._flush_scheduled = True
+            loop.call_soon(self._flush_index)
+
+    def _flush_index(self) -> None:
+        self._flush_scheduled = False
+        self.controller.flush_index()
+
     def apply(self, decisions: Iterable[Decision]) -> None:
         """Carry out decisions about held requests (the only place waiters resolve)."""
         pending = deque(decisions)
+        if pending:
+            self._schedule_flush()
         while pending:
             d = pending.popleft()
             fut = self._waiters.pop(d.request_id, None)
@@ -176,6 +199,8 @@ class Driver:
         decisions = self.controller.on_failed(
             rid, kind, self.clock(), before_first_byte=before_first_byte
         )
+        if decisions:
+            self._schedule_flush()
         mine = next((d for d in decisions if d.request_id == rid), None)
         self.apply(d for d in decisions if d is not mine)
         return mine

@@ -93,6 +93,10 @@ class CompletionsHandler:
         self.relay = relay
         self._max_body = config.server.client_max_size
         self._body_timeout = config.server.body_timeout_s
+        # watcher.serves(model) per model, valid while the node table's version (which
+        # counts membership and spec changes, the only inputs of serves) is unchanged
+        self._serves: dict[str, bool] = {}
+        self._serves_version = -1
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
@@ -120,7 +124,7 @@ class CompletionsHandler:
         priority = self.auth.priority(
             identity, request.headers.get(PRIORITY_HEADER), parsed.priority
         )
-        if not self.watcher.serves(parsed.model):
+        if not self._model_served(parsed.model):
             raise ModelNotFoundError(
                 f"The model `{parsed.model}` does not exist or you do not have access to it.",
                 param="model",
@@ -163,6 +167,23 @@ class CompletionsHandler:
             headers=headers,
         )
         return await self.relay.run(request, flight, arrived)
+
+
+    def _model_served(self, model: str) -> bool:
+        version = self.watcher.controller.nodes.version
+        cache = self._serves
+        if version != self._serves_version:
+            cache.clear()
+            self._serves_version = version
+        else:
+            hit = cache.get(model)
+            if hit is not None:
+                return hit
+        served = self.watcher.serves(model)
+        if len(cache) >= 64:  # model names come from clients: keep it bounded
+            cache.clear()
+        cache[model] = served
+        return served
 
 
 def _prompt_form(parsed: ChatRequest | CompletionRequest) -> dict[str, Any]:

@@ -44,7 +44,12 @@ from kvgate.gateway.errors import (
 )
 from kvgate.gateway.metrics_text import GatewayMetrics
 from kvgate.gateway.node_watcher import NodeWatcher
-from kvgate.gateway.upstream import Upstream, classify_exception, classify_status
+from kvgate.gateway.upstream import (
+    Upstream,
+    UpstreamResponse,
+    classify_exception,
+    classify_status,
+)
 from kvgate.protocol import (
     DONE_EVENT,
     ProtocolError,
@@ -212,7 +217,7 @@ class Relay:
                 resp.close()  # aborts the engine's work on this request
 
     async def _upstream_error(
-        self, flight: Flight, resp: aiohttp.ClientResponse
+        self, flight: Flight, resp: UpstreamResponse
     ) -> web.StreamResponse | Decision:
         kind = classify_status(resp.status, resp.headers)
         try:
@@ -232,7 +237,7 @@ class Relay:
         return decision
 
     async def _relay_unary(
-        self, flight: Flight, resp: aiohttp.ClientResponse
+        self, flight: Flight, resp: UpstreamResponse
     ) -> web.StreamResponse | Decision:
         # No on_first_byte here: a non-streamed answer arrives whole, and its latency
         # is not a time to first token (it would skew the P0 TTFT SLO loop).
@@ -252,7 +257,7 @@ class Relay:
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def _relay_stream(
-        self, request: web.Request, flight: Flight, resp: aiohttp.ClientResponse
+        self, request: web.Request, flight: Flight, resp: UpstreamResponse
     ) -> web.StreamResponse | Decision:
         content = resp.content
         try:

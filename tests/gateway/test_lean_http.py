@@ -1,0 +1,650 @@
+"""The lean upstream client (kvgate.gateway.lean_http): pooling, parsing, failures.
+
+Most tests talk to a raw asyncio HTTP/1.1 server defined here, which answers with
+exactly the bytes a test gives it (chunk boundaries included), so what the client
+does with them is visible: reuse, chunked SSE, early closes, malformed answers.
+The gateway tests elsewhere run with the lean client (the default); the last tests
+here run the main paths through ``upstream.client: aiohttp`` too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvgate.core.admission import FailureKind
+from kvgate.gateway.config import NodesConfig, UpstreamConfig
+from kvgate.gateway.lean_http import LeanClient, UpstreamProtocolError
+from kvgate.gateway.upstream import Upstream, classify_exception, classify_status
+
+Handler = Callable[["RawConn", bytes, bytes], Awaitable[None]]
+
+
+class RawConn:
+    """One accepted connection of :class:`RawServer`, as seen by a handler."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 index: int) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.index = index  # 0 for the first connection the server accepted
+        self.requests = 0  # requests read on this connection so far
+
+    async def wait_closed(self) -> None:
+        """Until the client closes the connection (instead of answering)."""
+        await self.reader.read()
+
+    async def send(self, *parts: bytes, gap: float = 0.0) -> None:
+        for p in parts:
+            self.writer.write(p)
+            await self.writer.drain()
+            if gap:
+                await asyncio.sleep(gap)
+
+
+class RawServer:
+    """A tiny HTTP/1.1 server: reads Content-Length requests, a handler answers."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[tuple[bytes, bytes]] = []  # (head, body)
+        self.closed_by_peer = 0  # connections the client closed (EOF seen by us)
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self.url = ""
+
+    async def __aenter__(self) -> RawServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in self._writers:  # wakes handlers waiting in wait_closed()
+            w.close()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        conn = RawConn(reader, writer, self.connections)
+        self._writers.append(writer)
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    self.closed_by_peer += 1
+                    return
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length)
+                self.requests.append((head, body))
+                conn.requests += 1
+                await self.handler(conn, head, body)
+                if writer.is_closing():
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.closed_by_peer += 1
+        finally:
+            writer.close()
+            self._tasks.discard(task)
+
+
+def answer(body: bytes, status: str = "200 OK", ctype: str = "application/json",
+           extra: str = "") -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}\r\n").encode() + body
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def ok(conn: RawConn, head: bytes, body: bytes) -> None:
+    await conn.send(answer(b'{"ok": %d}' % conn.requests))
+
+
+async def read_all(resp: Any) -> bytes:
+    out = b""
+    while True:
+        got = await resp.content.read(65536)
+        if not got:
+            return out
+        out += got
+
+
+def client(**kw: Any) -> LeanClient:
+    return LeanClient(**{"connect_timeout_s": 1.0, **kw})
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, 20)
+
+    return asyncio.run(bounded())
+
+
+# --------------------------------------------------------------------------- the client
+def test_keep_alive_reuse_and_request_bytes() -> None:
+    async def body() -> None:
+        async with RawServer(ok) as srv:
+            c = client()
+            try:
+                t = c.target(srv.url + "/v1/completions")
+                for i in range(3):
+                    r = await c.request(t, b'{"x": 1}', {"Content-Type": "application/json",
+                                                         "X-Request-Id": f"r{i}"})
+                    assert r.status == 200 and r.content_type == "application/json"
+                    assert await read_all(r) == b'{"ok": %d}' % (i + 1)
+                    r.release()
+                assert c.connects == 1 and srv.connections == 1
+                assert c.idle_connections == 1 and c.open_connections == 1
+                head, sent = srv.requests[0]
+                port = srv.url.rsplit(":", 1)[1]
+                assert head == (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%s\r\n"
+                                b"Content-Type: application/json\r\nX-Request-Id: r0\r\n"
+                                b"Content-Length: 8\r\n\r\n" % port.encode())
+                assert sent == b'{"x": 1}'
+                # the connection goes back only after a complete response
+                r = await c.request(t, b"{}", {})
+                r.close()
+                r = await c.request(t, b"{}", {})
+                await read_all(r)
+                r.release()
+                assert c.connects == 2 and c.open_connections == 1
+                # a large body (two writes) arrives whole
+                big = b"x" * 200_000
+                r = await c.request(t, big, {})
+                await read_all(r)
+                r.release()
+                assert srv.requests[-1][1] == big
+            finally:
+                await c.close()
+            assert c.open_connections == 0
+
+    run(body())
+
+
+def test_connection_close_and_http10_answers_are_not_reused() -> None:
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        if conn.index == 0:
+            await conn.send(answer(b"{}", extra="Connection: close\r\n"))
+            conn.writer.close()
+        else:
+            await conn.send(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    async def body() -> None:
+        async with RawServer(handler) as srv:
+            c = client()
+            try:
+                t = c.target(srv.url + "/x")
+                for _ in range(3):
+                    r = await c.request(t, b"{}", {})
+                    assert await read_all(r) == b"{}"
+                    r.release()
+                assert c.connects == 3 and c.idle_connections == 0
+            finally:
+                await c.close()
+
+    run(body())
+
+
+def test_empty_bodies_and_bodies_until_close() -> None:
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        path = head.split(b" ")[1]
+        if path == b"/empty":
+            await conn.send(answer(b""))
+        elif path == b"/204":
+            await conn.send(b"HTTP/1.1 204 No Content\r\n\r\n")
+        else:  # neither Content-Length nor chunked: the body ends with the connection
+            await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n",
+                            b'{"a":', b" 1}", gap=0.01)
+            conn.writer.close()
+
+    async def body() -> None:
+        async with RawServer(handler) as srv:
+            c = client()
+            try:
+                for path in ("/empty", "/204", "/empty"):
+                    r = await c.request(c.target(srv.url + path), b"{}", {})
+                    assert await read_all(r) == b"" and r.content.at_eof()
+                    r.release()
+                assert c.connects == 1  # empty answers keep the connection
+                r = await c.request(c.target(srv.url + "/eof"), b"{}", {})
+                assert await read_all(r) == b'{"a": 1}'
+                r.release()
+                assert c.open_connections == 0  # the /eof one (the pooled one) is gone
+                # header values pass through as the client sent them (bytes kept)
+                r = await c.request(c.target(srv.url + "/empty"), b"{}",
+                                    {"X-Session-ID": "caf\udcc3\udca9"})
+                await read_all(r)
+                r.release()
+                assert b"X-Session-ID: caf\xc3\xa9\r\n" in srv.requests[-1][0]
+            finally:
+                await c.close()
+
+    run(body())
+
+
+def test_chunked_sse_is_read_byte_exact_across_odd_chunk_boundaries() -> None:
+    events = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
+              b"data: [DONE]\n\n"]
+    stream = b"".join(events)
+
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n")
+        cuts = [0, 5, 6, 40, 41, 70, len(stream)]  # events split mid-line and mid-chunk
+        wire = b"".join(chunk(stream[a:b]) for a, b in itertools.pairwise(cuts))
+        await conn.send(wire[:3], wire[3:17], wire[17:], b"0\r\n\r\n", gap=0.01)
+
+    async def body() -> None:
+        async with RawServer(handler) as srv:
+            c = client()
+            try:
+                t = c.target(srv.url + "/v1/completions")
+                r = await c.request(t, b"{}", {}, read_timeout=2.0)
+                assert r.status == 200 and r.content_type == "text/event-stream"
+                assert await read_all(r) == stream
+                assert r.content.at_eof()
+                r.release()
+                assert c.idle_connections == 1  # the terminator was read: reusable
+            finally:
+                await c.close()
+
+    run(body())
+
+
+def test_stale_keep_alive_connection_is_retried_once_on_a_new_one() -> None:
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        if conn.requests == 2:  # the keep-alive race: closed without a byte
+            conn.writer.close()
+            return
+        await conn.send(answer(b"{}"))
+
+    async def body() -> None:
+        async with RawServer(handler) as srv:
+            c = client()
+            try:
+                t = c.target(srv.url + "/x")
+                for _ in range(2):
+                    r = await c.request(t, b"{}", {})
+                    assert r.status == 200
+                    await read_all(r)
+                    r.release()
+                assert c.connects == 2 and len(srv.requests) == 3
+            finally:
+                await c.close()
+
+    run(body())
+
+
+def test_a_reused_connection_closed_mid_answer_is_not_resent() -> None:
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        if conn.requests == 2:  # a byte of an answer went out: the node saw the request
+            await conn.send(b"HTTP/1.1 200 OK\r\nContent-")
+            conn.writer.close()
+            return
+        await conn.send(answer(b"{}"))
+
+    async def body() -> None:
+        async with RawServer(handler) as srv:
+            c = client()
+            try:
+                t = c.target(srv.url + "/x")
+                r = await c.request(t, b"{}", {})
+                await read_all(r)
+                r.release()
+                with pytest.raises(aiohttp.ClientError) as err:
+                    await c.request(t, b"{}", {})
+                assert classify_exception(err.value) is FailureKind.UPSTREAM_ERROR
+                assert len(srv.requests) == 2 and c.connects == 1
+            finally:
+                await c.close()
+
+    run(body())
+
+
+def test_a_first_request_closed_without_an_answer_is_not_resent() -> None:
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        conn.writer.close()
+
+    async def body() -> None:
+        async with RawServer(handler) as srv:
+            c = client()
+            try:
+                with pytest.raises(aiohttp.ServerDisconnectedError) as err:
+                    await c.request(c.target(srv.url + "/x"), b"{}", {})
+                assert classify_exception(err.value) is FailureKind.UPSTREAM_ERROR
+                assert len(srv.requests) == 1 and c.open_connections == 0
+            finally:
+                await c.close()
+
+    run(body())
+
+
+def test_failures_map_to_the_same_kinds_as_aiohttp() -> None:
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        path = head.split(b" ")[1]
+        if path == b"/503":
+            await conn.send(answer(b"{}", "503 Service Unavailable"))
+        elif path == b"/reject":
+            await conn.send(answer(b"{}", "503 Service Unavailable",
+                                   extra="X-Kvgate-Reject: retry-elsewhere\r\n"))
+        elif path == b"/garbage":
+            await conn.send(b"HTTP/1.1 abc nonsense\r\n\r\n")
+        elif path == b"/short":
+            await conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}")
+            conn.writer.close()
+        elif path == b"/hang":
+            await conn.wait_closed()
+        elif path == b"/trickle":
+            await conn.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                            chunk(b"data: x\n\n"))
+            await conn.wait_closed()
+
+    async def body() -> None:
+        async with RawServer(handler) as srv:
+            c = client()
+            try:
+                def t(path: str) -> Any:
+                    return c.target(srv.url + path)
+
+                r = await c.request(t("/503"), b"{}", {})
+                assert classify_status(r.status, r.headers) is FailureKind.HTTP_503
+                r.close()
+                r = await c.request(t("/reject"), b"{}", {})
+                assert classify_status(r.status, r.headers) is FailureKind.RETRY_ELSEWHERE
+                r.close()
+                with pytest.raises(UpstreamProtocolError) as perr:
+                    await c.request(t("/garbage"), b"{}", {})
+                assert classify_exception(perr.value) is FailureKind.UPSTREAM_ERROR
+                r = await c.request(t("/short"), b"{}", {})
+                with pytest.raises(aiohttp.ClientPayloadError) as short:
+                    await read_all(r)
+                r.close()
+                assert classify_exception(short.value) is FailureKind.UPSTREAM_ERROR
+
+                # total timeout, before the headers and while reading a body
+                with pytest.raises(TimeoutError) as tot:
+                    await c.request(t("/hang"), b"{}", {}, total_timeout=0.2)
+                assert classify_exception(tot.value) is FailureKind.TIMEOUT
+                r = await c.request(t("/trickle"), b"{}", {}, total_timeout=0.3)
+                assert await r.content.readany() == b"data: x\n\n"
+                with pytest.raises(TimeoutError):
+                    await r.content.readany()
+                r.close()
+                # read (idle) timeout, before the headers and between chunks
+                with pytest.raises(TimeoutError) as idle:
+                    await c.request(t("/hang"), b"{}", {}, read_timeout=0.2)
+                assert classify_exception(idle.value) is FailureKind.TIMEOUT
+                r = await c.request(t("/trickle"), b"{}", {}, read_timeout=0.2)
+                assert await r.content.readany() == b"data: x\n\n"
+                with pytest.raises(TimeoutError):
+                    await r.content.readany()
+                r.close()
+                assert c.open_connections == 0  # every failed exchange was closed
+            finally:
+                await c.close()
+            await asyncio.sleep(0.05)
+            assert srv.closed_by_peer >= 4
+
+    run(body())
+
+
+def test_connect_refused_and_connect_timeout_are_connect_errors() -> None:
+    async def body() -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        c = client()
+        try:
+            with pytest.raises(aiohttp.ClientError) as refused:
+                await c.request(c.target(f"http://127.0.0.1:{port}/x"), b"{}", {})
+            assert isinstance(refused.value, OSError)
+            assert classify_exception(refused.value) is FailureKind.CONNECT_ERROR
+            assert c.open_connections == 0
+        finally:
+            await c.close()
+        c = client(connect_timeout_s=1e-9)
+        try:
+            with pytest.raises(aiohttp.ConnectionTimeoutError) as slow:
+                await c.request(c.target(f"http://127.0.0.1:{port}/x"), b"{}", {})
+            assert classify_exception(slow.value) is FailureKind.CONNECT_ERROR
+            assert c.open_connections == 0
+        finally:
+            await c.close()
+
+    run(body())
+
+
+def test_cancellation_closes_the_connection() -> None:
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        await conn.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                        chunk(b"data: x\n\n"))
+        await conn.wait_closed()
+
+    async def body() -> None:
+        async with RawServer(handler) as srv:
+            c = client()
+            try:
+                t = c.target(srv.url + "/x")
+                task = asyncio.ensure_future(c.request(t, b"{}", {"A": "b"}))
+                await asyncio.sleep(0)
+                task.cancel()  # before the answer: the client closes the connection
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                r = await c.request(t, b"{}", {})
+                await r.content.readany()
+                r.close()  # mid-body: closed, not pooled
+                assert c.open_connections == 0 and c.idle_connections == 0
+                for _ in range(50):
+                    if srv.closed_by_peer == 2:
+                        break
+                    await asyncio.sleep(0.02)
+                assert srv.closed_by_peer == 2
+            finally:
+                await c.close()
+
+    run(body())
+
+
+def test_pool_limit_waits_for_a_free_connection() -> None:
+    async def body() -> None:
+        async with RawServer(ok) as srv:
+            c = client(limit=1)
+            try:
+                t = c.target(srv.url + "/x")
+                t2 = c.target(srv.url.replace("127.0.0.1", "localhost") + "/y")
+                first = await c.request(t, b"{}", {})
+                waiting = asyncio.ensure_future(c.request(t2, b"{}", {}))
+                await asyncio.sleep(0.05)
+                assert not waiting.done() and c.open_connections == 1
+                await read_all(first)
+                first.release()  # pooled for t, then evicted for t2's waiter
+                second = await waiting
+                await read_all(second)
+                second.release()
+                assert c.open_connections == 1 and c.connects == 2
+            finally:
+                await c.close()
+
+    run(body())
+
+
+def test_bad_header_values_and_urls_are_refused() -> None:
+    async def body() -> None:
+        c = client()
+        try:
+            t = c.target("http://127.0.0.1:1/x")
+            with pytest.raises(ValueError):
+                await c.request(t, b"{}", {"X-Evil": "a\r\nInjected: 1"})
+            with pytest.raises(ValueError):
+                c.target("ftp://host/x")
+            assert c.target("https://h/v1/x?a=1").head == b"POST /v1/x?a=1 HTTP/1.1\r\nHost: h\r\n"
+            assert c.target("http://[::1]:8000/v").head.endswith(b"Host: [::1]:8000\r\n")
+        finally:
+            await c.close()
+
+    run(body())
+
+
+def test_idle_connections_past_keepalive_are_not_reused() -> None:
+    async def body() -> None:
+        async with RawServer(ok) as srv:
+            c = client(keepalive_s=0.05)
+            try:
+                t = c.target(srv.url + "/x")
+                for _ in range(2):
+                    r = await c.request(t, b"{}", {})
+                    await read_all(r)
+                    r.release()
+                    await asyncio.sleep(0.1)
+                assert c.connects == 2 and c.open_connections == 1
+            finally:
+                await c.close()
+
+    run(body())
+
+
+def test_upstream_picks_the_client_by_config() -> None:
+    async def body() -> None:
+        async with RawServer(ok) as srv:
+            for kind in ("lean", "aiohttp"):
+                up = Upstream(UpstreamConfig(client=kind), NodesConfig())  # type: ignore[arg-type]
+                try:
+                    assert (up.lean is not None) == (kind == "lean")
+                    assert (up.session is not None) == (kind == "aiohttp")
+                    r = await up.post(up.url(srv.url, "/v1/completions"), b"{}", {},
+                                      stream=False)
+                    assert r.status == 200 and json.loads(await r.content.read()) == {"ok": 1}
+                    r.release()
+                finally:
+                    await up.close()
+
+    run(body())
+
+
+# --------------------------------------------------------------------------- via the gateway
+async def _probe_answers(conn: RawConn, head: bytes) -> bool:
+    """The node watcher's GETs (health, models, metrics); True if ``head`` was one."""
+    if not head.startswith(b"GET "):
+        return False
+    path = head.split(b" ")[1]
+    if path == b"/health":
+        await conn.send(answer(b""))
+    elif path == b"/v1/models":
+        await conn.send(answer(json.dumps({"object": "list", "data": [
+            {"id": "stub-model", "object": "model", "max_model_len": 4096}]}).encode()))
+    else:
+        await conn.send(answer(b"", "404 Not Found"))
+    return True
+
+
+@pytest.mark.parametrize("kind", ["lean", "aiohttp"])
+def test_gateway_relays_chunked_sse_byte_exact(kit: Any, kind: str) -> None:
+    """The client asked for usage, so nothing is dropped: the bytes the node sent,
+    however they were chunked, are the bytes the client gets."""
+    events = [b'data: {"id":"c1","choices":[{"index":0,"text":"t%d "}]}\n\n' % i
+              for i in range(3)]
+    events.append(b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":5,'
+                  b'"completion_tokens":3,"total_tokens":8,'
+                  b'"prompt_tokens_details":{"cached_tokens":4}}}\n\n')
+    events.append(b"data: [DONE]\n\n")
+    stream = b"".join(events)
+    posted_on: set[int] = set()
+
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        if await _probe_answers(conn, head):
+            return
+        posted_on.add(conn.index)
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n")
+        cuts = [0, 7, 60, 61, 150, len(stream) - 3, len(stream)]
+        for a, b in itertools.pairwise(cuts):
+            await conn.send(chunk(stream[a:b]), gap=0.005)
+        await conn.send(b"0\r\n\r\n")
+
+    async def body() -> None:
+        async with RawServer(handler) as srv, kit.cluster(
+                0, extra_nodes=[{"id": "raw", "url": srv.url}],
+                upstream={"client": kind}, nodes={"health_interval_s": 30.0}) as c:
+            for _ in range(2):
+                status, headers, raw = await c.post("/v1/completions", {
+                    "model": kit.MODEL, "prompt": "x", "stream": True,
+                    "stream_options": {"include_usage": True}})
+                assert status == 200 and headers["X-Kvgate-Node"] == "raw"
+                assert raw == stream
+            assert len(posted_on) == 1  # one connection, kept alive between the two
+            hits = c.gw.controller.stats.hits
+            assert sum(h.measured_hit_tokens for h in hits.values()) > 0  # usage was read
+
+    kit.run(body())
+
+
+@pytest.mark.parametrize("kind", ["lean", "aiohttp"])
+def test_gateway_paths_with_either_client(kit: Any, kind: str) -> None:
+    """Unary, stream, 503 retry, connect refused and a client disconnect, per client."""
+    async def body() -> None:
+        async with kit.cluster(2, upstream={"client": kind}) as c:
+            status, _, raw = await c.post("/v1/completions", {"model": kit.MODEL,
+                                                              "prompt": "a"})
+            assert status == 200 and json.loads(raw)["choices"][0]["text"] == "hi there"
+            status, _, raw = await c.post("/v1/completions", {"model": kit.MODEL,
+                                                              "prompt": "b", "stream": True})
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+            c.stubs[0].mode = "retry-elsewhere"
+            c.stubs[1].mode = "503"
+            status, _, _ = await c.post("/v1/completions", {"model": kit.MODEL,
+                                                             "prompt": "c"})
+            assert status == 502  # both nodes said 503: the retry failed too
+            st = c.gw.controller.stats
+            assert st.failures["retry_elsewhere"] + st.failures["http_503"] == 2
+            assert sum(st.retries.values()) == 1
+
+        dead = {"id": "dead", "url": f"http://127.0.0.1:{kit.closed_port()}",
+                "models": [kit.MODEL]}
+        async with kit.cluster(1, upstream={"client": kind}, extra_nodes=[dead],
+                               nodes={"health_interval_s": 30.0}) as c:
+            ctl = c.gw.controller
+            ctl.set_healthy("dead", True, 0.0)  # type: ignore[arg-type]
+            status, _, _ = await c.post("/v1/completions", {"model": kit.MODEL, "prompt": "d"},
+                                        headers={"X-Kvgate-Exclude-Node": "n0"})
+            assert status in (502, 503)
+            assert ctl.stats.failures["connect_error"] == 1
+
+        async with kit.cluster(1, stub={"mode": "slow"}, upstream={"client": kind}) as c:
+            async with aiohttp.ClientSession() as s:
+                resp = await s.post(c.url + "/v1/completions", json={
+                    "model": kit.MODEL, "prompt": "z", "stream": True})
+                assert (await resp.content.readany()).startswith(b"data: ")
+                resp.close()
+            stub = c.stubs[0]
+            await kit.eventually(lambda: stub.disconnects == 1)
+            ctl = c.gw.controller
+            await kit.eventually(lambda: ctl.num_requests() == 0)
+            assert ctl.admission.inuse_total == 0
+            lean = c.gw.gateway.upstream.lean
+            if lean is not None:
+                await kit.eventually(lambda: lean.open_connections == 0)
+
+    kit.run(body())
