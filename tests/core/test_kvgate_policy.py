@@ -172,7 +172,13 @@ def test_bad_config() -> None:
 
 def test_ttft_form_weighs_saved_prefill_against_queued_prefill() -> None:
     t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
-    p = KvgatePolicy(epsilon=0, prefill_tokens_per_s=1000.0, cache_gain=2.0, decode_s=0.0)
+    p = KvgatePolicy(
+        epsilon=0,
+        prefill_tokens_per_s=1000.0,
+        cache_gain=2.0,
+        decode_s=0.0,
+        attention_s_per_pair=0.0,
+    )
     m = {NodeId("holder"): 10}  # 10 blocks x 64 tokens = 640 tokens = 0.64 s saved
     # 1.0 s of queued prefill on the holder: 2 x 0.64 - 1.0 > 0 -> still the holder
     t.on_sent(c[0], prefill_tokens=1000)
@@ -191,7 +197,9 @@ def test_ttft_form_weighs_saved_prefill_against_queued_prefill() -> None:
 
 def test_ttft_form_bonus_is_not_capped() -> None:
     t, c = table({"a": (0, 0.0)})
-    p = KvgatePolicy(epsilon=0, prefill_tokens_per_s=10_000.0, decode_s=0.0)
+    p = KvgatePolicy(
+        epsilon=0, prefill_tokens_per_s=10_000.0, decode_s=0.0, attention_s_per_pair=0.0
+    )
     short = p.select(ctx(blocks=200), c, {NodeId("a"): 150}, t, FixedRng(0.9), NOW)
     long_ = p.select(ctx(blocks=400), c, {NodeId("a"): 300}, t, FixedRng(0.9), NOW)
     assert short is not None and long_ is not None
@@ -206,3 +214,18 @@ def test_ttft_form_decode_load_from_kv_utilisation() -> None:
     # 3 x 0.9 + 5 x (0.9 - 0.8) x 5 = 2.7 + 2.5
     busy = p.select(ctx(), c[:1], {}, t, FixedRng(0.9), NOW)
     assert busy is not None and busy.parts["penalty"] == pytest.approx(5.2)
+
+
+def test_ttft_form_counts_attention_work_of_long_prompts() -> None:
+    """Prefill time grows with the square of a long prompt (workloads.md 3.2's c term)."""
+    t, c = table({"a": (0, 0.0)})
+    p = KvgatePolicy(
+        epsilon=0, prefill_tokens_per_s=10_000.0, decode_s=0.0, attention_s_per_pair=1e-8
+    )
+    d = p.select(ctx(blocks=200), c, {NodeId("a"): 100}, t, FixedRng(0.9), NOW)
+    assert d is not None
+    h = 100 * 64
+    assert d.parts["bonus"] == pytest.approx(h / 10_000 + 1e-8 * h * h / 2)
+    t.on_sent(c[0], prefill_tokens=1000, prefill_pairs=1000 * 500.0)
+    d = p.select(ctx(blocks=200), c, {}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.parts["penalty"] == pytest.approx(0.1 + 1e-8 * 500_000)

@@ -81,6 +81,7 @@ class Reference:
             if ttft:
                 penalty = (
                     s.pending_prefill_tokens / p.prefill_tokens_per_s
+                    + s.pending_prefill_pairs * p.attention_s_per_pair
                     + p.decode_s * u
                     + p.kv_pressure_s * max(0.0, (u - 0.8) * 5.0)
                 )
@@ -101,7 +102,10 @@ class Reference:
                     saved = min(m * ctx.tokens_per_block, ctx.prompt_tokens)
                     # as the policy always has: times the inverse, not divided by
                     if ttft:
-                        bonus = saved * (1.0 / p.prefill_tokens_per_s) * s.cache_weight
+                        bonus = (
+                            saved * (1.0 / p.prefill_tokens_per_s)
+                            + p.attention_s_per_pair / 2 * saved * saved
+                        ) * s.cache_weight
                     else:
                         bonus = min(saved * (1.0 / p.max_prefix_len), 1.0) * s.cache_weight
             else:
@@ -199,6 +203,7 @@ policy_st = st.builds(
     prefill_tokens_per_s=st.sampled_from([100.0, 12_000.0]),
     decode_s=st.sampled_from([0.0, 3.0]),
     cache_gain=st.sampled_from([1.0, 5.0]),
+    attention_s_per_pair=st.sampled_from([0.0, 3.4e-9, 1e-4]),
 )
 
 
@@ -221,12 +226,12 @@ def test_same_decisions_as_the_reference(
         elif kind == "sent":
             state = table.get(op[1])  # type: ignore[arg-type]
             if state is not None:
-                table.on_sent(state, prefill_tokens=700)
+                table.on_sent(state, prefill_tokens=700, prefill_pairs=700 * 350.0)
                 sent_at.setdefault(state.node_id, []).append(now)
         elif kind == "prefilled":
             state = table.get(op[1])  # type: ignore[arg-type]
             if state is not None and state.pending_prefill_tokens:
-                table.on_prefilled(state, 700)
+                table.on_prefilled(state, 700, 700 * 350.0)
         elif kind == "done":
             state = table.get(op[1])  # type: ignore[arg-type]
             if state is not None and sent_at.get(state.node_id):

@@ -73,6 +73,7 @@ class _Request:
     first_byte: bool = False
     predicted_hit_tokens: int = 0
     pending_prefill_tokens: int = 0  # uncached prompt tokens not yet prefilled
+    pending_prefill_pairs: float = 0.0  # their attention work, q * (h + q / 2)
 
 
 class Controller:
@@ -328,8 +329,10 @@ class Controller:
         record.predicted_hit_tokens = min(
             decision.matched_blocks * ctx.tokens_per_block, ctx.prompt_tokens
         )
-        record.pending_prefill_tokens = ctx.prompt_tokens - record.predicted_hit_tokens
-        self.nodes.on_sent(node, prefill_tokens=record.pending_prefill_tokens)
+        q = ctx.prompt_tokens - record.predicted_hit_tokens
+        record.pending_prefill_tokens = q
+        record.pending_prefill_pairs = q * (record.predicted_hit_tokens + q / 2)
+        self.nodes.on_sent(node, prefill_tokens=q, prefill_pairs=record.pending_prefill_pairs)
         if ctx.chain:
             speculative = self.config.index_mode == "precise"
             if self.defer_index_inserts and len(self._pending_inserts) < 1024:
@@ -367,8 +370,11 @@ class Controller:
             return
         record.first_byte = True
         if record.node is not None:
-            self.nodes.on_prefilled(record.node, record.pending_prefill_tokens)
+            self.nodes.on_prefilled(
+                record.node, record.pending_prefill_tokens, record.pending_prefill_pairs
+            )
         record.pending_prefill_tokens = 0
+        record.pending_prefill_pairs = 0.0
         if record.ticket is not None and record.attempts == 1:
             self.admission.record_ttft(record.ticket.priority, now - record.sent_at, now)
 
@@ -411,9 +417,13 @@ class Controller:
         self.stats.failures[failure.value] += 1
         if node is not None:
             self.nodes.on_done(
-                node, sent_at=record.sent_at, pending_prefill_tokens=record.pending_prefill_tokens
+                node,
+                sent_at=record.sent_at,
+                pending_prefill_tokens=record.pending_prefill_tokens,
+                pending_prefill_pairs=record.pending_prefill_pairs,
             )
             record.pending_prefill_tokens = 0
+            record.pending_prefill_pairs = 0.0
             self.policy.on_finished(node.spec.node_id, now)
             self._note_node_failure(node, failure, now)
             record.excluded.add(node.spec.node_id)
@@ -471,7 +481,10 @@ class Controller:
         node = record.node
         if node_done and node is not None:
             self.nodes.on_done(
-                node, sent_at=record.sent_at, pending_prefill_tokens=record.pending_prefill_tokens
+                node,
+                sent_at=record.sent_at,
+                pending_prefill_tokens=record.pending_prefill_tokens,
+                pending_prefill_pairs=record.pending_prefill_pairs,
             )
             self.policy.on_finished(node.spec.node_id, now)
         if record.attempts == 2 and node_done:

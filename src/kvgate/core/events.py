@@ -30,8 +30,8 @@ class RequestArrived:
     excluded_nodes: frozenset[NodeId] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        forms = (self.prompt is not None) + (self.messages is not None) + (
-            self.block_ids is not None
+        forms = (
+            (self.prompt is not None) + (self.messages is not None) + (self.block_ids is not None)
         )
         if forms != 1:
             raise ValueError("RequestArrived needs exactly one of prompt, messages, block_ids")

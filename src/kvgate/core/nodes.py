@@ -83,6 +83,9 @@ class NodeState:
     # prompt tokens this gateway sent that the node has not prefilled yet (uncached part
     # of requests not past their first byte): the work a new request queues behind
     pending_prefill_tokens: int = 0
+    # and their attention work, sum of q * (h + q / 2) over those requests (q uncached,
+    # h cached tokens): prefill time grows with the square of a long prompt
+    pending_prefill_pairs: float = 0.0
     cache_weight: float = 1.0  # < 1 while the node has announced a coming eviction
     consecutive_failures: int = 0
     extra: dict[str, float] = field(default_factory=dict)
@@ -212,20 +215,31 @@ class NodeTable:
         state.sent_since_report = 0
         self._load_changed(state)
 
-    def on_sent(self, state: NodeState, *, prefill_tokens: int = 0) -> None:
+    def on_sent(
+        self, state: NodeState, *, prefill_tokens: int = 0, prefill_pairs: float = 0.0
+    ) -> None:
         state.inflight += 1
         state.sent_since_report += 1
         state.pending_prefill_tokens += prefill_tokens
+        state.pending_prefill_pairs += prefill_pairs
         self._load_changed(state)
 
-    def on_prefilled(self, state: NodeState, prefill_tokens: int) -> None:
+    def on_prefilled(
+        self, state: NodeState, prefill_tokens: int, prefill_pairs: float = 0.0
+    ) -> None:
         """The node produced a request's first token: its prefill is no longer queued."""
-        if prefill_tokens:
+        if prefill_tokens or prefill_pairs:
             state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - prefill_tokens)
+            state.pending_prefill_pairs = max(0.0, state.pending_prefill_pairs - prefill_pairs)
             self._load_changed(state)
 
     def on_done(
-        self, state: NodeState, *, sent_at: float, pending_prefill_tokens: int = 0
+        self,
+        state: NodeState,
+        *,
+        sent_at: float,
+        pending_prefill_tokens: int = 0,
+        pending_prefill_pairs: float = 0.0,
     ) -> None:
         """A request sent at ``sent_at`` left the node (finished, failed or cancelled);
         ``pending_prefill_tokens`` is what it still had queued if it never got a token."""
@@ -233,6 +247,7 @@ class NodeTable:
         if state.report_time is None or sent_at >= state.report_time:
             state.sent_since_report = max(0, state.sent_since_report - 1)
         state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - pending_prefill_tokens)
+        state.pending_prefill_pairs = max(0.0, state.pending_prefill_pairs - pending_prefill_pairs)
         self._load_changed(state)
 
     def _load_changed(self, state: NodeState) -> None:

@@ -13,8 +13,10 @@ Two forms of the score, both "cache benefit minus load", chosen by ``form``:
 
 ``form="ttft"`` (the default), a predicted time to first token in seconds::
 
-    bonus   = saved_tokens / prefill_tokens_per_s * cache_weight
-    penalty = pending_prefill_tokens / prefill_tokens_per_s      (queued prefill)
+    bonus   = (h / prefill_tokens_per_s + c * h^2 / 2) * cache_weight
+              (h = saved tokens: the prefill time of the cached prefix)
+    penalty = pending_prefill_tokens / prefill_tokens_per_s      (queued prefill,
+            + c * sum(q * (h + q / 2))                            linear and attention)
             + decode_s * utilisation                             (decode batch)
             + kv_pressure_s * max(0, (utilisation - 0.8) / 0.2)   (preemption risk)
     score   = cache_gain * bonus - penalty
@@ -75,8 +77,8 @@ from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
 _INF = float("inf")
 
 # (w_load, max_queue, util_weight, stale_after_s, ttft form?, prefill tokens/s,
-# kv_pressure_s, decode_s): what the scores were computed with
-_Params = tuple[float, int, float, float, bool, float, float, float]
+# kv_pressure_s, decode_s, attention_s_per_pair): what the scores were computed with
+_Params = tuple[float, int, float, float, bool, float, float, float, float]
 
 # More load changes than this since the last request: rescore every node instead.
 _MAX_INCREMENTAL = 16
@@ -88,7 +90,7 @@ class _Load:
     __slots__ = ("node_id", "penalty", "queue", "rank", "score", "slot", "state", "util")
 
     def __init__(self, state: NodeState, queue: int, util: float, params: _Params) -> None:
-        w_load, max_queue, util_weight, _, ttft, rate, kv_pressure_s, decode_s = params
+        w_load, max_queue, util_weight, _, ttft, rate, kv_pressure_s, decode_s, attn = params
         self.state = state
         self.node_id = state.spec.node_id
         self.slot = state.slot
@@ -99,6 +101,7 @@ class _Load:
             # grows from 0 at 80 % utilisation to kv_pressure_s when full (preemptions)
             self.penalty = (
                 state.pending_prefill_tokens / rate
+                + state.pending_prefill_pairs * attn
                 + decode_s * util
                 + kv_pressure_s * max(0.0, (util - 0.8) * 5.0)
             )
@@ -235,6 +238,7 @@ class KvgatePolicy:
         kv_pressure_s: float = 5.0,
         decode_s: float = 3.0,
         cache_gain: float = 5.0,
+        attention_s_per_pair: float = 3.4e-9,
     ) -> None:
         if form not in ("ttft", "brief"):
             raise ConfigError("kvgate policy: form must be 'ttft' or 'brief'")
@@ -263,6 +267,7 @@ class KvgatePolicy:
         self.kv_pressure_s = kv_pressure_s
         self.decode_s = decode_s
         self.cache_gain = cache_gain
+        self.attention_s_per_pair = attention_s_per_pair
         self._tripped: set[NodeId] = set()  # holders whose breaker is open
         self._loads = _LoadScores()
 
@@ -303,6 +308,7 @@ class KvgatePolicy:
             self.prefill_tokens_per_s,
             self.kv_pressure_s,
             self.decode_s,
+            self.attention_s_per_pair,
         )
         loads = self._loads
         loads.sync(nodes, now, params)
@@ -323,9 +329,11 @@ class KvgatePolicy:
             # seconds: the bonus is the prefill time saved (uncapped), counted cache_gain
             # times, because a hit also spares the node work that later requests wait on
             inv_prefix, cap = 1.0 / self.prefill_tokens_per_s, _INF
+            attn_half = self.attention_s_per_pair / 2
             w_cache, w_load = self.cache_gain, 1.0
         else:
             inv_prefix, cap = 1.0 / self.max_prefix_len, 1.0
+            attn_half = 0.0
             w_cache, w_load = self.w_cache, self.w_load
         hot_blocks = ctx.hot_blocks
         tripped_set, open_queue = self._tripped, self.breaker_open_queue
@@ -360,7 +368,8 @@ class KvgatePolicy:
                 saved = m * tpb
                 if saved > prompt:
                     saved = prompt
-                bonus = saved * inv_prefix
+                # ttft: the prefill time of the cached prefix, a*h + c*h^2/2 (attn = c)
+                bonus = saved * inv_prefix + attn_half * saved * saved
                 if bonus > cap:
                     bonus = cap
                 bonus *= load.state.cache_weight
