@@ -54,3 +54,40 @@ def test_pending_prefill_follows_dispatch_first_byte_and_end() -> None:
     # with nothing queued the holder of 3 blocks wins again
     c = arrive(ctl, "c", (1, 2, 3, 7), 2048)
     assert c.node_id == a.node_id and c.route.matched_blocks == 3
+
+
+def test_credit_freed_by_a_failed_retry_reaches_a_queued_request() -> None:
+    """A retry that finds no node releases its credit; the request queued behind it is
+    dispatched with it, not forgotten until its queue deadline."""
+    from kvgate.core.admission import AdmissionConfig
+    from kvgate.core.decisions import Hold, Reject
+
+    cfg = ControllerConfig(
+        hasher="trace", policy_params={"epsilon": 0}, admission=AdmissionConfig(budget=4)
+    )
+    ctl = Controller(cfg, rng=random.Random(1))
+    # n1 counts for capacity but can never take these prompts (too short a context)
+    ctl.add_node(NodeSpec(node_id=NodeId("n0"), capacity=2), 0.0)
+    ctl.add_node(NodeSpec(node_id=NodeId("n1"), capacity=2, max_model_len=100), 0.0)
+    for n in ("n0", "n1"):
+        ctl.on_load_report(NodeId(n), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(cfg.admission), 0.0)
+    held: list[Hold] = []
+    sent: list[Dispatch] = []
+    for i in range(8):
+        d = ctl.on_arrival(
+            RequestArrived(
+                request_id=RequestId(f"r{i}"), priority=0, block_ids=(i,), prompt_tokens=512
+            ),
+            0.1,
+        )
+        if isinstance(d, Hold):
+            held.append(d)
+        elif isinstance(d, Dispatch):
+            sent.append(d)
+    assert held and sent, "the small budget must queue someone"
+    # n0 refuses the first request before its first byte; its retry has nowhere to go
+    out = ctl.on_failed(sent[0].request_id, FailureKind.CONNECT_ERROR, 0.2, before_first_byte=True)
+    assert [d.request_id for d in out if isinstance(d, Reject)] == [sent[0].request_id]
+    dispatched = [d.request_id for d in out if isinstance(d, Dispatch)]
+    assert dispatched == [held[0].request_id]

@@ -47,7 +47,7 @@ from kvgate.core.admission import (
 )
 from kvgate.core.config import ControllerConfig, bucket_of
 from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Reject
-from kvgate.core.errors import ClientRequestError, ConfigError
+from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
 from kvgate.core.hashing import Hasher, chain_from_ids, make_hasher
 from kvgate.core.ids import BlockChain, NodeId, RequestId
@@ -105,6 +105,7 @@ class Controller:
         self._requests: dict[RequestId, _Request] = {}
         self._retries_in_flight = 0
         self._ejected_until: dict[NodeId, float] = {}
+        self._deferred: list[Decision] = []  # decisions made inside a single-result call
         # model -> the largest max_model_len among the nodes serving it (None: no node),
         # valid while the node table's version (membership, spec, health) is unchanged
         self._max_len_cache: dict[str, int | None] = {}
@@ -128,12 +129,11 @@ class Controller:
 
     # ------------------------------------------------------------------ membership
     def add_node(self, spec: NodeSpec, now: float) -> None:
-        state = self.nodes.add(spec)
+        self.nodes.add(spec)
         if self.index.has_node(spec.node_id):
             self.index.set_capacity(spec.node_id, spec.cache_blocks)
         else:
             self.index.add_node(spec.node_id, spec.cache_blocks)
-        del state
         self._capacity_changed(now)
 
     def remove_node(self, node_id: NodeId, now: float) -> None:
@@ -358,7 +358,11 @@ class Controller:
         """No node can take the request: give the credit back and say overloaded."""
         self._requests.pop(record.request_id, None)
         if record.ticket is not None:
-            self._after_release(self.admission.release(record.ticket, now), now)
+            # The freed credit may admit queued requests; this call returns one
+            # decision, so theirs go out with the next call that returns a list.
+            self._deferred.extend(
+                self._after_release(self.admission.release(record.ticket, now), now)
+            )
         rejected = overloaded_rejection("no healthy node can take this request")
         self.stats.rejects[rejected.reason.value] += 1
         return Reject(request_id=record.request_id, rejected=rejected)
@@ -444,7 +448,7 @@ class Controller:
                 self._retries_in_flight += 1
                 self.stats.retries[failure.value] += 1
                 return [decision]
-            return [decision, *self._drain_released()]
+            return [decision, *self._take_deferred()]
         self._requests.pop(request_id, None)
         self.stats.outcomes["failed"] += 1
         self.admission.record_outcome(False, now)
@@ -493,7 +497,8 @@ class Controller:
             # Still queued: the admission queue must forget it too.
             self.admission.cancel(record.request_id, now)
             return []
-        return self._after_release(self.admission.release(record.ticket, now), now)
+        after = self._after_release(self.admission.release(record.ticket, now), now)
+        return after + self._take_deferred()
 
     def _after_release(self, admitted: list[Admitted], now: float) -> list[Decision]:
         out: list[Decision] = []
@@ -505,8 +510,9 @@ class Controller:
             out.append(self._dispatch(record, a.ticket, now))
         return out
 
-    def _drain_released(self) -> list[Decision]:
-        return []
+    def _take_deferred(self) -> list[Decision]:
+        out, self._deferred = self._deferred, []
+        return out
 
     # ------------------------------------------------------------------ time
     def tick(self, now: float) -> list[Decision]:
@@ -514,7 +520,7 @@ class Controller:
         for node_id, until in list(self._ejected_until.items()):
             if now >= until:
                 self.set_healthy(node_id, True, now)
-        out: list[Decision] = []
+        out: list[Decision] = self._take_deferred()
         admitted: list[Admitted] = []
         for item in self.admission.poll(now):
             if isinstance(item, Admitted):
@@ -563,5 +569,3 @@ class Controller:
         return record.node.spec.node_id
 
 
-def _unused(*_: object) -> None:  # pragma: no cover - keeps ConfigError imported for docs
-    raise ConfigError("unreachable")
