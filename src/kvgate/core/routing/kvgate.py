@@ -169,7 +169,7 @@ class _LoadScores:
             if changed is None or len(changed) > _MAX_INCREMENTAL:
                 self.rebuild(nodes, nodes, now, params)
                 return
-            for state in changed:
+            for state in dict.fromkeys(changed):  # a node may appear many times
                 self._update(nodes, state, now, params)
             self.load_seq = nodes.load_seq
         self.now = now
