@@ -7,11 +7,9 @@ timeout; every server and session is closed on the way out.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,6 +19,8 @@ import pytest
 from kvgate.engine.server import EngineServer, EngineServerConfig, start_engine_server
 from kvgate.gateway import GatewayServer, start_gateway
 from kvgate.gateway.config_load import build_config
+from kvgate.testing import eventually
+from kvgate.testing import run_bounded as run
 
 T = TypeVar("T")
 TOKEN = "admin-secret-token-1234"
@@ -40,14 +40,23 @@ class Stack:
     def engine(self, node_id: str) -> EngineServer:
         return next(e for e in self.engines if e.node_id == node_id)
 
-    async def call(self, method: str, path: str, body: Any = None, *,
-                   token: str | None = TOKEN, headers: dict[str, str] | None = None,
-                   ) -> tuple[int, Any, dict[str, str]]:
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        token: str | None = TOKEN,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any, dict[str, str]]:
         h = dict(headers or {})
         if token is not None:
             h["Authorization"] = f"Bearer {token}"
-        data = None if body is None else (body if isinstance(body, bytes)
-                                          else json.dumps(body).encode())
+        data = (
+            None
+            if body is None
+            else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        )
         async with self.session.request(method, self.url + path, data=data, headers=h) as r:
             raw = await r.read()
             try:
@@ -57,28 +66,46 @@ class Stack:
             return r.status, parsed, dict(r.headers)
 
     async def chat(self, content: str, max_tokens: int = 4) -> tuple[int, str | None]:
-        body = {"model": MODEL, "max_tokens": max_tokens,
-                "messages": [{"role": "user", "content": content}]}
+        body = {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": content}],
+        }
         async with self.session.post(self.url + "/v1/chat/completions", json=body) as r:
             await r.read()
             return r.status, r.headers.get("X-Kvgate-Node")
 
 
 async def start_engine(node_id: str, **overrides: Any) -> EngineServer:
-    fields: dict[str, Any] = {"port": 0, "speedup": 50.0, "node_id": node_id, "model": MODEL,
-                              **overrides}
+    fields: dict[str, Any] = {
+        "port": 0,
+        "speedup": 50.0,
+        "node_id": node_id,
+        "model": MODEL,
+        **overrides,
+    }
     return await start_engine_server(EngineServerConfig(**fields))
 
 
 def gateway_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) -> Any:
     raw: dict[str, dict[str, Any]] = {
         "server": {"port": 0, "seed": 1, "shutdown_timeout_s": 0.5, "admin_token": TOKEN},
-        "nodes": {"static": node_list, "health_interval_s": 0.1, "health_timeout_s": 0.5,
-                  "metrics_interval_s": 0.1, "evictions_interval_s": 0.1,
-                  "unhealthy_after": 2, "healthy_after": 1, "startup_probe_timeout_s": 2.0},
+        "nodes": {
+            "static": node_list,
+            "health_interval_s": 0.1,
+            "health_timeout_s": 0.5,
+            "metrics_interval_s": 0.1,
+            "evictions_interval_s": 0.1,
+            "unhealthy_after": 2,
+            "healthy_after": 1,
+            "startup_probe_timeout_s": 2.0,
+        },
         "routing": {"params": {"epsilon": 0.0}},
-        "upstream": {"connect_timeout_s": 1.0, "request_timeout_s": 5.0,
-                     "stream_idle_timeout_s": 5.0},
+        "upstream": {
+            "connect_timeout_s": 1.0,
+            "request_timeout_s": 5.0,
+            "stream_idle_timeout_s": 5.0,
+        },
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
@@ -102,21 +129,6 @@ async def stack(n: int = 2, **sections: dict[str, Any]) -> AsyncIterator[Stack]:
         await session.close()
         for e in engines:
             await e.stop()
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
-
-
-def run(coro: Awaitable[T], timeout: float = 20.0) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
 
 
 class AdminKit:

@@ -24,6 +24,7 @@ from kvgate.engine.server import EngineServer, EngineServerConfig, start_engine_
 from kvgate.gateway import GatewayServer, start_gateway
 from kvgate.gateway.config_load import build_config
 from kvgate.protocol import SSEParser
+from kvgate.testing import run_bounded
 
 T = TypeVar("T")
 MODEL = "kvgate-sim"
@@ -44,8 +45,9 @@ class Stack:
         return next(e for e in self.engines if e.node_id == node_id)
 
     async def fault(self, node_id: str, action: str, **params: Any) -> None:
-        async with self.session.post(self.engine(node_id).url + "/admin/fault",
-                                     json={"action": action, **params}) as r:
+        async with self.session.post(
+            self.engine(node_id).url + "/admin/fault", json={"action": action, **params}
+        ) as r:
             assert r.status == 200, await r.text()
 
     async def engine_metric(self, node_id: str, name: str) -> float:
@@ -65,12 +67,22 @@ async def metric(session: aiohttp.ClientSession, base_url: str, name: str) -> fl
 def gateway_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) -> Any:
     raw: dict[str, dict[str, Any]] = {
         "server": {"port": 0, "seed": 1, "shutdown_timeout_s": 0.5, "admin_token": TOKEN},
-        "nodes": {"static": node_list, "health_interval_s": 0.1, "health_timeout_s": 0.5,
-                  "metrics_interval_s": 0.1, "evictions_interval_s": 0.1,
-                  "unhealthy_after": 2, "healthy_after": 1, "startup_probe_timeout_s": 2.0},
+        "nodes": {
+            "static": node_list,
+            "health_interval_s": 0.1,
+            "health_timeout_s": 0.5,
+            "metrics_interval_s": 0.1,
+            "evictions_interval_s": 0.1,
+            "unhealthy_after": 2,
+            "healthy_after": 1,
+            "startup_probe_timeout_s": 2.0,
+        },
         "routing": {"params": {"epsilon": 0.0}},
-        "upstream": {"connect_timeout_s": 1.0, "request_timeout_s": 10.0,
-                     "stream_idle_timeout_s": 10.0},
+        "upstream": {
+            "connect_timeout_s": 1.0,
+            "request_timeout_s": 10.0,
+            "stream_idle_timeout_s": 10.0,
+        },
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
@@ -78,15 +90,21 @@ def gateway_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) 
 
 
 @contextlib.asynccontextmanager
-async def stack(n: int = 2, *, speedup: float = 20.0, num_blocks: int = 4000,
-                **sections: dict[str, Any]) -> AsyncIterator[Stack]:
+async def stack(
+    n: int = 2, *, speedup: float = 20.0, num_blocks: int = 4000, **sections: dict[str, Any]
+) -> AsyncIterator[Stack]:
     engines: list[EngineServer] = []
     gw: GatewayServer | None = None
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
     try:
         for i in range(n):
-            engines.append(await start_engine_server(EngineServerConfig(
-                port=0, speedup=speedup, node_id=f"e{i}", model=MODEL, num_blocks=num_blocks)))
+            engines.append(
+                await start_engine_server(
+                    EngineServerConfig(
+                        port=0, speedup=speedup, node_id=f"e{i}", model=MODEL, num_blocks=num_blocks
+                    )
+                )
+            )
         nodes = [{"id": e.node_id, "url": e.url} for e in engines]
         gw = await start_gateway(gateway_config(nodes, **sections))
         yield Stack(gw, engines, session)
@@ -128,10 +146,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def run(coro: Awaitable[T], timeout: float = 30.0) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
+    return run_bounded(coro, timeout)
 
 
 class E2E:

@@ -12,8 +12,7 @@ import asyncio
 import contextlib
 import json
 import socket
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +22,8 @@ from aiohttp import web
 
 from kvgate.gateway import GatewayServer, start_gateway
 from kvgate.gateway.config_load import build_config
+from kvgate.testing import eventually
+from kvgate.testing import run_bounded as run
 
 T = TypeVar("T")
 MODEL = "stub-model"
@@ -87,17 +88,27 @@ class StubEngine:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "owned_by": "vllm", "root": m,
-                 "max_model_len": self.max_model_len} for m in self.models]
+        data = [
+            {
+                "id": m,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": m,
+                "max_model_len": self.max_model_len,
+            }
+            for m in self.models
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         lines = ["# HELP vllm:num_requests_running x", "# TYPE vllm:num_requests_running gauge"]
         for engine in ("0", "1"):  # two DP ranks: counts sum, usage averages
-            lines.append(f'vllm:num_requests_running{{engine="{engine}",model_name="m"}} '
-                         f"{self.running / 2}")
-            lines.append(f'vllm:num_requests_waiting{{engine="{engine}",model_name="m"}} '
-                         f"{self.waiting / 2}")
+            lines.append(
+                f'vllm:num_requests_running{{engine="{engine}",model_name="m"}} {self.running / 2}'
+            )
+            lines.append(
+                f'vllm:num_requests_waiting{{engine="{engine}",model_name="m"}} {self.waiting / 2}'
+            )
             lines.append(f'vllm:kv_cache_usage_perc{{engine="{engine}",model_name="m"}} {self.kv}')
         return web.Response(text="\n".join(lines) + "\n")
 
@@ -108,8 +119,7 @@ class StubEngine:
         return web.json_response([e for e in self.evictions if e["seq"] > since])
 
     def _usage(self) -> dict[str, Any]:
-        usage: dict[str, Any] = {"prompt_tokens": 100, "completion_tokens": 3,
-                                 "total_tokens": 103}
+        usage: dict[str, Any] = {"prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103}
         if self.cached is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached}
         return usage
@@ -121,12 +131,23 @@ class StubEngine:
         mode = self.mode
         if mode in ("503", "retry-elsewhere", "pool-overloaded"):
             headers = {} if mode == "503" else {"X-Kvgate-Reject": mode}
-            return web.json_response({"error": {"message": "busy", "type": "x", "code": 503}},
-                                     status=503, headers=headers)
+            return web.json_response(
+                {"error": {"message": "busy", "type": "x", "code": 503}},
+                status=503,
+                headers=headers,
+            )
         if mode in ("400", "500"):
             return web.json_response(
-                {"error": {"message": f"engine says {mode}", "type": "BadRequestError",
-                           "param": None, "code": int(mode)}}, status=int(mode))
+                {
+                    "error": {
+                        "message": f"engine says {mode}",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": int(mode),
+                    }
+                },
+                status=int(mode),
+            )
         try:
             if mode == "hang":
                 await asyncio.sleep(30)
@@ -142,13 +163,20 @@ class StubEngine:
             choice["message"] = {"role": "assistant", "content": "hi there"}
         else:
             choice["text"] = "hi there"
-        return web.json_response({
-            "id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
-            "created": 1, "model": body["model"], "choices": [choice], "usage": self._usage(),
-        })
+        return web.json_response(
+            {
+                "id": "cmpl-1",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [choice],
+                "usage": self._usage(),
+            }
+        )
 
-    async def _stream(self, request: web.Request, body: dict[str, Any],
-                      chat: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], chat: bool
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = 200 if self.mode == "slow" else 3
@@ -158,8 +186,13 @@ class StubEngine:
                 choice["delta"] = {"content": f"t{i} "}
             else:
                 choice["text"] = f"t{i} "
-            chunk = {"id": "c1", "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": 1, "model": body["model"], "choices": [choice]}
+            chunk = {
+                "id": "c1",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [choice],
+            }
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if self.mode == "die-mid-stream" and i == 1:
                 assert request.transport is not None
@@ -168,8 +201,14 @@ class StubEngine:
             if self.mode == "slow":
                 await asyncio.sleep(0.05)
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"id": "c1", "object": "x", "created": 1, "model": body["model"],
-                     "choices": [], "usage": self._usage()}
+            usage = {
+                "id": "c1",
+                "object": "x",
+                "created": 1,
+                "model": body["model"],
+                "choices": [],
+                "usage": self._usage(),
+            }
             await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -195,14 +234,19 @@ class Cluster:
     def stub(self, node_id: str) -> StubEngine:
         return next(s for s in self.stubs if s.name == node_id)
 
-    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None,
-                   ) -> tuple[int, dict[str, str], bytes]:
+    async def post(
+        self,
+        path: str,
+        body: Any,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         async with self.session.post(self.url + path, data=data, headers=headers) as r:
             return r.status, dict(r.headers), await r.read()
 
-    async def get(self, path: str, headers: dict[str, str] | None = None
-                  ) -> tuple[int, dict[str, str], bytes]:
+    async def get(
+        self, path: str, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
         async with self.session.get(self.url + path, headers=headers) as r:
             return r.status, dict(r.headers), await r.read()
 
@@ -210,12 +254,22 @@ class Cluster:
 def make_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) -> Any:
     raw: dict[str, dict[str, Any]] = {
         "server": {"port": 0, "seed": 1, "shutdown_timeout_s": 0.5},
-        "nodes": {"static": node_list, "health_interval_s": 0.1, "health_timeout_s": 0.5,
-                  "metrics_interval_s": 0.1, "evictions_interval_s": 0.1,
-                  "unhealthy_after": 2, "healthy_after": 1, "startup_probe_timeout_s": 2.0},
+        "nodes": {
+            "static": node_list,
+            "health_interval_s": 0.1,
+            "health_timeout_s": 0.5,
+            "metrics_interval_s": 0.1,
+            "evictions_interval_s": 0.1,
+            "unhealthy_after": 2,
+            "healthy_after": 1,
+            "startup_probe_timeout_s": 2.0,
+        },
         "routing": {"params": {"epsilon": 0.0}},
-        "upstream": {"connect_timeout_s": 1.0, "request_timeout_s": 5.0,
-                     "stream_idle_timeout_s": 5.0},
+        "upstream": {
+            "connect_timeout_s": 1.0,
+            "request_timeout_s": 5.0,
+            "stream_idle_timeout_s": 5.0,
+        },
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
@@ -223,9 +277,13 @@ def make_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) -> 
 
 
 @contextlib.asynccontextmanager
-async def cluster(n: int = 2, *, stub: dict[str, Any] | None = None,
-                  extra_nodes: list[dict[str, Any]] | None = None,
-                  **sections: dict[str, Any]) -> AsyncIterator[Cluster]:
+async def cluster(
+    n: int = 2,
+    *,
+    stub: dict[str, Any] | None = None,
+    extra_nodes: list[dict[str, Any]] | None = None,
+    **sections: dict[str, Any],
+) -> AsyncIterator[Cluster]:
     stubs = [await StubEngine(name=f"n{i}", **(stub or {})).start() for i in range(n)]
     session = aiohttp.ClientSession()
     gw: GatewayServer | None = None
@@ -239,21 +297,6 @@ async def cluster(n: int = 2, *, stub: dict[str, Any] | None = None,
         await session.close()
         for s in stubs:
             await s.stop()
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
-
-
-def run(coro: Awaitable[T], timeout: float = 20.0) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
 
 
 class Kit:
