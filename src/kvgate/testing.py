@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.config_load import build_config
 
 T = TypeVar("T")
 
@@ -30,3 +33,41 @@ def run_bounded(coro: Awaitable[T], timeout: float = 20.0) -> T:
         return await asyncio.wait_for(coro, timeout)
 
     return asyncio.run(bounded())
+
+
+def fast_gateway_config(
+    node_list: list[dict[str, Any]],
+    *,
+    admin_token: str | None = None,
+    request_timeout_s: float = 5.0,
+    **sections: dict[str, Any],
+) -> GatewayConfig:
+    """A gateway config for tests: ephemeral port, fast probes, no exploration.
+
+    ``sections`` are merged into the defaults section by section.
+    """
+    server: dict[str, Any] = {"port": 0, "seed": 1, "shutdown_timeout_s": 0.5}
+    if admin_token is not None:
+        server["admin_token"] = admin_token
+    raw: dict[str, dict[str, Any]] = {
+        "server": server,
+        "nodes": {
+            "static": node_list,
+            "health_interval_s": 0.1,
+            "health_timeout_s": 0.5,
+            "metrics_interval_s": 0.1,
+            "evictions_interval_s": 0.1,
+            "unhealthy_after": 2,
+            "healthy_after": 1,
+            "startup_probe_timeout_s": 2.0,
+        },
+        "routing": {"params": {"epsilon": 0.0}},
+        "upstream": {
+            "connect_timeout_s": 1.0,
+            "request_timeout_s": request_timeout_s,
+            "stream_idle_timeout_s": request_timeout_s,
+        },
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return build_config(raw)

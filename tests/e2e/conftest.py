@@ -22,9 +22,8 @@ import pytest
 
 from kvgate.engine.server import EngineServer, EngineServerConfig, start_engine_server
 from kvgate.gateway import GatewayServer, start_gateway
-from kvgate.gateway.config_load import build_config
 from kvgate.protocol import SSEParser
-from kvgate.testing import run_bounded
+from kvgate.testing import fast_gateway_config, run_bounded
 
 T = TypeVar("T")
 MODEL = "kvgate-sim"
@@ -65,28 +64,7 @@ async def metric(session: aiohttp.ClientSession, base_url: str, name: str) -> fl
 
 
 def gateway_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) -> Any:
-    raw: dict[str, dict[str, Any]] = {
-        "server": {"port": 0, "seed": 1, "shutdown_timeout_s": 0.5, "admin_token": TOKEN},
-        "nodes": {
-            "static": node_list,
-            "health_interval_s": 0.1,
-            "health_timeout_s": 0.5,
-            "metrics_interval_s": 0.1,
-            "evictions_interval_s": 0.1,
-            "unhealthy_after": 2,
-            "healthy_after": 1,
-            "startup_probe_timeout_s": 2.0,
-        },
-        "routing": {"params": {"epsilon": 0.0}},
-        "upstream": {
-            "connect_timeout_s": 1.0,
-            "request_timeout_s": 10.0,
-            "stream_idle_timeout_s": 10.0,
-        },
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
+    return fast_gateway_config(node_list, admin_token=TOKEN, request_timeout_s=10.0, **sections)
 
 
 @contextlib.asynccontextmanager

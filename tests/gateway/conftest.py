@@ -21,8 +21,7 @@ import pytest
 from aiohttp import web
 
 from kvgate.gateway import GatewayServer, start_gateway
-from kvgate.gateway.config_load import build_config
-from kvgate.testing import eventually
+from kvgate.testing import eventually, fast_gateway_config
 from kvgate.testing import run_bounded as run
 
 T = TypeVar("T")
@@ -252,28 +251,7 @@ class Cluster:
 
 
 def make_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) -> Any:
-    raw: dict[str, dict[str, Any]] = {
-        "server": {"port": 0, "seed": 1, "shutdown_timeout_s": 0.5},
-        "nodes": {
-            "static": node_list,
-            "health_interval_s": 0.1,
-            "health_timeout_s": 0.5,
-            "metrics_interval_s": 0.1,
-            "evictions_interval_s": 0.1,
-            "unhealthy_after": 2,
-            "healthy_after": 1,
-            "startup_probe_timeout_s": 2.0,
-        },
-        "routing": {"params": {"epsilon": 0.0}},
-        "upstream": {
-            "connect_timeout_s": 1.0,
-            "request_timeout_s": 5.0,
-            "stream_idle_timeout_s": 5.0,
-        },
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return build_config(raw)
+    return fast_gateway_config(node_list, **sections)
 
 
 @contextlib.asynccontextmanager

@@ -44,6 +44,7 @@ from typing import IO, Any
 
 import aiohttp
 
+from kvgate.commands.argtypes import positive_float, positive_int
 from kvgate.core.errors import ConfigError, KvgateError
 from kvgate.core.hashing import make_hasher
 from kvgate.gateway.app import GatewayServer, start_gateway
@@ -134,9 +135,20 @@ def spawn_engine(
 ) -> EngineProcess:
     """Start ``python -m kvgate.cli engine`` in its own session; output to a log file."""
     cmd = [
-        sys.executable, "-m", "kvgate.cli", "engine",
-        "--host", host, "--port", str(port), "--node-id", node_id,
-        "--speedup", repr(float(speedup)), "--model", model,
+        sys.executable,
+        "-m",
+        "kvgate.cli",
+        "engine",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--node-id",
+        node_id,
+        "--speedup",
+        repr(float(speedup)),
+        "--model",
+        model,
     ]
     if num_blocks is not None:
         cmd += ["--num-blocks", str(num_blocks)]
@@ -260,8 +272,12 @@ def gateway_config(
     """The gateway's config for ``engines`` [(id, url)]; the index mirrors each engine's
     KV capacity (its tokens in text-chunk index blocks)."""
     raw: dict[str, dict[str, Any]] = {
-        "server": {"host": host, "port": port, "admin_token": admin_token,
-                   "shutdown_timeout_s": STOP_TIMEOUT_S},
+        "server": {
+            "host": host,
+            "port": port,
+            "admin_token": admin_token,
+            "shutdown_timeout_s": STOP_TIMEOUT_S,
+        },
         "routing": {"policy": policy},
         "nodes": {"static": []},
     }
@@ -312,9 +328,14 @@ async def start_cluster(
         # A free port can be taken between our probe and the engine's bind: one retry.
         for attempt in (1, 2):
             engine = spawn_engine(
-                node_id, host="127.0.0.1", port=_free_port("127.0.0.1"),
-                speedup=engine_speedup, model=model, num_blocks=engine_num_blocks,
-                log_dir=logs, extra_args=engine_args,
+                node_id,
+                host="127.0.0.1",
+                port=_free_port("127.0.0.1"),
+                speedup=engine_speedup,
+                model=model,
+                num_blocks=engine_num_blocks,
+                log_dir=logs,
+                extra_args=engine_args,
             )
             engines.append(engine)
             try:
@@ -329,8 +350,7 @@ async def start_cluster(
 
     try:
         async with aiohttp.ClientSession() as session:
-            tasks = [asyncio.ensure_future(launch(session, f"engine-{i}"))
-                     for i in range(nodes)]
+            tasks = [asyncio.ensure_future(launch(session, f"engine-{i}")) for i in range(nodes)]
             try:
                 await asyncio.gather(*tasks)
             finally:  # one failed (or we were cancelled): stop waiting for the others
@@ -339,14 +359,20 @@ async def start_cluster(
                 await asyncio.gather(*tasks, return_exceptions=True)
             engines.sort(key=lambda e: int(e.node_id.rsplit("-", 1)[1]))
             config = gateway_config(
-                [(e.node_id, e.url) for e in engines], host=host, port=port, policy=policy,
-                admin_token=token, num_blocks=engine_num_blocks, overrides=gateway_overrides,
+                [(e.node_id, e.url) for e in engines],
+                host=host,
+                port=port,
+                policy=policy,
+                admin_token=token,
+                num_blocks=engine_num_blocks,
+                overrides=gateway_overrides,
             )
             server = await start_gateway(config)
             while await _get_status(session, server.url + "/ready") != 200:
                 if time.monotonic() > deadline:
-                    raise ClusterStartError(f"the gateway at {server.url} was not ready in "
-                                            f"{ready_timeout_s:g} s")
+                    raise ClusterStartError(
+                        f"the gateway at {server.url} was not ready in {ready_timeout_s:g} s"
+                    )
                 await asyncio.sleep(0.05)
     except BaseException:
         try:
@@ -357,31 +383,12 @@ async def start_cluster(
             if own_dir:
                 shutil.rmtree(logs, ignore_errors=True)
         raise
-    return Cluster(gateway=server, engines=engines, admin_token=token, log_dir=logs,
-                   own_log_dir=own_dir)
+    return Cluster(
+        gateway=server, engines=engines, admin_token=token, log_dir=logs, own_log_dir=own_dir
+    )
 
 
 # ----------------------------------------------------------------------------- CLI
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -393,41 +400,78 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
         "processes) and one gateway in front of them, print the URLs, and serve until "
         "Ctrl-C or SIGTERM; then stop everything.",
     )
-    p.add_argument("--nodes", type=_positive_int, default=DEFAULT_NODES,
-                   help="number of engine processes (default %(default)s)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="gateway listen address (default %(default)s; engines always "
-                   "listen on 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000,
-                   help="gateway port, 0 for any free one (default %(default)s)")
-    p.add_argument("--policy", default="kvgate",
-                   help="routing policy (default %(default)s)")
-    p.add_argument("--admin-token", default=None,
-                   help="bearer token of the admin API (default: a random one, printed)")
-    p.add_argument("--engine-speedup", type=_positive_float, default=DEFAULT_ENGINE_SPEEDUP,
-                   help="engines run their A100 timing model this many times faster than "
-                   "wall time (default %(default)s: a 2K-token prompt with 32 output tokens "
-                   "answers in ~60 ms)")
-    p.add_argument("--engine-num-blocks", type=_positive_int, default=DEFAULT_ENGINE_NUM_BLOCKS,
-                   help="KV cache blocks (16 tokens each) per engine (default %(default)s)")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model name the engines serve (default %(default)s)")
-    p.add_argument("--ready-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
-                   help="give up if the cluster is not ready in this time (default %(default)s)")
-    p.add_argument("--log-dir", default=None,
-                   help="keep the engines' logs here (default: a temporary directory, "
-                   "removed on exit)")
-    p.add_argument("--log-level", default="warning",
-                   choices=("debug", "info", "warning", "error", "critical"),
-                   help="gateway log level (default %(default)s)")
+    p.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=DEFAULT_NODES,
+        help="number of engine processes (default %(default)s)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="gateway listen address (default %(default)s; engines always listen on 127.0.0.1)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="gateway port, 0 for any free one (default %(default)s)",
+    )
+    p.add_argument("--policy", default="kvgate", help="routing policy (default %(default)s)")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help="bearer token of the admin API (default: a random one, printed)",
+    )
+    p.add_argument(
+        "--engine-speedup",
+        type=positive_float,
+        default=DEFAULT_ENGINE_SPEEDUP,
+        help="engines run their A100 timing model this many times faster than "
+        "wall time (default %(default)s: a 2K-token prompt with 32 output tokens "
+        "answers in ~60 ms)",
+    )
+    p.add_argument(
+        "--engine-num-blocks",
+        type=positive_int,
+        default=DEFAULT_ENGINE_NUM_BLOCKS,
+        help="KV cache blocks (16 tokens each) per engine (default %(default)s)",
+    )
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="model name the engines serve (default %(default)s)"
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="give up if the cluster is not ready in this time (default %(default)s)",
+    )
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="keep the engines' logs here (default: a temporary directory, removed on exit)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error", "critical"),
+        help="gateway log level (default %(default)s)",
+    )
     return p
 
 
-def banner(cluster: Cluster, *, model: str, policy: str, speedup: float,
-           token_generated: bool) -> str:
+def banner(
+    cluster: Cluster, *, model: str, policy: str, speedup: float, token_generated: bool
+) -> str:
     url = cluster.gateway_url
-    body = json.dumps({"model": model, "max_tokens": 32,
-                       "messages": [{"role": "user", "content": "Hello, kvgate!"}]})
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": 32,
+            "messages": [{"role": "user", "content": "Hello, kvgate!"}],
+        }
+    )
     lines = [
         f"kvgate up: {len(cluster.engines)} engine(s) behind one gateway "
         f"(policy {policy}, engine speedup {speedup:g}x)",
@@ -454,8 +498,9 @@ def banner(cluster: Cluster, *, model: str, policy: str, speedup: float,
 
 def run_up(args: argparse.Namespace) -> int:
     """Blocks until SIGINT/SIGTERM. 0 on a clean stop, 1 when start-up failed."""
-    logging.basicConfig(level=str(args.log_level).upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         import uvloop
 
@@ -472,12 +517,20 @@ async def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.ensure_future(start_cluster(
-        nodes=args.nodes, host=args.host, port=args.port, engine_speedup=args.engine_speedup,
-        policy=args.policy, admin_token=args.admin_token,
-        engine_num_blocks=args.engine_num_blocks, model=args.model,
-        ready_timeout_s=args.ready_timeout, log_dir=args.log_dir,
-    ))
+    starting = asyncio.ensure_future(
+        start_cluster(
+            nodes=args.nodes,
+            host=args.host,
+            port=args.port,
+            engine_speedup=args.engine_speedup,
+            policy=args.policy,
+            admin_token=args.admin_token,
+            engine_num_blocks=args.engine_num_blocks,
+            model=args.model,
+            ready_timeout_s=args.ready_timeout,
+            log_dir=args.log_dir,
+        )
+    )
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
@@ -492,11 +545,22 @@ async def _up(args: argparse.Namespace) -> int:
         stopping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
-        print(f"kvgate up: cannot start: {getattr(exc, 'message', None) or exc}",
-              file=sys.stderr, flush=True)
+        print(
+            f"kvgate up: cannot start: {getattr(exc, 'message', None) or exc}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
-    print(banner(cluster, model=args.model, policy=args.policy, speedup=args.engine_speedup,
-                 token_generated=args.admin_token is None), flush=True)
+    print(
+        banner(
+            cluster,
+            model=args.model,
+            policy=args.policy,
+            speedup=args.engine_speedup,
+            token_generated=args.admin_token is None,
+        ),
+        flush=True,
+    )
     watch = asyncio.ensure_future(_watch_engines(cluster))
     try:
         await stopping
@@ -518,5 +582,9 @@ async def _watch_engines(cluster: Cluster) -> None:
         for e in cluster.engines:
             if not e.alive() and e.pid not in reported:
                 reported.add(e.pid)
-                print(f"kvgate up: engine {e.node_id} (pid {e.pid}) exited with code "
-                      f"{e.proc.returncode}; see {e.log_path}", file=sys.stderr, flush=True)
+                print(
+                    f"kvgate up: engine {e.node_id} (pid {e.pid}) exited with code "
+                    f"{e.proc.returncode}; see {e.log_path}",
+                    file=sys.stderr,
+                    flush=True,
+                )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvgate.commands.argtypes import positive_float, positive_int
 from kvgate.loadgen.prompts import SYNTHETIC_WORKLOADS, synthetic_workload, trace_workload
 from kvgate.loadgen.report import parse_goodput
 from kvgate.loadgen.runner import LoadConfig, run_load
@@ -42,110 +43,172 @@ def _rate(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _rate(text)
-    if math.isinf(value):
-        raise argparse.ArgumentTypeError("must be finite")
-    return value
-
-
 def _fill_parser(p: argparse.ArgumentParser) -> None:
     wl = p.add_argument_group("workload")
     src = wl.add_mutually_exclusive_group()
-    src.add_argument("--workload", choices=SYNTHETIC_WORKLOADS,
-                     help="synthetic generator (default gsp)")
+    src.add_argument(
+        "--workload", choices=SYNTHETIC_WORKLOADS, help="synthetic generator (default gsp)"
+    )
     src.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace to replay")
-    wl.add_argument("--workload-size", type=_positive_int, metavar="N",
-                    help="groups (gsp, 16 prompts each), sessions (chat), tasks (agent) or "
-                    "documents (zipf); default: enough for --num-requests")
-    wl.add_argument("--arrival-rate", type=_positive_float, metavar="R",
-                    help="the synthetic generator's own rate (sessions/tasks started per "
-                    "second for chat/agent); used by --schedule trace")
-    wl.add_argument("--speedup", type=_positive_float, default=1.0,
-                    help="divide workload timestamps by this (--schedule trace; default 1)")
-    wl.add_argument("--limit", type=_positive_int, metavar="N",
-                    help="read only the first N requests of --trace")
-    wl.add_argument("--block-tokens", type=_positive_int, default=512,
-                    help="tokens per block id (default 512)")
-    wl.add_argument("--seed", type=int, default=0,
-                    help="seed of the generator, the prompt text and Poisson gaps; change it "
-                    "to avoid a warm prefix cache from an earlier run (default 0)")
-    wl.add_argument("--chars-per-token", type=_positive_int, default=4,
-                    help="characters of text per token (default 4)")
-    wl.add_argument("--max-prompt-tokens", type=_positive_int, metavar="N",
-                    help="cut longer prompts to N tokens (their tail)")
-    wl.add_argument("--output-tokens-cap", type=_positive_int, metavar="N",
-                    help="cap max_tokens of every request")
+    wl.add_argument(
+        "--workload-size",
+        type=positive_int,
+        metavar="N",
+        help="groups (gsp, 16 prompts each), sessions (chat), tasks (agent) or "
+        "documents (zipf); default: enough for --num-requests",
+    )
+    wl.add_argument(
+        "--arrival-rate",
+        type=positive_float,
+        metavar="R",
+        help="the synthetic generator's own rate (sessions/tasks started per "
+        "second for chat/agent); used by --schedule trace",
+    )
+    wl.add_argument(
+        "--speedup",
+        type=positive_float,
+        default=1.0,
+        help="divide workload timestamps by this (--schedule trace; default 1)",
+    )
+    wl.add_argument(
+        "--limit", type=positive_int, metavar="N", help="read only the first N requests of --trace"
+    )
+    wl.add_argument(
+        "--block-tokens", type=positive_int, default=512, help="tokens per block id (default 512)"
+    )
+    wl.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the generator, the prompt text and Poisson gaps; change it "
+        "to avoid a warm prefix cache from an earlier run (default 0)",
+    )
+    wl.add_argument(
+        "--chars-per-token",
+        type=positive_int,
+        default=4,
+        help="characters of text per token (default 4)",
+    )
+    wl.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        metavar="N",
+        help="cut longer prompts to N tokens (their tail)",
+    )
+    wl.add_argument(
+        "--output-tokens-cap",
+        type=positive_int,
+        metavar="N",
+        help="cap max_tokens of every request",
+    )
 
     ld = p.add_argument_group("load")
-    ld.add_argument("--rate", type=_rate, metavar="R",
-                    help="Poisson requests per second, or inf (default inf)")
-    ld.add_argument("--schedule", choices=("rate", "trace"), default="rate",
-                    help="rate: --rate; trace: the workload's own timestamps (default rate)")
-    ld.add_argument("--concurrency", type=_positive_int, metavar="N",
-                    help="at most N requests in flight; alone, a closed loop of N users")
-    ld.add_argument("--num-requests", type=_positive_int, default=200,
-                    help="send at most this many requests (default 200)")
-    ld.add_argument("--max-seconds", type=_positive_float, default=120.0,
-                    help="stop sending and cancel what runs after this long (default 120)")
-    ld.add_argument("--request-timeout", type=_positive_float, default=600.0,
-                    help="per-request timeout in seconds (default 600)")
+    ld.add_argument(
+        "--rate", type=_rate, metavar="R", help="Poisson requests per second, or inf (default inf)"
+    )
+    ld.add_argument(
+        "--schedule",
+        choices=("rate", "trace"),
+        default="rate",
+        help="rate: --rate; trace: the workload's own timestamps (default rate)",
+    )
+    ld.add_argument(
+        "--concurrency",
+        type=positive_int,
+        metavar="N",
+        help="at most N requests in flight; alone, a closed loop of N users",
+    )
+    ld.add_argument(
+        "--num-requests",
+        type=positive_int,
+        default=200,
+        help="send at most this many requests (default 200)",
+    )
+    ld.add_argument(
+        "--max-seconds",
+        type=positive_float,
+        default=120.0,
+        help="stop sending and cancel what runs after this long (default 120)",
+    )
+    ld.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=600.0,
+        help="per-request timeout in seconds (default 600)",
+    )
 
     ep = p.add_argument_group("endpoint")
-    ep.add_argument("--base-url", default="http://127.0.0.1:8000",
-                    help="OpenAI base URL, /v1 appended (default http://127.0.0.1:8000)")
-    ep.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                    help="/v1/completions or /v1/chat/completions (default completions)")
+    ep.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="OpenAI base URL, /v1 appended (default http://127.0.0.1:8000)",
+    )
+    ep.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions or /v1/chat/completions (default completions)",
+    )
     ep.add_argument("--model", help="model name (default: first id of GET /v1/models)")
     ep.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    ep.add_argument("--no-stream", dest="stream", action="store_false",
-                    help="do not stream (no TTFT/ITL/TPOT then)")
-    ep.add_argument("--ignore-eos", action="store_true",
-                    help="ask the server to ignore EOS (vLLM/SGLang extension)")
+    ep.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="do not stream (no TTFT/ITL/TPOT then)",
+    )
+    ep.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask the server to ignore EOS (vLLM/SGLang extension)",
+    )
     ep.add_argument("--temperature", type=float, default=0.0, help="(default 0)")
 
     out = p.add_argument_group("output")
-    out.add_argument("--goodput", nargs="+", metavar="NAME:MS", default=[],
-                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft tpot e2el)")
+    out.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="NAME:MS",
+        default=[],
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft tpot e2el)",
+    )
     out.add_argument("--json", metavar="FILE", help="write the aggregates as JSON")
-    out.add_argument("--save-detailed", action="store_true",
-                     help="add per-request arrays to --json")
-    out.add_argument("--no-progress", dest="progress", action="store_false",
-                     help="no progress bar on stderr")
+    out.add_argument(
+        "--save-detailed", action="store_true", help="add per-request arrays to --json"
+    )
+    out.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar on stderr"
+    )
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``bench`` subcommand (its options: see ``kvgate bench --help``)."""
-    p = subparsers.add_parser("bench", help="benchmark an OpenAI-compatible endpoint",
-                              description=_DESCRIPTION)
+    p = subparsers.add_parser(
+        "bench", help="benchmark an OpenAI-compatible endpoint", description=_DESCRIPTION
+    )
     _fill_parser(p)
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
     """The :class:`LoadConfig` for parsed ``bench`` arguments (reads ``--trace``)."""
     if args.schedule == "trace" and args.rate is not None:
-        raise ValueError("--rate does not apply to --schedule trace (use --speedup, or "
-                         "--arrival-rate for a synthetic workload)")
+        raise ValueError(
+            "--rate does not apply to --schedule trace (use --speedup, or "
+            "--arrival-rate for a synthetic workload)"
+        )
     if args.save_detailed and not args.json:
         raise ValueError("--save-detailed needs --json FILE")
     if args.trace:
         workload = trace_workload(args.trace, limit=args.limit, block_tokens=args.block_tokens)
     else:
-        workload = synthetic_workload(args.workload or "gsp", seed=args.seed,
-                                      num_requests=args.num_requests,
-                                      block_tokens=args.block_tokens,
-                                      arrival_rate=args.arrival_rate,
-                                      size=args.workload_size)
+        workload = synthetic_workload(
+            args.workload or "gsp",
+            seed=args.seed,
+            num_requests=args.num_requests,
+            block_tokens=args.block_tokens,
+            arrival_rate=args.arrival_rate,
+            size=args.workload_size,
+        )
     return LoadConfig(
         workload=workload,
         base_url=args.base_url,
@@ -186,7 +249,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print(report.format_table())
     if args.json:
         Path(args.json).write_text(
-            json.dumps(report.to_dict(detailed=args.save_detailed), indent=2) + "\n")
+            json.dumps(report.to_dict(detailed=args.save_detailed), indent=2) + "\n"
+        )
     return 0 if report.completed or not report.sent else 1
 
 
