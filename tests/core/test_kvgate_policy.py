@@ -181,18 +181,76 @@ def test_ttft_form_weighs_saved_prefill_against_queued_prefill() -> None:
     )
     m = {NodeId("holder"): 10}  # 10 blocks x 64 tokens = 640 tokens = 0.64 s saved
     # 1.0 s of queued prefill on the holder: 2 x 0.64 - 1.0 > 0 -> still the holder
-    t.on_sent(c[0], prefill_tokens=1000)
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=1000)
     d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
     assert d is not None and d.node_id == "holder"
     assert d.parts["bonus"] == pytest.approx(0.64) and d.parts["penalty"] == pytest.approx(1.0)
     # 1.5 s queued: 1.28 - 1.5 < 0 -> the idle node, which saves nothing but waits for nothing
-    t.on_sent(c[0], prefill_tokens=500)
+    t.on_sent(c[0], now=NOW, key=2, prefill_tokens=500)
     d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
     assert d is not None and d.node_id == "idle" and d.reason is RouteReason.LOAD
-    # the first token came back: the queued prefill is gone, the holder wins again
-    t.on_prefilled(c[0], 1500)
+    # the first tokens came back: the queued prefill is gone, the holder wins again
+    t.on_prefilled(c[0], 1, now=NOW)
+    t.on_prefilled(c[0], 2, now=NOW)
     d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
     assert d is not None and d.node_id == "holder"
+
+
+def test_ttft_form_counts_the_queued_prefill_already_done() -> None:
+    """The node works through its queued prefill in send order: after 0.5 s, 1.5 s
+    queued is 1.0 s left, and the holder wins again (2 x 0.64 - 1.0 > 0)."""
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
+    p = KvgatePolicy(
+        epsilon=0, prefill_tokens_per_s=1000.0, cache_gain=2.0, decode_s=0.0,
+        attention_s_per_pair=0.0, kv_pressure_s=0.0,  # (reports go stale by NOW + 10)
+    )
+    m = {NodeId("holder"): 10}
+    t.on_sent(c[0], now=NOW, key="a", prefill_tokens=1500)
+    d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "idle"
+    d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW + 0.5)
+    assert d is not None and d.node_id == "holder"
+    assert d.parts["penalty"] == pytest.approx(1.0, abs=0.011)  # the 10 ms drain clock
+    # a later send queues behind the head in progress: 1.0 + 0.4 s left
+    t.on_sent(c[0], now=NOW + 0.5, key="b", prefill_tokens=400)
+    d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW + 0.5)
+    assert d is not None and d.node_id == "idle"
+    # the head's first token: the node starts on "b" now, from its full size
+    t.on_prefilled(c[0], "a", now=NOW + 1.0)
+    d = p.select(ctx(blocks=20), c[:1], m, t, FixedRng(0.9), NOW + 1.0)
+    assert d is not None and d.parts["penalty"] == pytest.approx(0.4)
+    d = p.select(ctx(blocks=20), c[:1], m, t, FixedRng(0.9), NOW + 1.3)
+    assert d is not None and d.parts["penalty"] == pytest.approx(0.1, abs=0.011)
+
+
+def test_ttft_form_a_stalled_head_grows_less_attractive() -> None:
+    """A head past its predicted prefill time without a first token is larger than
+    predicted (an evicted hit): its overrun is taken as what is left of it."""
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
+    p = KvgatePolicy(
+        epsilon=0, prefill_tokens_per_s=1000.0, decode_s=0.0, attention_s_per_pair=0.0,
+        kv_pressure_s=0.0,
+    )
+    t.on_sent(c[0], now=NOW, key="head", prefill_tokens=400)  # predicted 0.4 s
+    t.on_sent(c[0], now=NOW, key="next", prefill_tokens=600)  # 0.6 s behind it
+    penalty = {}
+    for dt in (0.0, 0.2, 0.4, 2.0, 5.0):
+        d = p.select(ctx(blocks=20), c[:1], {}, t, FixedRng(0.9), NOW + dt)
+        assert d is not None
+        penalty[dt] = d.parts["penalty"]
+    assert penalty[0.0] == pytest.approx(1.0)
+    assert penalty[0.2] == pytest.approx(0.8, abs=0.011)
+    assert penalty[0.4] == pytest.approx(0.6, abs=0.011)  # the head should be done
+    assert penalty[2.0] == pytest.approx(0.6 + 1.6, abs=0.011)  # 1.6 s overdue
+    assert penalty[5.0] == pytest.approx(0.6 + 4.6, abs=0.011)
+    # a later request's first token does not restart the head
+    t.on_prefilled(c[0], "next", now=NOW + 5.0)
+    d = p.select(ctx(blocks=20), c[:1], {}, t, FixedRng(0.9), NOW + 5.0)
+    assert d is not None and d.parts["penalty"] == pytest.approx(4.6, abs=0.011)
+    # its end (an abandoned prefill) empties the queue
+    t.on_done(c[0], sent_at=NOW, now=NOW + 6.0, key="head")
+    d = p.select(ctx(blocks=20), c, {}, t, FixedRng(0.9), NOW + 6.0)
+    assert d is not None and d.parts["penalty"] == 0.0
 
 
 def test_ttft_form_bonus_is_not_capped() -> None:
@@ -226,6 +284,6 @@ def test_ttft_form_counts_attention_work_of_long_prompts() -> None:
     assert d is not None
     h = 100 * 64
     assert d.parts["bonus"] == pytest.approx(h / 10_000 + 1e-8 * h * h / 2)
-    t.on_sent(c[0], prefill_tokens=1000, prefill_pairs=1000 * 500.0)
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=1000, prefill_pairs=1000 * 500.0)
     d = p.select(ctx(blocks=200), c, {}, t, FixedRng(0.9), NOW)
     assert d is not None and d.parts["penalty"] == pytest.approx(0.1 + 1e-8 * 500_000)

@@ -12,6 +12,7 @@ requests, time moving on (and back), membership and health changes, and direct
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
-from kvgate.core.routing.kvgate import KvgatePolicy
+from kvgate.core.routing.kvgate import KvgatePolicy, drain_clock
 
 NAMES = [NodeId(f"n{i}") for i in range(8)]
 
@@ -79,11 +80,20 @@ class Reference:
             u = nodes.utilisation(s, now)
             ttft = p.form == "ttft"
             if ttft:
-                penalty = (
+                prefill = (
                     s.pending_prefill_tokens / p.prefill_tokens_per_s
                     + s.pending_prefill_pairs * p.attention_s_per_pair
-                    + p.decode_s * u
-                    + p.kv_pressure_s * max(0.0, (u - 0.8) * 5.0)
+                )
+                e = drain_clock(now) - s.prefill_since
+                if prefill > 0 and e > 0:
+                    head = (
+                        s.head_prefill_tokens / p.prefill_tokens_per_s
+                        + s.head_prefill_pairs * p.attention_s_per_pair
+                    )
+                    # what the head has done, or how far it overran its prediction
+                    prefill = prefill - e if e <= head else prefill + (e - 2.0 * head)
+                penalty = (
+                    prefill + p.decode_s * u + p.kv_pressure_s * max(0.0, (u - 0.8) * 5.0)
                 )
             else:
                 penalty = min(q / p.max_queue, 1.0) + p.util_weight * u
@@ -167,7 +177,9 @@ ops_st = st.lists(
         st.tuples(st.just("sent"), name_st),
         st.tuples(st.just("prefilled"), name_st),
         st.tuples(st.just("done"), name_st, st.booleans()),
-        st.tuples(st.just("time"), st.sampled_from([0.0, 0.5, 1.0, 2.5, 4.0, -1.0])),
+        st.tuples(
+            st.just("time"), st.sampled_from([0.0, 0.004, 0.013, 0.5, 1.0, 2.5, 4.0, -1.0])
+        ),
         st.tuples(st.just("weight"), name_st, st.sampled_from([1.0, 0.5, 0.0])),
         st.tuples(st.just("health"), name_st, st.booleans()),
         st.tuples(st.just("add"), name_st),
@@ -217,6 +229,7 @@ def test_same_decisions_as_the_reference(
         table.add(NodeSpec(node_id=nid))
     ref = Reference(p=policy, tripped=set())
     now = 10.0
+    sends = 0
     sent_at: dict[NodeId, list[float]] = {}
     for op in ops:
         kind = op[0]
@@ -226,17 +239,24 @@ def test_same_decisions_as_the_reference(
         elif kind == "sent":
             state = table.get(op[1])  # type: ignore[arg-type]
             if state is not None:
-                table.on_sent(state, prefill_tokens=700, prefill_pairs=700 * 350.0)
+                sends += 1
+                q = 300 + 100 * (sends % 5)  # prefills of different sizes
+                table.on_sent(
+                    state, now=now, key=sends, prefill_tokens=q, prefill_pairs=q * (q / 2)
+                )
                 sent_at.setdefault(state.node_id, []).append(now)
         elif kind == "prefilled":
             state = table.get(op[1])  # type: ignore[arg-type]
-            if state is not None and state.pending_prefill_tokens:
-                table.on_prefilled(state, 700, 700 * 350.0)
+            if state is not None and state.prefills:
+                # the head's first token, or (every other time) a later request's
+                keys = list(state.prefills)
+                table.on_prefilled(state, keys[-1 if sends % 2 else 0], now=now)
         elif kind == "done":
             state = table.get(op[1])  # type: ignore[arg-type]
             if state is not None and sent_at.get(state.node_id):
                 times = sent_at[state.node_id]
-                table.on_done(state, sent_at=times.pop(0 if op[2] else -1))
+                key = next(iter(state.prefills), None) if op[2] else None
+                table.on_done(state, sent_at=times.pop(0 if op[2] else -1), now=now, key=key)
         elif kind == "time":
             now += op[1]  # type: ignore[operator]
         elif kind == "weight":
@@ -280,12 +300,12 @@ def test_load_journal_reaches_back_or_says_it_cannot() -> None:
     b = table.add(NodeSpec(node_id=NodeId("b")))
     seq = table.load_seq
     assert table.load_changes_since(seq) == []
-    table.on_sent(a)
+    table.on_sent(a, now=1.0)
     table.report(NodeId("b"), waiting=1, running=0, kv_util=0.0, now=1.0)
     table.report(NodeId("zz"), waiting=1, running=0, kv_util=0.0, now=1.0)  # unknown: no change
     assert table.load_changes_since(seq) == [a, b]
     for _ in range(10_000):
-        table.on_done(a, sent_at=0.0)
+        table.on_done(a, sent_at=0.0, now=1.0)
     assert table.load_changes_since(seq) is None  # trimmed: the reader must rescan
     assert table.load_changes_since(table.load_seq - 1) == [a]
 
@@ -307,7 +327,7 @@ def test_scores_follow_a_report_and_a_send_without_a_rescan() -> None:
     assert pick(1.0) == "n0"  # all equal: lowest slot
     n0 = table.get(NodeId("n0"))
     assert n0 is not None
-    table.on_sent(n0)
+    table.on_sent(n0, now=1.0)
     assert pick(1.0) == "n1"
     table.report(NodeId("n1"), waiting=3, running=0, kv_util=0.0, now=1.0)
     assert pick(1.0) == "n2"
@@ -346,3 +366,40 @@ def test_candidates_outside_the_table_are_scored_like_the_reference() -> None:
     for matches in ({}, {NodeId("n2"): 3}, {NodeId("n0"): 1, NodeId("n1"): 1}):
         got = p.select(ctx, cands, matches, table, FixedRng(0.9), 2.0)
         assert got == ref.select(ctx, cands, matches, table, 0.9, 2.0)
+
+
+def test_same_decisions_as_the_reference_while_prefill_drains() -> None:
+    """A long random walk of sends, first tokens (of heads and of later requests),
+    abandoned prefills and small steps of time, with a selection after each: the
+    scores of nodes with queued prefill move with the drain clock (and past a head's
+    predicted end) exactly as the one-loop scorer computes them."""
+    rnd = random.Random(7)
+    table = NodeTable(stale_after_s=3.0)
+    for nid in NAMES:
+        table.add(NodeSpec(node_id=nid))
+        table.report(nid, waiting=0, running=0, kv_util=rnd.choice([0.1, 0.5]), now=10.0)
+    policy = KvgatePolicy(epsilon=0.0, prefill_tokens_per_s=1000.0, attention_s_per_pair=1e-7)
+    ref = Reference(p=policy, tripped=set())
+    now, sends = 10.0, 0
+    ctx = RouteContext(chain=tuple(range(12)), prompt_tokens=12 * 64 - 10, tokens_per_block=64)
+    for _ in range(3000):
+        state = table.get(rnd.choice(NAMES))
+        assert state is not None
+        r = rnd.random()
+        if r < 0.3:
+            sends += 1
+            q = rnd.randrange(50, 1500)
+            table.on_sent(state, now=now, key=sends, prefill_tokens=q, prefill_pairs=q * q / 2)
+        elif r < 0.45 and state.prefills:
+            table.on_prefilled(state, rnd.choice([*state.prefills][:2]), now=now)
+        elif r < 0.5 and state.prefills:
+            table.on_done(state, sent_at=now, now=now, key=rnd.choice([*state.prefills]))
+        if rnd.random() < 0.05:  # keep the reports fresh
+            for nid in NAMES:
+                table.report(nid, waiting=0, running=0, kv_util=rnd.choice([0.1, 0.5]), now=now)
+        now += rnd.choice([0.0, 0.001, 0.004, 0.013, 0.2, 0.7])
+        matches = {nid: rnd.randrange(0, 12) for nid in rnd.sample(NAMES, 3)}
+        cands = list(table.eligible()[0])
+        want = ref.select(ctx, cands, matches, table, 0.5, now)
+        got = policy.select(ctx, cands, matches, table, FixedRng(0.5), now)
+        assert got == want

@@ -72,8 +72,6 @@ class _Request:
     excluded: set[NodeId] = field(default_factory=set)
     first_byte: bool = False
     predicted_hit_tokens: int = 0
-    pending_prefill_tokens: int = 0  # uncached prompt tokens not yet prefilled
-    pending_prefill_pairs: float = 0.0  # their attention work, q * (h + q / 2)
 
 
 class Controller:
@@ -330,9 +328,13 @@ class Controller:
             decision.matched_blocks * ctx.tokens_per_block, ctx.prompt_tokens
         )
         q = ctx.prompt_tokens - record.predicted_hit_tokens
-        record.pending_prefill_tokens = q
-        record.pending_prefill_pairs = q * (record.predicted_hit_tokens + q / 2)
-        self.nodes.on_sent(node, prefill_tokens=q, prefill_pairs=record.pending_prefill_pairs)
+        self.nodes.on_sent(
+            node,
+            now=now,
+            key=record.request_id,
+            prefill_tokens=q,
+            prefill_pairs=q * (record.predicted_hit_tokens + q / 2),
+        )
         if ctx.chain:
             speculative = self.config.index_mode == "precise"
             if self.defer_index_inserts and len(self._pending_inserts) < 1024:
@@ -374,11 +376,7 @@ class Controller:
             return
         record.first_byte = True
         if record.node is not None:
-            self.nodes.on_prefilled(
-                record.node, record.pending_prefill_tokens, record.pending_prefill_pairs
-            )
-        record.pending_prefill_tokens = 0
-        record.pending_prefill_pairs = 0.0
+            self.nodes.on_prefilled(record.node, record.request_id, now=now)
         if record.ticket is not None and record.attempts == 1:
             self.admission.record_ttft(record.ticket.priority, now - record.sent_at, now)
 
@@ -423,11 +421,9 @@ class Controller:
             self.nodes.on_done(
                 node,
                 sent_at=record.sent_at,
-                pending_prefill_tokens=record.pending_prefill_tokens,
-                pending_prefill_pairs=record.pending_prefill_pairs,
+                now=now,
+                key=record.request_id,
             )
-            record.pending_prefill_tokens = 0
-            record.pending_prefill_pairs = 0.0
             self.policy.on_finished(node.spec.node_id, now)
             self._note_node_failure(node, failure, now)
             record.excluded.add(node.spec.node_id)
@@ -487,8 +483,8 @@ class Controller:
             self.nodes.on_done(
                 node,
                 sent_at=record.sent_at,
-                pending_prefill_tokens=record.pending_prefill_tokens,
-                pending_prefill_pairs=record.pending_prefill_pairs,
+                now=now,
+                key=record.request_id,
             )
             self.policy.on_finished(node.spec.node_id, now)
         if record.attempts == 2 and node_done:

@@ -28,7 +28,7 @@ repeated work (both are exact, never approximations):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvgate.core.errors import ConfigError
@@ -86,6 +86,13 @@ class NodeState:
     # and their attention work, sum of q * (h + q / 2) over those requests (q uncached,
     # h cached tokens): prefill time grows with the square of a long prompt
     pending_prefill_pairs: float = 0.0
+    # those prefills one by one in send order (key -> tokens, pairs); the node works
+    # on the first (the head) since prefill_since: the send that found none queued,
+    # or the moment the previous head got its first token (or was abandoned)
+    prefills: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
+    head_prefill_tokens: int = 0
+    head_prefill_pairs: float = 0.0
+    prefill_since: float = 0.0
     cache_weight: float = 1.0  # < 1 while the node has announced a coming eviction
     consecutive_failures: int = 0
     extra: dict[str, float] = field(default_factory=dict)
@@ -216,39 +223,62 @@ class NodeTable:
         self._load_changed(state)
 
     def on_sent(
-        self, state: NodeState, *, prefill_tokens: int = 0, prefill_pairs: float = 0.0
-    ) -> None:
-        state.inflight += 1
-        state.sent_since_report += 1
-        state.pending_prefill_tokens += prefill_tokens
-        state.pending_prefill_pairs += prefill_pairs
-        self._load_changed(state)
-
-    def on_prefilled(
-        self, state: NodeState, prefill_tokens: int, prefill_pairs: float = 0.0
-    ) -> None:
-        """The node produced a request's first token: its prefill is no longer queued."""
-        if prefill_tokens or prefill_pairs:
-            state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - prefill_tokens)
-            state.pending_prefill_pairs = max(0.0, state.pending_prefill_pairs - prefill_pairs)
-            self._load_changed(state)
-
-    def on_done(
         self,
         state: NodeState,
         *,
-        sent_at: float,
-        pending_prefill_tokens: int = 0,
-        pending_prefill_pairs: float = 0.0,
+        now: float,
+        key: Hashable = None,
+        prefill_tokens: int = 0,
+        prefill_pairs: float = 0.0,
+    ) -> None:
+        """The gateway sent the node a request; ``key`` names its prefill (``prefill_tokens``
+        uncached tokens, ``prefill_pairs`` attention work) until its first token."""
+        state.inflight += 1
+        state.sent_since_report += 1
+        if (prefill_tokens or prefill_pairs) and key is not None:
+            queue = state.prefills
+            if not queue:  # the node starts on this prefill at once
+                state.prefill_since = now
+                state.head_prefill_tokens, state.head_prefill_pairs = prefill_tokens, prefill_pairs
+            queue[key] = (prefill_tokens, prefill_pairs)
+            state.pending_prefill_tokens += prefill_tokens
+            state.pending_prefill_pairs += prefill_pairs
+        self._load_changed(state)
+
+    def on_prefilled(self, state: NodeState, key: Hashable, *, now: float) -> None:
+        """The node produced the first token of ``key``'s request: that prefill is done."""
+        if self._drop_prefill(state, key, now):
+            self._load_changed(state)
+
+    def on_done(
+        self, state: NodeState, *, sent_at: float, now: float, key: Hashable = None
     ) -> None:
         """A request sent at ``sent_at`` left the node (finished, failed or cancelled);
-        ``pending_prefill_tokens`` is what it still had queued if it never got a token."""
+        a prefill still queued under ``key`` is abandoned."""
         state.inflight = max(0, state.inflight - 1)
         if state.report_time is None or sent_at >= state.report_time:
             state.sent_since_report = max(0, state.sent_since_report - 1)
-        state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - pending_prefill_tokens)
-        state.pending_prefill_pairs = max(0.0, state.pending_prefill_pairs - pending_prefill_pairs)
+        self._drop_prefill(state, key, now)
         self._load_changed(state)
+
+    @staticmethod
+    def _drop_prefill(state: NodeState, key: Hashable, now: float) -> bool:
+        queue = state.prefills
+        if key is None or key not in queue:
+            return False
+        was_head = next(iter(queue)) == key
+        tokens, pairs = queue.pop(key)
+        if queue:
+            state.pending_prefill_tokens = max(0, state.pending_prefill_tokens - tokens)
+            state.pending_prefill_pairs = max(0.0, state.pending_prefill_pairs - pairs)
+        else:  # exact zero, whatever rounding the sums gathered
+            state.pending_prefill_tokens, state.pending_prefill_pairs = 0, 0.0
+        if was_head:  # the node moves on to the next prefill now
+            state.prefill_since = now
+            state.head_prefill_tokens, state.head_prefill_pairs = next(
+                iter(queue.values()), (0, 0.0)
+            )
+        return True
 
     def _load_changed(self, state: NodeState) -> None:
         self.load_seq += 1

@@ -42,7 +42,7 @@ class Cluster:
         """Give ``name`` ``inflight`` own requests and a report (queue = ``waiting``)."""
         state = self[name]
         for _ in range(inflight):
-            self.table.on_sent(state)
+            self.table.on_sent(state, now=self.now)
         report_at = self.now - 60.0 if stale else self.now
         self.table.report(
             state.node_id, waiting=waiting, running=running, kv_util=kv_util, now=report_at

@@ -15,8 +15,10 @@ Two forms of the score, both "cache benefit minus load", chosen by ``form``:
 
     bonus   = (h / prefill_tokens_per_s + c * h^2 / 2) * cache_weight
               (h = saved tokens: the prefill time of the cached prefix)
-    penalty = pending_prefill_tokens / prefill_tokens_per_s      (queued prefill,
+    prefill = pending_prefill_tokens / prefill_tokens_per_s      (queued prefill,
             + c * sum(q * (h + q / 2))                            linear and attention)
+    penalty = prefill - e        if e <= head                     (the head's progress,
+              prefill - 2 * head + e   otherwise                   or its overrun)
             + decode_s * utilisation                             (decode batch)
             + kv_pressure_s * max(0, (utilisation - 0.8) / 0.2)   (preemption risk)
     score   = cache_gain * bonus - penalty
@@ -26,9 +28,21 @@ In both the bonus grows with the prefill actually saved, not with the matched
 on real traces (prompts of 1k to 100k tokens) a request count says little about
 how long a newcomer waits, so the default counts the prefill tokens this gateway
 has sent the node that have not produced a first token yet, and does not cap the
-saving. ``cache_gain`` (5) values a hit above its own TTFT saving because it also
-spares the node work that later requests would queue behind. ``cache_weight``
-drops below 1 while a node has announced a bulk eviction.
+saving. The node works through that queue in send order, one prefill at a time
+(vLLM's chunked prefill is first come first served), so of the head, the oldest,
+it has done ``e = clock - prefill_since`` (since the send that found the queue
+empty, or since the head before it got its first token): a holder half-way
+through a long prefill is not scored as if it had not begun (Dynamo's ``aic``
+prefill-load model decays the oldest active prefill the same way). A head past
+its predicted ``head`` seconds without a first token is larger than predicted (a
+hit the index promised was evicted, a preemption): its overrun so far is taken as
+what is left of it, so a stalled node grows less attractive by the second instead
+of looking idle. ``clock`` is ``now`` in steps of ``DRAIN_TICK_S`` (10 ms), so busy
+nodes are rescored at most 100 times a second.
+
+``cache_gain`` (5) values a hit above its own TTFT saving because it also spares
+the node work that later requests would queue behind. ``cache_weight`` drops below
+1 while a node has announced a bulk eviction.
 
 On top of the score, in this order:
 
@@ -53,7 +67,8 @@ Cost
 ----
 Routing runs per request over every candidate, so the load part of the score is
 kept per node (:class:`_LoadScores`) in best-first order and recomputed only for
-nodes whose load changed (the node table's load journal), when a fresh report
+nodes whose load changed (the node table's load journal), for nodes with prefill
+queued when the drain clock ticks, when a fresh report
 may have gone stale (``now`` passed the oldest fresh report's bound), or on a
 membership change. Per request, only the holders (the nodes in ``matches``,
 usually a few) are scored in Python; the best non-holder is the first candidate
@@ -82,29 +97,48 @@ _Params = tuple[float, int, float, float, bool, float, float, float, float]
 
 # More load changes than this since the last request: rescore every node instead.
 _MAX_INCREMENTAL = 16
+# The prefill a node has already done is counted on a clock of this resolution, so the
+# scores of busy nodes move at most this often however many requests arrive.
+DRAIN_TICK_S = 0.01
+
+
+def drain_clock(now: float) -> float:
+    """``now`` rounded down to the drain clock's tick."""
+    return (now // DRAIN_TICK_S) * DRAIN_TICK_S
 
 
 class _Load:
     """One node's load terms at the time they were computed."""
 
-    __slots__ = ("node_id", "penalty", "queue", "rank", "score", "slot", "state", "util")
+    __slots__ = (
+        "moving", "node_id", "penalty", "queue", "rank", "score", "slot", "state", "util",
+    )
 
-    def __init__(self, state: NodeState, queue: int, util: float, params: _Params) -> None:
+    def __init__(
+        self, state: NodeState, queue: int, util: float, params: _Params, clock: float
+    ) -> None:
         w_load, max_queue, util_weight, _, ttft, rate, kv_pressure_s, decode_s, attn = params
         self.state = state
         self.node_id = state.spec.node_id
         self.slot = state.slot
         self.queue = queue
         self.util = util
+        self.moving = False  # the penalty changes as the drain clock moves
         if ttft:
-            # seconds of prefill already queued here, plus a KV-pressure term that
-            # grows from 0 at 80 % utilisation to kv_pressure_s when full (preemptions)
-            self.penalty = (
-                state.pending_prefill_tokens / rate
-                + state.pending_prefill_pairs * attn
-                + decode_s * util
-                + kv_pressure_s * max(0.0, (util - 0.8) * 5.0)
-            )
+            # seconds of prefill queued here (as the node works through it), plus a
+            # KV-pressure term that grows from 0 at 80 % utilisation to kv_pressure_s
+            # when full (preemptions)
+            prefill = state.pending_prefill_tokens / rate + state.pending_prefill_pairs * attn
+            if prefill > 0.0:
+                self.moving = True
+                elapsed = clock - state.prefill_since
+                if elapsed > 0.0:
+                    head = state.head_prefill_tokens / rate + state.head_prefill_pairs * attn
+                    if elapsed <= head:
+                        prefill -= elapsed  # done of the head so far
+                    else:  # overdue: the head is larger than predicted, so is what is left
+                        prefill += elapsed - 2.0 * head
+            self.penalty = prefill + decode_s * util + kv_pressure_s * max(0.0, (util - 0.8) * 5.0)
         else:
             self.penalty = min(queue / max_queue, 1.0) + util_weight * util
         # the score of a node that matches nothing (the ttft form has no weights)
@@ -125,6 +159,8 @@ class _LoadScores:
 
     __slots__ = (
         "by_id",
+        "clock",
+        "draining",
         "load_seq",
         "now",
         "oldest_fresh",
@@ -144,7 +180,10 @@ class _LoadScores:
         self.load_seq = -1
         self.params: _Params | None = None
         self.now = -_INF
+        self.clock = -_INF  # the drain clock the penalties were computed at
         self.oldest_fresh = _INF  # the oldest report_time among fresh nodes
+        # the scored nodes whose penalty moves with the drain clock (prefill queued)
+        self.draining: dict[NodeId, NodeState] = {}
         self.by_id: dict[NodeId, _Load] = {}
         self.states: frozenset[NodeState] = frozenset()  # every scored state
         self.order: list[tuple[float, int, int, _Load]] = []  # the ranks, ascending
@@ -169,6 +208,14 @@ class _LoadScores:
             if changed is None or len(changed) > _MAX_INCREMENTAL:
                 self.rebuild(nodes, nodes, now, params)
                 return
+        else:
+            changed = []
+        clock = drain_clock(now)
+        if clock != self.clock:
+            self.clock = clock
+            for state in list(self.draining.values()):  # busy nodes got on with their prefill
+                self._update(nodes, state, now, params)
+        if changed:
             for state in dict.fromkeys(changed):  # a node may appear many times
                 self._update(nodes, state, now, params)
             self.load_seq = nodes.load_seq
@@ -183,7 +230,9 @@ class _LoadScores:
         self.load_seq = nodes.load_seq
         self.params = params
         self.now = now
+        self.clock = drain_clock(now)
         self.oldest_fresh = _INF
+        self.draining = {}
         self.by_id = {s.spec.node_id: self._load(nodes, s, now, params) for s in states}
         self.states = frozenset(load.state for load in self.by_id.values())
         self.order = sorted(load.rank for load in self.by_id.values())
@@ -200,11 +249,18 @@ class _LoadScores:
             rt = state.report_time
             assert rt is not None
             self.oldest_fresh = min(self.oldest_fresh, rt)
-        return _Load(state, nodes.queue(state, now), nodes.utilisation(state, now), params)
+        clock = self.clock
+        load = _Load(state, nodes.queue(state, now), nodes.utilisation(state, now), params, clock)
+        if load.moving:
+            self.draining[load.node_id] = state
+        else:
+            self.draining.pop(load.node_id, None)
+        return load
 
     def _update(self, nodes: NodeTable, state: NodeState, now: float, params: _Params) -> None:
         old = self.by_id.get(state.spec.node_id)
         if old is None or old.state is not state:
+            self.draining.pop(state.spec.node_id, None)
             return  # not a node of this snapshot (removed since)
         new = self._load(nodes, state, now, params)
         if new.rank[:3] != old.rank[:3] or new.util != old.util:
