@@ -162,29 +162,30 @@ class LeanResponse:
 
     def release(self) -> None:
         """Done with the response: pool the connection if the exchange is complete."""
-        conn = self._conn
+        conn = self._detach()
         if conn is None:
             return
-        self._conn = None
-        self.connection = None
-        if self._timed:
-            self._timed = False
-            self._client._deadlines.pop(self, None)
         content = getattr(self, "content", None)
         complete = content is not None and content.is_eof() and not conn.proto.should_close
         self._client._put_back(conn, complete)
 
     def close(self) -> None:
         """Abandon the response: the connection is closed (the node aborts the request)."""
+        conn = self._detach()
+        if conn is not None:
+            self._client._put_back(conn, False)
+
+    def _detach(self) -> _Conn | None:
+        """Take the connection off this response (once) and stop its deadline."""
         conn = self._conn
         if conn is None:
-            return
+            return None
         self._conn = None
         self.connection = None
         if self._timed:
             self._timed = False
             self._client._deadlines.pop(self, None)
-        self._client._put_back(conn, False)
+        return conn
 
 
 class LeanClient:
