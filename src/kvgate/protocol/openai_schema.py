@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 try:  # orjson is ~10x faster; the stdlib json is the fallback and the reference
     import orjson as _orjson
@@ -106,6 +106,7 @@ _JSON_WS: Final = b" \t\n\r"
 _INT64: Final = 2.0**63
 #: False while a body is re-parsed by the stdlib json (see _MaybeBigInt).
 _FAST_PARSE: ContextVar[bool] = ContextVar("kvgate_fast_json", default=True)
+_R = TypeVar("_R")
 
 
 class _MaybeBigInt(Exception):
@@ -164,8 +165,17 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _slow_reparse(body: bytes, max_body_bytes: int) -> dict[str, Any]:
-    return _parse_json_object(body, max_body_bytes, fast=False)
+def _validate(body: bytes, max_body_bytes: int, build: Callable[[dict[str, Any]], _R]) -> _R:
+    """Parse ``body`` and ``build`` the request from it; a body that may hold an integer
+    beyond 64 bits (see _MaybeBigInt) is parsed again by json and built again."""
+    try:
+        return build(parse_json_object(body, max_body_bytes=max_body_bytes))
+    except _MaybeBigInt:
+        token = _FAST_PARSE.set(False)
+        try:
+            return build(_parse_json_object(body, max_body_bytes, fast=False))
+        finally:
+            _FAST_PARSE.reset(token)
 
 
 def _is_number(value: object) -> bool:
@@ -323,14 +333,7 @@ def _prompt(d: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
 def parse_completion_request(body: bytes, *,
                              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> CompletionRequest:
     """Validate a ``/v1/completions`` body."""
-    try:
-        return _completion_request(parse_json_object(body, max_body_bytes=max_body_bytes))
-    except _MaybeBigInt:
-        token = _FAST_PARSE.set(False)
-        try:
-            return _completion_request(_slow_reparse(body, max_body_bytes))
-        finally:
-            _FAST_PARSE.reset(token)
+    return _validate(body, max_body_bytes, _completion_request)
 
 
 def _completion_request(d: dict[str, Any]) -> CompletionRequest:
@@ -403,14 +406,7 @@ def _messages(d: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
 def parse_chat_request(body: bytes, *,
                        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body."""
-    try:
-        return _chat_request(parse_json_object(body, max_body_bytes=max_body_bytes))
-    except _MaybeBigInt:
-        token = _FAST_PARSE.set(False)
-        try:
-            return _chat_request(_slow_reparse(body, max_body_bytes))
-        finally:
-            _FAST_PARSE.reset(token)
+    return _validate(body, max_body_bytes, _chat_request)
 
 
 def _chat_request(d: dict[str, Any]) -> ChatRequest:
