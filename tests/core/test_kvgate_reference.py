@@ -86,9 +86,10 @@ class Reference:
                 )
                 e = drain_clock(now) - s.prefill_since
                 if prefill > 0 and e > 0:
+                    head_tokens, head_pairs = next(iter(s.prefills.values()))
                     head = (
-                        s.head_prefill_tokens / p.prefill_tokens_per_s
-                        + s.head_prefill_pairs * p.attention_s_per_pair
+                        head_tokens / p.prefill_tokens_per_s
+                        + head_pairs * p.attention_s_per_pair
                     )
                     # what the head has done, or how far it overran its prediction
                     prefill = prefill - e if e <= head else prefill + (e - 2.0 * head)

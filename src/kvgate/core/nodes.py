@@ -90,8 +90,6 @@ class NodeState:
     # on the first (the head) since prefill_since: the send that found none queued,
     # or the moment the previous head got its first token (or was abandoned)
     prefills: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
-    head_prefill_tokens: int = 0
-    head_prefill_pairs: float = 0.0
     prefill_since: float = 0.0
     cache_weight: float = 1.0  # < 1 while the node has announced a coming eviction
     consecutive_failures: int = 0
@@ -100,6 +98,11 @@ class NodeState:
     @property
     def node_id(self) -> NodeId:
         return self.spec.node_id
+
+    @property
+    def head_prefill(self) -> tuple[int, float]:
+        """(tokens, pairs) of the prefill the node works on now: the oldest queued."""
+        return next(iter(self.prefills.values()), (0, 0.0))
 
     def serves(self, model: str) -> bool:
         return not self.spec.models or model in self.spec.models
@@ -239,7 +242,6 @@ class NodeTable:
             queue = state.prefills
             if not queue:  # the node starts on this prefill at once
                 state.prefill_since = now
-                state.head_prefill_tokens, state.head_prefill_pairs = prefill_tokens, prefill_pairs
             queue[key] = (prefill_tokens, prefill_pairs)
             state.pending_prefill_tokens += prefill_tokens
             state.pending_prefill_pairs += prefill_pairs
@@ -275,9 +277,6 @@ class NodeTable:
             state.pending_prefill_tokens, state.pending_prefill_pairs = 0, 0.0
         if was_head:  # the node moves on to the next prefill now
             state.prefill_since = now
-            state.head_prefill_tokens, state.head_prefill_pairs = next(
-                iter(queue.values()), (0, 0.0)
-            )
         return True
 
     def _load_changed(self, state: NodeState) -> None:

@@ -133,7 +133,8 @@ class _Load:
                 self.moving = True
                 elapsed = clock - state.prefill_since
                 if elapsed > 0.0:
-                    head = state.head_prefill_tokens / rate + state.head_prefill_pairs * attn
+                    head_tokens, head_pairs = state.head_prefill
+                    head = head_tokens / rate + head_pairs * attn
                     if elapsed <= head:
                         prefill -= elapsed  # done of the head so far
                     else:  # overdue: the head is larger than predicted, so is what is left
