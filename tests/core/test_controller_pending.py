@@ -91,3 +91,28 @@ def test_credit_freed_by_a_failed_retry_reaches_a_queued_request() -> None:
     assert [d.request_id for d in out if isinstance(d, Reject)] == [sent[0].request_id]
     dispatched = [d.request_id for d in out if isinstance(d, Dispatch)]
     assert dispatched == [held[0].request_id]
+
+
+def test_prefix_rates_are_tracked_only_for_a_policy_that_reads_them() -> None:
+    """Hot-prefix rates cost every arrival; only replication (replica_rps) reads them."""
+    rate: dict[str, float] = {}
+    for name, params in (("off", {"epsilon": 0}), ("on", {"epsilon": 0, "replica_rps": 100.0})):
+        ctl = Controller(
+            ControllerConfig(hasher="trace", policy_params=params), rng=random.Random(1)
+        )
+        ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.0)
+        ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
+        ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+        for i in range(3):
+            d = ctl.on_arrival(
+                RequestArrived(
+                    request_id=RequestId(f"r{i}"), block_ids=(1, 2, 3, 4, 5), prompt_tokens=2560
+                ),
+                0.1 * i,
+            )
+            assert isinstance(d, Dispatch)
+        probe = RequestArrived(request_id=RequestId("x"), block_ids=(1, 2, 3, 4))
+        hot_key = ctl.chain_for(probe)[0][-1]  # the chain's 4th block (hot_prefix_blocks)
+        rate[name] = ctl.hot.rate(hot_key, 0.3)
+    assert rate["off"] == 0.0
+    assert rate["on"] > 0.0

@@ -252,8 +252,9 @@ class Controller:
         if chain:
             hot_blocks = min(self.config.hot_prefix_blocks, len(chain))
             hot_key = chain[hot_blocks - 1]
-            self.hot.record(hot_key, now)
-            rate = self.hot.rate(hot_key, now)
+            if self.policy.uses_hot_rate:
+                self.hot.record(hot_key, now)
+                rate = self.hot.rate(hot_key, now)
         return RouteContext(
             chain=chain,
             prompt_tokens=tokens,

@@ -64,6 +64,12 @@ class RoutingPolicy(Protocol):
     name: ClassVar[str]
     uses_cache: ClassVar[bool]  # False: the controller may skip the index match
 
+    @property
+    def uses_hot_rate(self) -> bool:
+        """Whether ``select`` reads ``ctx.hot_rate``; the controller tracks prefix
+        arrival rates only for a policy that does (it costs every arrival)."""
+        ...
+
     def select(
         self,
         ctx: RouteContext,

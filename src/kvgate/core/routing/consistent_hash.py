@@ -67,6 +67,7 @@ class ConsistentHashPolicy:
 
     name: ClassVar[str] = "consistent_hash"
     uses_cache: ClassVar[bool] = False
+    uses_hot_rate: ClassVar[bool] = False
 
     def __init__(
         self, *, prefix_tokens: int = 256, virtual_nodes: int = 256, load_factor: float = 1.25

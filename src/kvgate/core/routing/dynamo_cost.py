@@ -89,6 +89,7 @@ class DynamoCostPolicy:
 
     name: ClassVar[str] = "dynamo_cost"
     uses_cache: ClassVar[bool] = True
+    uses_hot_rate: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -328,6 +328,10 @@ class KvgatePolicy:
         self._tripped: set[NodeId] = set()  # holders whose breaker is open
         self._loads = _LoadScores()
 
+    @property
+    def uses_hot_rate(self) -> bool:
+        return self.replica_rps is not None  # only replication reads the rate
+
     def on_finished(self, node_id: NodeId, now: float) -> None:
         return None
 

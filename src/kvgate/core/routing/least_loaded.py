@@ -33,6 +33,7 @@ class LeastLoadedPolicy:
 
     name: ClassVar[str] = "least_loaded"
     uses_cache: ClassVar[bool] = False
+    uses_hot_rate: ClassVar[bool] = False
 
     def __init__(self) -> None:
         return None

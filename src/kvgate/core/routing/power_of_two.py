@@ -40,6 +40,7 @@ class PowerOfTwoPolicy:
 
     name: ClassVar[str] = "power_of_two"
     uses_cache: ClassVar[bool] = False
+    uses_hot_rate: ClassVar[bool] = False
 
     def __init__(self, *, load: str = "inflight") -> None:
         require(load in _LOADS, self.name, f"load must be one of {_LOADS}, got {load!r}")

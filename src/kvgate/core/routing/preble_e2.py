@@ -71,6 +71,7 @@ class PrebleE2Policy:
 
     name: ClassVar[str] = "preble_e2"
     uses_cache: ClassVar[bool] = True
+    uses_hot_rate: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -31,6 +31,7 @@ class RandomPolicy:
 
     name: ClassVar[str] = "random"
     uses_cache: ClassVar[bool] = False
+    uses_hot_rate: ClassVar[bool] = False
 
     def __init__(self) -> None:
         return None

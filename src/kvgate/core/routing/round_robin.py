@@ -34,6 +34,7 @@ class RoundRobinPolicy:
 
     name: ClassVar[str] = "round_robin"
     uses_cache: ClassVar[bool] = False
+    uses_hot_rate: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._last_slot = -1  # slot of the previous pick; -1 = start at the lowest slot

@@ -66,6 +66,7 @@ class SglangCacheAwarePolicy:
 
     name: ClassVar[str] = "sglang_cache_aware"
     uses_cache: ClassVar[bool] = True
+    uses_hot_rate: ClassVar[bool] = False
 
     def __init__(
         self,
