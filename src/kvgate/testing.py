@@ -7,23 +7,45 @@ bounded waits instead of its own copy.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import aiohttp
+
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.config_load import build_config
+from kvgate.protocol import SSEParser
 
 T = TypeVar("T")
 
 
-async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
-    """Wait until ``check()`` holds, polling every 20 ms; AssertionError after ``timeout``."""
+async def eventually(
+    check: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout: float = 3.0
+) -> None:
+    """Wait until ``check()`` (plain or async) holds, polling every 20 ms; AssertionError
+    after ``timeout``."""
     deadline = time.monotonic() + timeout
-    while not check():
+    while True:
+        ok = check()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.02)
+
+
+async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
+    """Every event of a streamed response: JSON objects, and the string "[DONE]"."""
+    parser = SSEParser()
+    out: list[Any] = []
+    async for chunk in resp.content.iter_any():
+        for event in parser.feed(chunk):
+            out.append("[DONE]" if event.is_done else event.json())
+    return out
 
 
 def run_bounded(coro: Awaitable[T], timeout: float = 20.0) -> T:

@@ -7,13 +7,11 @@ and child processes are closed on the way out.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import re
 import shutil
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,8 +20,7 @@ import pytest
 
 from kvgate.engine.server import EngineServer, EngineServerConfig, start_engine_server
 from kvgate.gateway import GatewayServer, start_gateway
-from kvgate.protocol import SSEParser
-from kvgate.testing import fast_gateway_config, run_bounded
+from kvgate.testing import eventually, fast_gateway_config, read_sse, run_bounded
 
 T = TypeVar("T")
 MODEL = "kvgate-sim"
@@ -92,24 +89,6 @@ async def stack(
         await session.close()
         for e in engines:
             await e.stop()
-
-
-async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
-    """Every event of a stream: JSON objects, and the string "[DONE]"."""
-    parser = SSEParser()
-    out: list[Any] = []
-    async for chunk in resp.content.iter_any():
-        for event in parser.feed(chunk):
-            out.append("[DONE]" if event.is_done else event.json())
-    return out
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
 
 
 def pid_alive(pid: int) -> bool:

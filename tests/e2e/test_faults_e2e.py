@@ -104,7 +104,7 @@ def test_client_disconnect_reaches_the_engine(e2e: Any, stream: bool) -> None:
                 async def started() -> bool:
                     return await running() == 1
 
-                await e2e.eventually(started)
+                await e2e.eventually(started, timeout=5.0)
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task

@@ -15,6 +15,7 @@ import pytest_asyncio
 from kvgate.engine import EngineProfile
 from kvgate.engine.server import EngineServer, EngineServerConfig, start_engine_server
 from kvgate.protocol import SSEParser
+from kvgate.testing import read_sse as read_all_sse
 
 StartServer = Callable[..., Awaitable[EngineServer]]
 
@@ -50,19 +51,9 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def _read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
-    """Every event of a stream: JSON objects, and the string "[DONE]"."""
-    parser = SSEParser()
-    out: list[Any] = []
-    async for chunk in resp.content.iter_any():
-        for event in parser.feed(chunk):
-            out.append("[DONE]" if event.is_done else event.json())
-    return out
-
-
 @pytest.fixture
 def read_sse() -> Callable[[aiohttp.ClientResponse], Awaitable[list[Any]]]:
-    return _read_sse
+    return read_all_sse
 
 
 async def _next_event(resp: aiohttp.ClientResponse, parser: SSEParser,
