@@ -7,18 +7,23 @@ bounded waits instead of its own copy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 
+from kvgate.engine.server import EngineServer, EngineServerConfig, start_engine_server
+from kvgate.gateway.app import GatewayServer, start_gateway
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.config_load import build_config
 from kvgate.protocol import SSEParser
 
 T = TypeVar("T")
+S = TypeVar("S", bound="EngineStack")
 
 
 async def eventually(
@@ -93,3 +98,46 @@ def fast_gateway_config(
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     return build_config(raw)
+
+
+@dataclass
+class EngineStack:
+    """A gateway in front of in-process engine servers, and a client session."""
+
+    gw: GatewayServer
+    engines: list[EngineServer]
+    session: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.gw.url
+
+    def engine(self, node_id: str) -> EngineServer:
+        return next(e for e in self.engines if e.node_id == node_id)
+
+
+@contextlib.asynccontextmanager
+async def engine_stack(
+    kind: type[S],
+    engine_configs: list[EngineServerConfig],
+    gateway_config: Callable[[list[dict[str, Any]]], GatewayConfig],
+    *,
+    session_timeout_s: float = 15.0,
+) -> AsyncIterator[S]:
+    """Start the engines, then a gateway over them (``gateway_config(node_list)``);
+    yield ``kind(gw, engines, session)``; close everything on the way out."""
+    engines: list[EngineServer] = []
+    gw: GatewayServer | None = None
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=session_timeout_s))
+    try:
+        for cfg in engine_configs:
+            engines.append(await start_engine_server(cfg))
+        nodes = [{"id": e.node_id, "url": e.url} for e in engines]
+        gw = await start_gateway(gateway_config(nodes))
+        yield kind(gw, engines, session)
+    finally:
+        if gw is not None:
+            await gw.stop()
+        await session.close()
+        for e in engines:
+            await e.stop()

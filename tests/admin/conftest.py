@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import aiohttp
 import pytest
 
 from kvgate.engine.server import EngineServer, EngineServerConfig, start_engine_server
-from kvgate.gateway import GatewayServer, start_gateway
-from kvgate.testing import eventually, fast_gateway_config
+from kvgate.testing import EngineStack, engine_stack, eventually, fast_gateway_config
 from kvgate.testing import run_bounded as run
 
 T = TypeVar("T")
@@ -26,19 +22,7 @@ TOKEN = "admin-secret-token-1234"
 MODEL = "kvgate-sim"
 
 
-@dataclass
-class Stack:
-    gw: GatewayServer
-    engines: list[EngineServer]
-    session: aiohttp.ClientSession
-
-    @property
-    def url(self) -> str:
-        return self.gw.url
-
-    def engine(self, node_id: str) -> EngineServer:
-        return next(e for e in self.engines if e.node_id == node_id)
-
+class Stack(EngineStack):
     async def call(
         self,
         method: str,
@@ -75,7 +59,7 @@ class Stack:
             return r.status, r.headers.get("X-Kvgate-Node")
 
 
-async def start_engine(node_id: str, **overrides: Any) -> EngineServer:
+def engine_config(node_id: str, **overrides: Any) -> EngineServerConfig:
     fields: dict[str, Any] = {
         "port": 0,
         "speedup": 50.0,
@@ -83,30 +67,24 @@ async def start_engine(node_id: str, **overrides: Any) -> EngineServer:
         "model": MODEL,
         **overrides,
     }
-    return await start_engine_server(EngineServerConfig(**fields))
+    return EngineServerConfig(**fields)
+
+
+async def start_engine(node_id: str, **overrides: Any) -> EngineServer:
+    return await start_engine_server(engine_config(node_id, **overrides))
 
 
 def gateway_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) -> Any:
     return fast_gateway_config(node_list, admin_token=TOKEN, **sections)
 
 
-@contextlib.asynccontextmanager
-async def stack(n: int = 2, **sections: dict[str, Any]) -> AsyncIterator[Stack]:
-    engines: list[EngineServer] = []
-    gw: GatewayServer | None = None
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-    try:
-        for i in range(n):
-            engines.append(await start_engine(f"e{i}"))
-        nodes = [{"id": e.node_id, "url": e.url} for e in engines]
-        gw = await start_gateway(gateway_config(nodes, **sections))
-        yield Stack(gw, engines, session)
-    finally:
-        if gw is not None:
-            await gw.stop()
-        await session.close()
-        for e in engines:
-            await e.stop()
+def stack(n: int = 2, **sections: dict[str, Any]) -> contextlib.AbstractAsyncContextManager[Stack]:
+    return engine_stack(
+        Stack,
+        [engine_config(f"e{i}") for i in range(n)],
+        lambda nodes: gateway_config(nodes, **sections),
+        session_timeout_s=10.0,
+    )
 
 
 class AdminKit:

@@ -11,35 +11,28 @@ import contextlib
 import os
 import re
 import shutil
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import aiohttp
 import pytest
 
-from kvgate.engine.server import EngineServer, EngineServerConfig, start_engine_server
-from kvgate.gateway import GatewayServer, start_gateway
-from kvgate.testing import eventually, fast_gateway_config, read_sse, run_bounded
+from kvgate.engine.server import EngineServerConfig
+from kvgate.testing import (
+    EngineStack,
+    engine_stack,
+    eventually,
+    fast_gateway_config,
+    read_sse,
+    run_bounded,
+)
 
 T = TypeVar("T")
 MODEL = "kvgate-sim"
 TOKEN = "e2e-admin-token-123"
 
 
-@dataclass
-class Stack:
-    gw: GatewayServer
-    engines: list[EngineServer]
-    session: aiohttp.ClientSession
-
-    @property
-    def url(self) -> str:
-        return self.gw.url
-
-    def engine(self, node_id: str) -> EngineServer:
-        return next(e for e in self.engines if e.node_id == node_id)
-
+class Stack(EngineStack):
     async def fault(self, node_id: str, action: str, **params: Any) -> None:
         async with self.session.post(
             self.engine(node_id).url + "/admin/fault", json={"action": action, **params}
@@ -64,31 +57,16 @@ def gateway_config(node_list: list[dict[str, Any]], **sections: dict[str, Any]) 
     return fast_gateway_config(node_list, admin_token=TOKEN, request_timeout_s=10.0, **sections)
 
 
-@contextlib.asynccontextmanager
-async def stack(
+def stack(
     n: int = 2, *, speedup: float = 20.0, num_blocks: int = 4000, **sections: dict[str, Any]
-) -> AsyncIterator[Stack]:
-    engines: list[EngineServer] = []
-    gw: GatewayServer | None = None
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
-    try:
-        for i in range(n):
-            engines.append(
-                await start_engine_server(
-                    EngineServerConfig(
-                        port=0, speedup=speedup, node_id=f"e{i}", model=MODEL, num_blocks=num_blocks
-                    )
-                )
-            )
-        nodes = [{"id": e.node_id, "url": e.url} for e in engines]
-        gw = await start_gateway(gateway_config(nodes, **sections))
-        yield Stack(gw, engines, session)
-    finally:
-        if gw is not None:
-            await gw.stop()
-        await session.close()
-        for e in engines:
-            await e.stop()
+) -> contextlib.AbstractAsyncContextManager[Stack]:
+    engines = [
+        EngineServerConfig(
+            port=0, speedup=speedup, node_id=f"e{i}", model=MODEL, num_blocks=num_blocks
+        )
+        for i in range(n)
+    ]
+    return engine_stack(Stack, engines, lambda nodes: gateway_config(nodes, **sections))
 
 
 def pid_alive(pid: int) -> bool:
