@@ -10,10 +10,11 @@ here run the main paths through ``upstream.client: aiohttp`` too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -132,8 +133,14 @@ async def read_all(resp: Any) -> bytes:
         out += got
 
 
-def client(**kw: Any) -> LeanClient:
-    return LeanClient(**{"connect_timeout_s": 1.0, **kw})
+@contextlib.asynccontextmanager
+async def open_client(**kw: Any) -> AsyncIterator[LeanClient]:
+    """A client with a short connect timeout, closed on the way out."""
+    c = LeanClient(**{"connect_timeout_s": 1.0, **kw})
+    try:
+        yield c
+    finally:
+        await c.close()
 
 
 def run(coro: Awaitable[Any]) -> Any:
@@ -147,8 +154,7 @@ def run(coro: Awaitable[Any]) -> Any:
 def test_keep_alive_reuse_and_request_bytes() -> None:
     async def body() -> None:
         async with RawServer(ok) as srv:
-            c = client()
-            try:
+            async with open_client() as c:
                 t = c.target(srv.url + "/v1/completions")
                 for i in range(3):
                     r = await c.request(t, b'{"x": 1}', {"Content-Type": "application/json",
@@ -177,8 +183,6 @@ def test_keep_alive_reuse_and_request_bytes() -> None:
                 await read_all(r)
                 r.release()
                 assert srv.requests[-1][1] == big
-            finally:
-                await c.close()
             assert c.open_connections == 0
 
     run(body())
@@ -193,17 +197,13 @@ def test_connection_close_and_http10_answers_are_not_reused() -> None:
             await conn.send(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}")
 
     async def body() -> None:
-        async with RawServer(handler) as srv:
-            c = client()
-            try:
-                t = c.target(srv.url + "/x")
-                for _ in range(3):
-                    r = await c.request(t, b"{}", {})
-                    assert await read_all(r) == b"{}"
-                    r.release()
-                assert c.connects == 3 and c.idle_connections == 0
-            finally:
-                await c.close()
+        async with RawServer(handler) as srv, open_client() as c:
+            t = c.target(srv.url + "/x")
+            for _ in range(3):
+                r = await c.request(t, b"{}", {})
+                assert await read_all(r) == b"{}"
+                r.release()
+            assert c.connects == 3 and c.idle_connections == 0
 
     run(body())
 
@@ -221,26 +221,22 @@ def test_empty_bodies_and_bodies_until_close() -> None:
             conn.writer.close()
 
     async def body() -> None:
-        async with RawServer(handler) as srv:
-            c = client()
-            try:
-                for path in ("/empty", "/204", "/empty"):
-                    r = await c.request(c.target(srv.url + path), b"{}", {})
-                    assert await read_all(r) == b"" and r.content.at_eof()
-                    r.release()
-                assert c.connects == 1  # empty answers keep the connection
-                r = await c.request(c.target(srv.url + "/eof"), b"{}", {})
-                assert await read_all(r) == b'{"a": 1}'
+        async with RawServer(handler) as srv, open_client() as c:
+            for path in ("/empty", "/204", "/empty"):
+                r = await c.request(c.target(srv.url + path), b"{}", {})
+                assert await read_all(r) == b"" and r.content.at_eof()
                 r.release()
-                assert c.open_connections == 0  # the /eof one (the pooled one) is gone
-                # header values pass through as the client sent them (bytes kept)
-                r = await c.request(c.target(srv.url + "/empty"), b"{}",
-                                    {"X-Session-ID": "caf\udcc3\udca9"})
-                await read_all(r)
-                r.release()
-                assert b"X-Session-ID: caf\xc3\xa9\r\n" in srv.requests[-1][0]
-            finally:
-                await c.close()
+            assert c.connects == 1  # empty answers keep the connection
+            r = await c.request(c.target(srv.url + "/eof"), b"{}", {})
+            assert await read_all(r) == b'{"a": 1}'
+            r.release()
+            assert c.open_connections == 0  # the /eof one (the pooled one) is gone
+            # header values pass through as the client sent them (bytes kept)
+            r = await c.request(c.target(srv.url + "/empty"), b"{}",
+                                {"X-Session-ID": "caf\udcc3\udca9"})
+            await read_all(r)
+            r.release()
+            assert b"X-Session-ID: caf\xc3\xa9\r\n" in srv.requests[-1][0]
 
     run(body())
 
@@ -258,18 +254,14 @@ def test_chunked_sse_is_read_byte_exact_across_odd_chunk_boundaries() -> None:
         await conn.send(wire[:3], wire[3:17], wire[17:], b"0\r\n\r\n", gap=0.01)
 
     async def body() -> None:
-        async with RawServer(handler) as srv:
-            c = client()
-            try:
-                t = c.target(srv.url + "/v1/completions")
-                r = await c.request(t, b"{}", {}, read_timeout=2.0)
-                assert r.status == 200 and r.content_type == "text/event-stream"
-                assert await read_all(r) == stream
-                assert r.content.at_eof()
-                r.release()
-                assert c.idle_connections == 1  # the terminator was read: reusable
-            finally:
-                await c.close()
+        async with RawServer(handler) as srv, open_client() as c:
+            t = c.target(srv.url + "/v1/completions")
+            r = await c.request(t, b"{}", {}, read_timeout=2.0)
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            assert await read_all(r) == stream
+            assert r.content.at_eof()
+            r.release()
+            assert c.idle_connections == 1  # the terminator was read: reusable
 
     run(body())
 
@@ -282,18 +274,14 @@ def test_stale_keep_alive_connection_is_retried_once_on_a_new_one() -> None:
         await conn.send(answer(b"{}"))
 
     async def body() -> None:
-        async with RawServer(handler) as srv:
-            c = client()
-            try:
-                t = c.target(srv.url + "/x")
-                for _ in range(2):
-                    r = await c.request(t, b"{}", {})
-                    assert r.status == 200
-                    await read_all(r)
-                    r.release()
-                assert c.connects == 2 and len(srv.requests) == 3
-            finally:
-                await c.close()
+        async with RawServer(handler) as srv, open_client() as c:
+            t = c.target(srv.url + "/x")
+            for _ in range(2):
+                r = await c.request(t, b"{}", {})
+                assert r.status == 200
+                await read_all(r)
+                r.release()
+            assert c.connects == 2 and len(srv.requests) == 3
 
     run(body())
 
@@ -307,19 +295,15 @@ def test_a_reused_connection_closed_mid_answer_is_not_resent() -> None:
         await conn.send(answer(b"{}"))
 
     async def body() -> None:
-        async with RawServer(handler) as srv:
-            c = client()
-            try:
-                t = c.target(srv.url + "/x")
-                r = await c.request(t, b"{}", {})
-                await read_all(r)
-                r.release()
-                with pytest.raises(aiohttp.ClientError) as err:
-                    await c.request(t, b"{}", {})
-                assert classify_exception(err.value) is FailureKind.UPSTREAM_ERROR
-                assert len(srv.requests) == 2 and c.connects == 1
-            finally:
-                await c.close()
+        async with RawServer(handler) as srv, open_client() as c:
+            t = c.target(srv.url + "/x")
+            r = await c.request(t, b"{}", {})
+            await read_all(r)
+            r.release()
+            with pytest.raises(aiohttp.ClientError) as err:
+                await c.request(t, b"{}", {})
+            assert classify_exception(err.value) is FailureKind.UPSTREAM_ERROR
+            assert len(srv.requests) == 2 and c.connects == 1
 
     run(body())
 
@@ -329,15 +313,11 @@ def test_a_first_request_closed_without_an_answer_is_not_resent() -> None:
         conn.writer.close()
 
     async def body() -> None:
-        async with RawServer(handler) as srv:
-            c = client()
-            try:
-                with pytest.raises(aiohttp.ServerDisconnectedError) as err:
-                    await c.request(c.target(srv.url + "/x"), b"{}", {})
-                assert classify_exception(err.value) is FailureKind.UPSTREAM_ERROR
-                assert len(srv.requests) == 1 and c.open_connections == 0
-            finally:
-                await c.close()
+        async with RawServer(handler) as srv, open_client() as c:
+            with pytest.raises(aiohttp.ServerDisconnectedError) as err:
+                await c.request(c.target(srv.url + "/x"), b"{}", {})
+            assert classify_exception(err.value) is FailureKind.UPSTREAM_ERROR
+            assert len(srv.requests) == 1 and c.open_connections == 0
 
     run(body())
 
@@ -364,8 +344,7 @@ def test_failures_map_to_the_same_kinds_as_aiohttp() -> None:
 
     async def body() -> None:
         async with RawServer(handler) as srv:
-            c = client()
-            try:
+            async with open_client() as c:
                 def t(path: str) -> Any:
                     return c.target(srv.url + path)
 
@@ -403,8 +382,6 @@ def test_failures_map_to_the_same_kinds_as_aiohttp() -> None:
                     await r.content.readany()
                 r.close()
                 assert c.open_connections == 0  # every failed exchange was closed
-            finally:
-                await c.close()
             await asyncio.sleep(0.05)
             assert srv.closed_by_peer >= 4
 
@@ -416,23 +393,17 @@ def test_connect_refused_and_connect_timeout_are_connect_errors() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        c = client()
-        try:
+        async with open_client() as c:
             with pytest.raises(aiohttp.ClientError) as refused:
                 await c.request(c.target(f"http://127.0.0.1:{port}/x"), b"{}", {})
             assert isinstance(refused.value, OSError)
             assert classify_exception(refused.value) is FailureKind.CONNECT_ERROR
             assert c.open_connections == 0
-        finally:
-            await c.close()
-        c = client(connect_timeout_s=1e-9)
-        try:
+        async with open_client(connect_timeout_s=1e-9) as c:
             with pytest.raises(aiohttp.ConnectionTimeoutError) as slow:
                 await c.request(c.target(f"http://127.0.0.1:{port}/x"), b"{}", {})
             assert classify_exception(slow.value) is FailureKind.CONNECT_ERROR
             assert c.open_connections == 0
-        finally:
-            await c.close()
 
     run(body())
 
@@ -444,57 +415,48 @@ def test_cancellation_closes_the_connection() -> None:
         await conn.wait_closed()
 
     async def body() -> None:
-        async with RawServer(handler) as srv:
-            c = client()
-            try:
-                t = c.target(srv.url + "/x")
-                task = asyncio.ensure_future(c.request(t, b"{}", {"A": "b"}))
-                await asyncio.sleep(0)
-                task.cancel()  # before the answer: the client closes the connection
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-                r = await c.request(t, b"{}", {})
-                await r.content.readany()
-                r.close()  # mid-body: closed, not pooled
-                assert c.open_connections == 0 and c.idle_connections == 0
-                for _ in range(50):
-                    if srv.closed_by_peer == 2:
-                        break
-                    await asyncio.sleep(0.02)
-                assert srv.closed_by_peer == 2
-            finally:
-                await c.close()
+        async with RawServer(handler) as srv, open_client() as c:
+            t = c.target(srv.url + "/x")
+            task = asyncio.ensure_future(c.request(t, b"{}", {"A": "b"}))
+            await asyncio.sleep(0)
+            task.cancel()  # before the answer: the client closes the connection
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            r = await c.request(t, b"{}", {})
+            await r.content.readany()
+            r.close()  # mid-body: closed, not pooled
+            assert c.open_connections == 0 and c.idle_connections == 0
+            for _ in range(50):
+                if srv.closed_by_peer == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert srv.closed_by_peer == 2
 
     run(body())
 
 
 def test_pool_limit_waits_for_a_free_connection() -> None:
     async def body() -> None:
-        async with RawServer(ok) as srv:
-            c = client(limit=1)
-            try:
-                t = c.target(srv.url + "/x")
-                t2 = c.target(srv.url.replace("127.0.0.1", "localhost") + "/y")
-                first = await c.request(t, b"{}", {})
-                waiting = asyncio.ensure_future(c.request(t2, b"{}", {}))
-                await asyncio.sleep(0.05)
-                assert not waiting.done() and c.open_connections == 1
-                await read_all(first)
-                first.release()  # pooled for t, then evicted for t2's waiter
-                second = await waiting
-                await read_all(second)
-                second.release()
-                assert c.open_connections == 1 and c.connects == 2
-            finally:
-                await c.close()
+        async with RawServer(ok) as srv, open_client(limit=1) as c:
+            t = c.target(srv.url + "/x")
+            t2 = c.target(srv.url.replace("127.0.0.1", "localhost") + "/y")
+            first = await c.request(t, b"{}", {})
+            waiting = asyncio.ensure_future(c.request(t2, b"{}", {}))
+            await asyncio.sleep(0.05)
+            assert not waiting.done() and c.open_connections == 1
+            await read_all(first)
+            first.release()  # pooled for t, then evicted for t2's waiter
+            second = await waiting
+            await read_all(second)
+            second.release()
+            assert c.open_connections == 1 and c.connects == 2
 
     run(body())
 
 
 def test_bad_header_values_and_urls_are_refused() -> None:
     async def body() -> None:
-        c = client()
-        try:
+        async with open_client() as c:
             t = c.target("http://127.0.0.1:1/x")
             with pytest.raises(ValueError):
                 await c.request(t, b"{}", {"X-Evil": "a\r\nInjected: 1"})
@@ -502,26 +464,20 @@ def test_bad_header_values_and_urls_are_refused() -> None:
                 c.target("ftp://host/x")
             assert c.target("https://h/v1/x?a=1").head == b"POST /v1/x?a=1 HTTP/1.1\r\nHost: h\r\n"
             assert c.target("http://[::1]:8000/v").head.endswith(b"Host: [::1]:8000\r\n")
-        finally:
-            await c.close()
 
     run(body())
 
 
 def test_idle_connections_past_keepalive_are_not_reused() -> None:
     async def body() -> None:
-        async with RawServer(ok) as srv:
-            c = client(keepalive_s=0.05)
-            try:
-                t = c.target(srv.url + "/x")
-                for _ in range(2):
-                    r = await c.request(t, b"{}", {})
-                    await read_all(r)
-                    r.release()
-                    await asyncio.sleep(0.1)
-                assert c.connects == 2 and c.open_connections == 1
-            finally:
-                await c.close()
+        async with RawServer(ok) as srv, open_client(keepalive_s=0.05) as c:
+            t = c.target(srv.url + "/x")
+            for _ in range(2):
+                r = await c.request(t, b"{}", {})
+                await read_all(r)
+                r.release()
+                await asyncio.sleep(0.1)
+            assert c.connects == 2 and c.open_connections == 1
 
     run(body())
 
