@@ -52,14 +52,12 @@ class AdminDisabled(KvgateError):
     error_type = "permission_error"
 
 
-class NotFound(KvgateError):
+class NotFound(ClientRequestError):
     http_status = 404
-    error_type = "invalid_request_error"
 
 
-class Conflict(KvgateError):
+class Conflict(ClientRequestError):
     http_status = 409
-    error_type = "invalid_request_error"
 
 
 # ----------------------------------------------------------------------------- views
