@@ -172,13 +172,10 @@ class Relay:
 
     def _next(self, flight: Flight, kind: FailureKind, *, before_first_byte: bool = True
               ) -> Decision:
-        """Report a failed attempt; the request's next decision."""
+        """Report a failed attempt; the request's next decision (the core's retry rule
+        never retries after the first byte)."""
         d = self.driver.failed(flight.rid, kind, before_first_byte=before_first_byte)
         if d is None:  # the core no longer knows the request: nothing to retry
-            flight.done = True
-            return Fail(request_id=flight.rid, reason=kind.value, node_id=flight.node)
-        if isinstance(d, Dispatch) and not before_first_byte:  # never: no retry after bytes
-            self.driver.cancel(flight.rid)
             flight.done = True
             return Fail(request_id=flight.rid, reason=kind.value, node_id=flight.node)
         return d
