@@ -559,10 +559,4 @@ class Controller:
     def num_requests(self) -> int:
         return len(self._requests)
 
-    def request_node(self, request_id: RequestId) -> NodeId | None:
-        record = self._requests.get(request_id)
-        if record is None or record.node is None:
-            return None
-        return record.node.spec.node_id
-
 
