@@ -93,7 +93,6 @@ class NodeState:
     prefill_since: float = 0.0
     cache_weight: float = 1.0  # < 1 while the node has announced a coming eviction
     consecutive_failures: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def node_id(self) -> NodeId:
