@@ -165,6 +165,14 @@ def test_bad_config() -> None:
         KvgatePolicy(breaker_open_queue=4, breaker_close_queue=8)
     with pytest.raises(ConfigError):
         KvgatePolicy(form="brief", epsilon=2.0)
+    for bad in (
+        {"blocking_cost": -1.0},
+        {"keep_hit_within_s": -1.0},
+        {"cache_value_tau_s": 0.0},
+        {"keep_hit_share": 1.5},
+    ):
+        with pytest.raises(ConfigError):
+            KvgatePolicy(**bad)  # type: ignore[arg-type]
 
 
 # --- the predicted-TTFT form (the default) ----------------------------------------------
@@ -178,6 +186,7 @@ def test_ttft_form_weighs_saved_prefill_against_queued_prefill() -> None:
         cache_gain=2.0,
         decode_s=0.0,
         attention_s_per_pair=0.0,
+        keep_hit_within_s=0.0,  # the score alone
     )
     m = {NodeId("holder"): 10}  # 10 blocks x 64 tokens = 640 tokens = 0.64 s saved
     # 1.0 s of queued prefill on the holder: 2 x 0.64 - 1.0 > 0 -> still the holder
@@ -203,6 +212,7 @@ def test_ttft_form_counts_the_queued_prefill_already_done() -> None:
     p = KvgatePolicy(
         epsilon=0, prefill_tokens_per_s=1000.0, cache_gain=2.0, decode_s=0.0,
         attention_s_per_pair=0.0, kv_pressure_s=0.0,  # (reports go stale by NOW + 10)
+        keep_hit_within_s=0.0,  # the score alone
     )
     m = {NodeId("holder"): 10}
     t.on_sent(c[0], now=NOW, key="a", prefill_tokens=1500)
@@ -272,6 +282,77 @@ def test_ttft_form_decode_load_from_kv_utilisation() -> None:
     # 3 x 0.9 + 5 x (0.9 - 0.8) x 5 = 2.7 + 2.5
     busy = p.select(ctx(), c[:1], {}, t, FixedRng(0.9), NOW)
     assert busy is not None and busy.parts["penalty"] == pytest.approx(5.2)
+
+
+def test_ttft_form_keeps_a_hit_that_still_answers_in_time() -> None:
+    """The score alone sends the request to the idle node (2 x 0.64 s saved < 1.5 s
+    queued), but the holder would still answer within keep_hit_within_s, and the idle
+    node saves nothing of it: the holder keeps the request."""
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0), "short": (0, 0.0)})
+    kw: dict[str, float] = {
+        "epsilon": 0, "prefill_tokens_per_s": 1000.0, "cache_gain": 2.0, "decode_s": 0.0,
+        "attention_s_per_pair": 0.0, "blocking_cost": 0.0,
+    }
+    m = {NodeId("holder"): 10}  # 0.64 s saved of a 1.28 s prompt
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=1500)  # 1.5 s queued on the holder
+    # predicted TTFT on the holder: 1.5 + 0.64 (the uncached half) = 2.14 s
+    for within, want in ((0.0, "idle"), (2.0, "idle"), (2.2, "holder"), (8.0, "holder")):
+        p = KvgatePolicy(keep_hit_within_s=within, **kw)
+        d = p.select(ctx(blocks=20), c[:2], m, t, FixedRng(0.9), NOW)
+        assert d is not None and d.node_id == want, within
+    kept = KvgatePolicy(keep_hit_within_s=8.0, **kw).select(
+        ctx(blocks=20), c[:2], m, t, FixedRng(0.9), NOW
+    )
+    assert kept is not None and kept.reason is RouteReason.CACHE_HIT and kept.matched_blocks == 10
+    # a winner that saves more than keep_hit_share of it is left alone: another holder of
+    # 6 blocks, idle, wins on load
+    m2 = {NodeId("holder"): 10, NodeId("short"): 6}
+    for share, want in ((0.5, "short"), (0.6, "holder")):
+        p = KvgatePolicy(keep_hit_within_s=8.0, keep_hit_share=share, **kw)
+        d = p.select(ctx(blocks=20), c, m2, t, FixedRng(0.9), NOW)
+        assert d is not None and d.node_id == want, share
+
+
+def test_ttft_form_puts_a_long_prefill_where_it_blocks_the_least_used_cache() -> None:
+    """Two equal idle nodes, but "busy" has been serving hits and "quiet" has not: a
+    prompt nobody holds whose prefill takes >= blocking_min_s goes to "quiet" (the lower
+    slot, "busy", wins any tie); a short one still takes the tie-break."""
+    t, c = table({"busy": (0, 0.0), "quiet": (0, 0.0)})
+    p = KvgatePolicy(
+        epsilon=0, prefill_tokens_per_s=1000.0, decode_s=0.0, attention_s_per_pair=0.0,
+        blocking_cost=3.0, blocking_min_s=1.0, cache_value_tau_s=30.0,
+    )
+    assert p.select(ctx(blocks=20), c, {}, t, FixedRng(0.9), NOW).node_id == "busy"  # type: ignore[union-attr]
+    for i in range(5):  # hits on "busy" (nothing is sent: the load stays equal)
+        d = p.select(ctx(blocks=20), c, {NodeId("busy"): 20}, t, FixedRng(0.9), NOW + i * 0.1)
+        assert d is not None and d.node_id == "busy"
+    assert p._cache_value.rate(NodeId("busy"), NOW + 0.4) > 0
+    assert p._cache_value.rate(NodeId("quiet"), NOW + 0.4) == 0
+    long = p.select(ctx(blocks=20), c, {}, t, FixedRng(0.9), NOW + 0.5)  # 1.28 s uncached
+    assert long is not None and long.node_id == "quiet"
+    short = p.select(ctx(blocks=10), c, {}, t, FixedRng(0.9), NOW + 0.5)  # 0.64 s: no rescoring
+    assert short is not None and short.node_id == "busy"
+    # without the blocking cost the long one takes the tie-break too
+    p0 = KvgatePolicy(
+        epsilon=0, prefill_tokens_per_s=1000.0, decode_s=0.0, attention_s_per_pair=0.0,
+        blocking_cost=0.0,
+    )
+    assert p0.select(ctx(blocks=20), c, {}, t, FixedRng(0.9), NOW + 0.5).node_id == "busy"  # type: ignore[union-attr]
+
+
+def test_cache_value_decays_and_forgets() -> None:
+    from kvgate.core.routing.kvgate import _CacheValue
+
+    v = _CacheValue(tau_s=10.0)
+    v.add(NodeId("a"), 5.0, now=0.0)
+    assert v.rate(NodeId("a"), 0.0) == pytest.approx(0.5)
+    assert v.rate(NodeId("a"), 10.0) == pytest.approx(0.5 / 2.718281828, rel=1e-6)
+    assert v.rate(NodeId("a"), -1.0) == pytest.approx(0.5)  # time moving back: no growth
+    v.add(NodeId("a"), 5.0, now=10.0)
+    assert v.rate(NodeId("a"), 10.0) == pytest.approx(0.5 / 2.718281828 + 0.5, rel=1e-6)
+    for i in range(_CacheValue._MAX_NODES + 1):  # bounded: decayed entries are dropped
+        v.add(NodeId(f"n{i}"), 1.0, now=float(i))
+    assert len(v._saved) <= _CacheValue._MAX_NODES + 1
 
 
 def test_ttft_form_counts_attention_work_of_long_prompts() -> None:

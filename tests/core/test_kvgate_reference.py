@@ -12,9 +12,10 @@ requests, time moving on (and back), membership and health changes, and direct
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -42,6 +43,18 @@ class Reference:
 
     p: KvgatePolicy
     tripped: set[NodeId]
+    # node -> (saved prefill seconds, as of): the cache value, decayed over its tau
+    value: dict[NodeId, tuple[float, float]] = field(default_factory=dict)
+
+    def value_now(self, nid: NodeId, now: float) -> float:
+        seconds, at = self.value.get(nid, (0.0, now))
+        return seconds * math.exp(-max(0.0, now - at) / self.p._cache_value.tau_s)
+
+    def uncached_s(self, prompt: int, cached: int) -> float:
+        saved = min(cached, prompt)
+        rest = prompt - saved
+        p = self.p
+        return rest / p.prefill_tokens_per_s + p.attention_s_per_pair * rest * (saved + rest / 2)
 
     def breaker_open(self, nid: NodeId, queue: int) -> bool:
         if nid in self.tripped:
@@ -75,6 +88,8 @@ class Reference:
         least_key = (float("inf"), 0)
         idle: NodeState | None = None
         idle_util = float("inf")
+        scored: list[tuple[NodeState, int, float, int, float]] = []  # state, q, penalty, m, bonus
+        keep: tuple[tuple[int, float, int], NodeState, float, int, float] | None = None
         for s in candidates:
             q = nodes.queue(s, now)
             u = nodes.utilisation(s, now)
@@ -124,6 +139,11 @@ class Reference:
                     least, least_key = s, (penalty, s.slot)
                 if q <= p.idle_queue and u <= p.idle_util and s.inflight == 0 and u < idle_util:
                     idle, idle_util = s, u
+            if m and s.node_id not in self.tripped:
+                k = (m, -penalty, -s.slot)
+                if keep is None or k > keep[0]:
+                    keep = (k, s, bonus, q, penalty)
+            scored.append((s, q, penalty, m, bonus))
             if ttft:
                 score = p.cache_gain * bonus - penalty
             else:
@@ -133,6 +153,29 @@ class Reference:
                 best, best_key = s, key
                 best_bonus, best_penalty, best_queue = bonus, penalty, q
         assert best is not None
+        tpb, prompt = ctx.tokens_per_block, ctx.prompt_tokens
+        if p.form == "ttft":
+            # a long prefill: every candidate again, less its blocking cost there
+            if p.blocking_cost > 0 and (
+                self.uncached_s(prompt, matches.get(best.node_id, 0) * tpb) >= p.blocking_min_s
+            ):
+                best_key = (float("-inf"), 0, 0)
+                for s, q, penalty, m, bonus in scored:
+                    cost = p.blocking_cost * self.uncached_s(prompt, m * tpb)
+                    cost *= self.value_now(s.node_id, now) / p._cache_value.tau_s
+                    key = (p.cache_gain * bonus - penalty - cost, -q, -s.slot)
+                    if key > best_key:
+                        best, best_key = s, key
+                        best_bonus, best_penalty, best_queue = bonus, penalty, q
+            # keep the hit: the longest open holder, if it answers in time
+            if keep is not None and keep[1] is not best and p.keep_hit_within_s > 0:
+                (km, _, _), ks, kbonus, kq, kpenalty = keep
+                if (
+                    matches.get(best.node_id, 0) <= p.keep_hit_share * km
+                    and kpenalty + self.uncached_s(prompt, km * tpb) <= p.keep_hit_within_s
+                ):
+                    best, best_key = ks, (p.cache_gain * kbonus - kpenalty, -kq, -ks.slot)
+                    best_bonus, best_penalty, best_queue = kbonus, kpenalty, kq
         chosen, chosen_match = best, matches.get(best.node_id, 0)
         if chosen_match and best_bonus > 0:
             single = chosen_match >= best_match and holders_at_best == 1
@@ -151,6 +194,10 @@ class Reference:
             chosen, reason, chosen_match = least, RouteReason.REPLICATION, 0
         elif idle is not None and chosen_match and draw < p.epsilon:
             chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
+        if p.form == "ttft" and p.blocking_cost > 0 and chosen is best and best_bonus > 0:
+            seconds = self.value_now(best.node_id, now)
+            saved = min(chosen_match * tpb, prompt)
+            self.value[best.node_id] = (seconds + saved / p.prefill_tokens_per_s, now)
         return RouteDecision(
             node_id=chosen.node_id,
             reason=reason,
@@ -217,6 +264,11 @@ policy_st = st.builds(
     decode_s=st.sampled_from([0.0, 3.0]),
     cache_gain=st.sampled_from([1.0, 5.0]),
     attention_s_per_pair=st.sampled_from([0.0, 3.4e-9, 1e-4]),
+    blocking_cost=st.sampled_from([0.0, 3.0, 50.0]),
+    blocking_min_s=st.sampled_from([0.0, 1.0]),
+    cache_value_tau_s=st.sampled_from([0.5, 30.0]),
+    keep_hit_within_s=st.sampled_from([0.0, 1.0, 8.0, 1e9]),
+    keep_hit_share=st.sampled_from([0.5, 1.0]),
 )
 
 

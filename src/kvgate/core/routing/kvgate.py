@@ -44,6 +44,23 @@ nodes are rescored at most 100 times a second.
 the node work that later requests would queue behind. ``cache_weight`` drops below
 1 while a node has announced a bulk eviction.
 
+Two more rules of the ttft form look past the request itself:
+
+* **Blocking cost.** A long uncached prefill (at least ``blocking_min_s`` at the
+  winner, e.g. a 12k-token prompt nobody holds) stalls its node's queue while it
+  runs, and every request that comes for that node's cache meanwhile either waits
+  or is sent away and misses. Such a request is rescored over every candidate with
+  ``blocking_cost * its prefill there * the node's cache value rate`` subtracted,
+  the rate being the prefill seconds per second our hits on that node have saved
+  lately (decayed over ``cache_value_tau_s``). Long prompts land where they block
+  the least-used cache; short ones never pay the extra pass.
+* **Keep the hit.** When the winner would save less than ``keep_hit_share`` of what
+  the longest-matching open holder saves, and that holder's predicted TTFT (its
+  penalty plus the request's uncached prefill there) is within
+  ``keep_hit_within_s``, the holder keeps the request: a hit that still answers in
+  time is not traded for a slightly earlier first token elsewhere, which would also
+  leave a second copy of the prefix to crowd the cache.
+
 On top of the score, in this order:
 
 1. **Breaker per holder.** A node whose queue reaches ``breaker_open_queue`` loses
@@ -79,6 +96,7 @@ candidate in one loop (tests/core/test_kvgate_reference.py checks this).
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
@@ -271,6 +289,37 @@ class _LoadScores:
             self.by_id[new.node_id] = new
 
 
+class _CacheValue:
+    """Per node, the prefill seconds our hits there saved, decayed with time: how much
+    traffic depends on that node's cache right now."""
+
+    __slots__ = ("_saved", "tau_s")
+
+    # More nodes remembered than this: forget those whose value has decayed away.
+    _MAX_NODES = 4096
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self._saved: dict[NodeId, tuple[float, float]] = {}  # node -> (seconds, as of)
+
+    def _decayed(self, entry: tuple[float, float], now: float) -> float:
+        seconds, at = entry
+        return seconds * math.exp(-max(0.0, now - at) / self.tau_s)
+
+    def rate(self, node_id: NodeId, now: float) -> float:
+        """Saved prefill seconds per second (a decayed average over ``tau_s``)."""
+        entry = self._saved.get(node_id)
+        return self._decayed(entry, now) / self.tau_s if entry is not None else 0.0
+
+    def add(self, node_id: NodeId, seconds: float, now: float) -> None:
+        saved = self._saved
+        entry = saved.get(node_id)
+        saved[node_id] = ((self._decayed(entry, now) if entry else 0.0) + seconds, now)
+        if len(saved) > self._MAX_NODES:
+            for nid in [n for n, e in saved.items() if self._decayed(e, now) < 1e-6]:
+                del saved[nid]
+
+
 class KvgatePolicy:
     name: ClassVar[str] = "kvgate"
     uses_cache: ClassVar[bool] = True
@@ -296,6 +345,11 @@ class KvgatePolicy:
         decode_s: float = 3.0,
         cache_gain: float = 5.0,
         attention_s_per_pair: float = 3.4e-9,
+        blocking_cost: float = 3.0,
+        blocking_min_s: float = 1.0,
+        cache_value_tau_s: float = 30.0,
+        keep_hit_within_s: float = 8.0,
+        keep_hit_share: float = 0.5,
     ) -> None:
         if form not in ("ttft", "brief"):
             raise ConfigError("kvgate policy: form must be 'ttft' or 'brief'")
@@ -307,6 +361,14 @@ class KvgatePolicy:
             raise ConfigError("kvgate policy: breaker_close_queue must be <= breaker_open_queue")
         if not 0.0 <= epsilon <= 1.0:
             raise ConfigError("kvgate policy: epsilon must be in [0, 1]")
+        if blocking_cost < 0 or blocking_min_s < 0 or keep_hit_within_s < 0:
+            raise ConfigError(
+                "kvgate policy: blocking_cost, blocking_min_s and keep_hit_within_s must be >= 0"
+            )
+        if cache_value_tau_s <= 0:
+            raise ConfigError("kvgate policy: cache_value_tau_s must be > 0")
+        if not 0.0 <= keep_hit_share <= 1.0:
+            raise ConfigError("kvgate policy: keep_hit_share must be in [0, 1]")
         self.w_cache = w_cache
         self.w_load = w_load
         self.max_prefix_len = max_prefix_len
@@ -325,6 +387,11 @@ class KvgatePolicy:
         self.decode_s = decode_s
         self.cache_gain = cache_gain
         self.attention_s_per_pair = attention_s_per_pair
+        self.blocking_cost = blocking_cost
+        self.blocking_min_s = blocking_min_s
+        self.keep_hit_within_s = keep_hit_within_s
+        self.keep_hit_share = keep_hit_share
+        self._cache_value = _CacheValue(cache_value_tau_s)
         self._tripped: set[NodeId] = set()  # holders whose breaker is open
         self._loads = _LoadScores()
 
@@ -407,6 +474,11 @@ class KvgatePolicy:
         holders_at_best = 0
         best_match_tripped = False
         hot_holders = 0
+        # the open holder with the longest match (then the lowest penalty): the one
+        # the keep-the-hit rule may give the request back to
+        keep: _Load | None = None
+        keep_key = (0, 0.0, 0)
+        keep_bonus = 0.0
         # The holders: the only candidates whose score depends on the request.
         for nid, m in matches.items():
             load = by_id.get(nid)
@@ -435,6 +507,8 @@ class KvgatePolicy:
                     bonus = cap
                 bonus *= load.state.cache_weight
                 score = w_cache * bonus - w_load * load.penalty
+                if (m, -load.penalty, -load.slot) > keep_key:
+                    keep, keep_key, keep_bonus = load, (m, -load.penalty, -load.slot), bonus
             if score >= best_score:
                 key = (score, -q, -load.slot)
                 if key > best_key:
@@ -448,6 +522,22 @@ class KvgatePolicy:
                     best, best_key, best_bonus = load, key, 0.0
                 break
         assert best is not None
+        if ttft:
+            if self.blocking_cost > 0.0 and (
+                self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) >= self.blocking_min_s
+            ):
+                best, best_key, best_bonus = self._rescore_blocking(
+                    loads, cands, matches, prompt, tpb, w_cache, now
+                )
+            if keep is not None and keep is not best and self.keep_hit_within_s > 0.0:
+                keep_m = keep_key[0]
+                if (
+                    matches.get(best.node_id, 0) <= self.keep_hit_share * keep_m
+                    and keep.penalty + self._uncached_s(prompt, keep_m * tpb)
+                    <= self.keep_hit_within_s
+                ):
+                    best, best_bonus = keep, keep_bonus
+                    best_key = (w_cache * keep_bonus - keep.penalty, -keep.queue, -keep.slot)
         chosen = best.state
         chosen_match = matches.get(best.node_id, 0)
         reason = self._reason(
@@ -471,6 +561,11 @@ class KvgatePolicy:
             if idle is not None:
                 chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
 
+        if ttft and self.blocking_cost > 0.0 and chosen is best.state and best_bonus > 0.0:
+            # what this hit saves, in prefill seconds: the node's cache value
+            saved = min(chosen_match * tpb, prompt)
+            self._cache_value.add(best.node_id, saved * inv_prefix, now)
+
         parts: dict[str, float] = {
             "bonus": best_bonus,
             "penalty": best.penalty,
@@ -486,6 +581,48 @@ class KvgatePolicy:
             score=best_key[0],
             parts=parts,
         )
+
+    def _uncached_s(self, prompt: int, cached: int) -> float:
+        """Predicted prefill seconds of ``prompt`` tokens of which ``cached`` are cached."""
+        saved = min(cached, prompt)
+        rest = prompt - saved
+        return rest / self.prefill_tokens_per_s + self.attention_s_per_pair * rest * (
+            saved + rest / 2
+        )
+
+    def _rescore_blocking(
+        self,
+        loads: _LoadScores,
+        cands: frozenset[NodeState],
+        matches: Mapping[NodeId, int],
+        prompt: int,
+        tpb: int,
+        w_cache: float,
+        now: float,
+    ) -> tuple[_Load, tuple[float, int, int], float]:
+        """Every candidate scored with the blocking cost of this request's prefill there:
+        the winner, its key and its bonus."""
+        inv_rate = 1.0 / self.prefill_tokens_per_s
+        attn_half = self.attention_s_per_pair / 2
+        rate = self._cache_value.rate
+        top: _Load | None = None
+        top_key = (-_INF, 0, 0)
+        top_bonus = 0.0
+        for load in loads.by_id.values():
+            if load.state not in cands:
+                continue
+            m = matches.get(load.node_id, 0)
+            bonus = 0.0
+            if m and load.node_id not in self._tripped:
+                saved = min(m * tpb, prompt)
+                bonus = (saved * inv_rate + attn_half * saved * saved) * load.state.cache_weight
+            blocking = self.blocking_cost * self._uncached_s(prompt, m * tpb)
+            blocking *= rate(load.node_id, now)
+            key = (w_cache * bonus - load.penalty - blocking, -load.queue, -load.slot)
+            if key > top_key:
+                top, top_key, top_bonus = load, key, bonus
+        assert top is not None
+        return top, top_key, top_bonus
 
     @staticmethod
     def _reason(
