@@ -186,7 +186,6 @@ def test_ttft_form_weighs_saved_prefill_against_queued_prefill() -> None:
         cache_gain=2.0,
         decode_s=0.0,
         attention_s_per_pair=0.0,
-        keep_hit_within_s=0.0,  # the score alone
     )
     m = {NodeId("holder"): 10}  # 10 blocks x 64 tokens = 640 tokens = 0.64 s saved
     # 1.0 s of queued prefill on the holder: 2 x 0.64 - 1.0 > 0 -> still the holder
@@ -212,7 +211,6 @@ def test_ttft_form_counts_the_queued_prefill_already_done() -> None:
     p = KvgatePolicy(
         epsilon=0, prefill_tokens_per_s=1000.0, cache_gain=2.0, decode_s=0.0,
         attention_s_per_pair=0.0, kv_pressure_s=0.0,  # (reports go stale by NOW + 10)
-        keep_hit_within_s=0.0,  # the score alone
     )
     m = {NodeId("holder"): 10}
     t.on_sent(c[0], now=NOW, key="a", prefill_tokens=1500)
