@@ -56,6 +56,28 @@ def test_pending_prefill_follows_dispatch_first_byte_and_end() -> None:
     assert c.node_id == a.node_id and c.route.matched_blocks == 3
 
 
+def test_inflight_context_follows_dispatch_and_end() -> None:
+    """Each node counts the prompt tokens of our requests in flight on it, past the first
+    byte too (the decode batch attends over them), until the request ends or fails."""
+    ctl = cluster()
+
+    def context() -> dict[str, int]:
+        return {s.node_id: s.inflight_context_tokens for s in ctl.nodes}
+
+    a = arrive(ctl, "a", (1, 2, 3, 4), 20_000)
+    b = arrive(ctl, "b", (5, 6), 900)
+    want = {"n0": 0, "n1": 0}
+    want[a.node_id] += 20_000
+    want[b.node_id] += 900
+    assert context() == want
+    ctl.on_first_byte(RequestId("a"), 0.5)
+    assert context() == want  # still decoding
+    ctl.on_finished(RequestId("a"), 0.6, cached_tokens=0)
+    ctl.on_failed(RequestId("b"), FailureKind.POOL_OVERLOADED, 0.7, before_first_byte=True)
+    retried = [s for s in ctl.nodes if s.inflight]  # b may have been retried elsewhere
+    assert sum(context().values()) == 900 * len(retried)
+
+
 def test_credit_freed_by_a_failed_retry_reaches_a_queued_request() -> None:
     """A retry that finds no node releases its credit; the request queued behind it is
     dispatched with it, not forgotten until its queue deadline."""

@@ -170,6 +170,7 @@ def test_bad_config() -> None:
         {"keep_hit_within_s": -1.0},
         {"cache_value_tau_s": 0.0},
         {"keep_hit_share": 1.5},
+        {"decode_s_per_context_token": -1e-5},
     ):
         with pytest.raises(ConfigError):
             KvgatePolicy(**bad)  # type: ignore[arg-type]
@@ -336,6 +337,29 @@ def test_ttft_form_puts_a_long_prefill_where_it_blocks_the_least_used_cache() ->
         blocking_cost=0.0,
     )
     assert p0.select(ctx(blocks=20), c, {}, t, FixedRng(0.9), NOW + 0.5).node_id == "busy"  # type: ignore[union-attr]
+
+
+def test_ttft_form_can_weigh_the_decode_batch_contexts() -> None:
+    """With decode_s_per_context_token, the prompt tokens of our requests in flight on a
+    node count against it (each decode step attends over them); off by default."""
+    t, c = table({"a": (0, 0.0), "b": (0, 0.0)})
+    t.on_sent(c[0], now=NOW, context_tokens=100_000)  # in flight, past its prefill
+    t.on_sent(c[1], now=NOW, context_tokens=0)  # the same queue on both
+    assert c[0].inflight_context_tokens == 100_000
+    off = KvgatePolicy(epsilon=0, decode_s=0.0, kv_pressure_s=0.0)
+    on = KvgatePolicy(epsilon=0, decode_s=0.0, kv_pressure_s=0.0, decode_s_per_context_token=1e-5)
+    m = {NodeId("a"): 20, NodeId("b"): 20}  # both hold the prefix
+    d = off.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "a"  # a tie: the lower slot
+    d = on.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "b" and d.parts["penalty"] == 0.0
+    d = on.select(ctx(blocks=20), c[:1], m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.parts["penalty"] == pytest.approx(1.0)  # 1e5 x 1e-5 s
+    t.on_done(c[0], sent_at=NOW, now=NOW, context_tokens=100_000)
+    t.on_sent(c[0], now=NOW, context_tokens=0)
+    assert c[0].inflight_context_tokens == 0
+    d = on.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "a"
 
 
 def test_cache_value_decays_and_forgets() -> None:

@@ -109,7 +109,10 @@ class Reference:
                     # what the head has done, or how far it overran its prediction
                     prefill = prefill - e if e <= head else prefill + (e - 2.0 * head)
                 penalty = (
-                    prefill + p.decode_s * u + p.kv_pressure_s * max(0.0, (u - 0.8) * 5.0)
+                    prefill
+                    + p.decode_s * u
+                    + p.kv_pressure_s * max(0.0, (u - 0.8) * 5.0)
+                    + p.decode_s_per_context_token * s.inflight_context_tokens
                 )
             else:
                 penalty = min(q / p.max_queue, 1.0) + p.util_weight * u
@@ -269,6 +272,7 @@ policy_st = st.builds(
     cache_value_tau_s=st.sampled_from([0.5, 30.0]),
     keep_hit_within_s=st.sampled_from([0.0, 1.0, 8.0, 1e9]),
     keep_hit_share=st.sampled_from([0.5, 1.0]),
+    decode_s_per_context_token=st.sampled_from([0.0, 1.74e-5, 1e-3]),
 )
 
 
@@ -295,7 +299,12 @@ def test_same_decisions_as_the_reference(
                 sends += 1
                 q = 300 + 100 * (sends % 5)  # prefills of different sizes
                 table.on_sent(
-                    state, now=now, key=sends, prefill_tokens=q, prefill_pairs=q * (q / 2)
+                    state,
+                    now=now,
+                    key=sends,
+                    prefill_tokens=q,
+                    prefill_pairs=q * (q / 2),
+                    context_tokens=q + 1000,
                 )
                 sent_at.setdefault(state.node_id, []).append(now)
         elif kind == "prefilled":
@@ -309,7 +318,13 @@ def test_same_decisions_as_the_reference(
             if state is not None and sent_at.get(state.node_id):
                 times = sent_at[state.node_id]
                 key = next(iter(state.prefills), None) if op[2] else None
-                table.on_done(state, sent_at=times.pop(0 if op[2] else -1), now=now, key=key)
+                table.on_done(
+                    state,
+                    sent_at=times.pop(0 if op[2] else -1),
+                    now=now,
+                    key=key,
+                    context_tokens=1200,
+                )
         elif kind == "time":
             now += op[1]  # type: ignore[operator]
         elif kind == "weight":
@@ -431,7 +446,12 @@ def test_same_decisions_as_the_reference_while_prefill_drains() -> None:
     for nid in NAMES:
         table.add(NodeSpec(node_id=nid))
         table.report(nid, waiting=0, running=0, kv_util=rnd.choice([0.1, 0.5]), now=10.0)
-    policy = KvgatePolicy(epsilon=0.0, prefill_tokens_per_s=1000.0, attention_s_per_pair=1e-7)
+    policy = KvgatePolicy(
+        epsilon=0.0,
+        prefill_tokens_per_s=1000.0,
+        attention_s_per_pair=1e-7,
+        decode_s_per_context_token=1e-4,
+    )
     ref = Reference(p=policy, tripped=set())
     now, sends = 10.0, 0
     ctx = RouteContext(chain=tuple(range(12)), prompt_tokens=12 * 64 - 10, tokens_per_block=64)
@@ -442,11 +462,20 @@ def test_same_decisions_as_the_reference_while_prefill_drains() -> None:
         if r < 0.3:
             sends += 1
             q = rnd.randrange(50, 1500)
-            table.on_sent(state, now=now, key=sends, prefill_tokens=q, prefill_pairs=q * q / 2)
+            table.on_sent(
+                state,
+                now=now,
+                key=sends,
+                prefill_tokens=q,
+                prefill_pairs=q * q / 2,
+                context_tokens=q + 500,
+            )
         elif r < 0.45 and state.prefills:
             table.on_prefilled(state, rnd.choice([*state.prefills][:2]), now=now)
         elif r < 0.5 and state.prefills:
-            table.on_done(state, sent_at=now, now=now, key=rnd.choice([*state.prefills]))
+            key = rnd.choice([*state.prefills])
+            tokens = state.prefills[key][0] + 500  # the request's prompt, as sent
+            table.on_done(state, sent_at=now, now=now, key=key, context_tokens=tokens)
         if rnd.random() < 0.05:  # keep the reports fresh
             for nid in NAMES:
                 table.report(nid, waiting=0, running=0, kv_util=rnd.choice([0.1, 0.5]), now=now)

@@ -335,6 +335,7 @@ class Controller:
             key=record.request_id,
             prefill_tokens=q,
             prefill_pairs=q * (record.predicted_hit_tokens + q / 2),
+            context_tokens=ctx.prompt_tokens,
         )
         if ctx.chain:
             speculative = self.config.index_mode == "precise"
@@ -424,6 +425,7 @@ class Controller:
                 sent_at=record.sent_at,
                 now=now,
                 key=record.request_id,
+                context_tokens=record.ctx.prompt_tokens,
             )
             self.policy.on_finished(node.spec.node_id, now)
             self._note_node_failure(node, failure, now)
@@ -486,6 +488,7 @@ class Controller:
                 sent_at=record.sent_at,
                 now=now,
                 key=record.request_id,
+                context_tokens=record.ctx.prompt_tokens,
             )
             self.policy.on_finished(node.spec.node_id, now)
         if record.attempts == 2 and node_done:

@@ -91,6 +91,9 @@ class NodeState:
     # or the moment the previous head got its first token (or was abandoned)
     prefills: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
     prefill_since: float = 0.0
+    # prompt tokens of this gateway's requests in flight on the node: the contexts its
+    # decode steps attend over, which slow every sequence in the batch
+    inflight_context_tokens: int = 0
     cache_weight: float = 1.0  # < 1 while the node has announced a coming eviction
     consecutive_failures: int = 0
 
@@ -232,11 +235,14 @@ class NodeTable:
         key: Hashable = None,
         prefill_tokens: int = 0,
         prefill_pairs: float = 0.0,
+        context_tokens: int = 0,
     ) -> None:
-        """The gateway sent the node a request; ``key`` names its prefill (``prefill_tokens``
-        uncached tokens, ``prefill_pairs`` attention work) until its first token."""
+        """The gateway sent the node a request of ``context_tokens`` prompt tokens; ``key``
+        names its prefill (``prefill_tokens`` uncached tokens, ``prefill_pairs`` attention
+        work) until its first token."""
         state.inflight += 1
         state.sent_since_report += 1
+        state.inflight_context_tokens += context_tokens
         if (prefill_tokens or prefill_pairs) and key is not None:
             queue = state.prefills
             if not queue:  # the node starts on this prefill at once
@@ -252,11 +258,18 @@ class NodeTable:
             self._load_changed(state)
 
     def on_done(
-        self, state: NodeState, *, sent_at: float, now: float, key: Hashable = None
+        self,
+        state: NodeState,
+        *,
+        sent_at: float,
+        now: float,
+        key: Hashable = None,
+        context_tokens: int = 0,
     ) -> None:
-        """A request sent at ``sent_at`` left the node (finished, failed or cancelled);
-        a prefill still queued under ``key`` is abandoned."""
+        """A request sent at ``sent_at`` (of ``context_tokens`` prompt tokens) left the node
+        (finished, failed or cancelled); a prefill still queued under ``key`` is abandoned."""
         state.inflight = max(0, state.inflight - 1)
+        state.inflight_context_tokens = max(0, state.inflight_context_tokens - context_tokens)
         if state.report_time is None or sent_at >= state.report_time:
             state.sent_since_report = max(0, state.sent_since_report - 1)
         self._drop_prefill(state, key, now)
