@@ -52,9 +52,9 @@ token per step in the timing model), so a newcomer's ~200 decode steps slow by
 about ``200 * k`` per in-flight token, 1.74e-5 s on the A100-8B profile. That is
 Dynamo's decode-blocks term. It keeps long-context sessions from piling onto their
 holders (on the simulator's agent workload it cuts requests over the 100 ms TPOT
-target from 70 to about 5 and lets kvgate's goodput pass dynamo_cost's), but it
+target from 70-100 to 1-5 and lets kvgate's goodput pass dynamo_cost's), but it
 also moves conversations off their holders: the conversation trace's hit ratio
-falls by about 0.008, so it is not on by default.
+falls by about 0.007, so it is not on by default.
 
 Two more rules of the ttft form look past the request itself:
 
