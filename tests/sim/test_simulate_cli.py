@@ -91,3 +91,51 @@ def test_simulate_scenario_and_bad_input(capsys: pytest.CaptureFixture[str]) -> 
     assert "announced" in capsys.readouterr().out
     assert main(["simulate", "--policies", "nope", "--limit", "5", "--no-progress"]) == 2
     assert main(["simulate", "--trace", "/nonexistent.jsonl", "--no-progress"]) == 2
+
+
+def test_policy_params_reach_only_their_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--policy-param sets one policy's knob; the report records it, and it changes that
+    policy's run (here: kvgate with its cache bonus off spreads load like least-loaded)."""
+    base = ["simulate", "--workload", "gsp", "--limit", "200", "--nodes", "4", "--no-progress"]
+    runs = {}
+    for label, extra in (
+        ("default", []),
+        (
+            "no_cache",
+            ["--policy-param", "kvgate.cache_gain=0", "--policy-param", "kvgate.form=ttft"],
+        ),
+    ):
+        out = tmp_path / f"{label}.json"
+        code = main([*base, "--policies", "kvgate,round_robin", *extra, "--json", str(out)])
+        assert code == 0
+        runs[label] = json.loads(out.read_text())
+    assert "policy_params" not in runs["default"]
+    assert runs["no_cache"]["policy_params"] == {"kvgate": {"cache_gain": 0, "form": "ttft"}}
+    k0, k1 = runs["default"]["policies"]["kvgate"], runs["no_cache"]["policies"]["kvgate"]
+    assert k1["hit_ratio"] < k0["hit_ratio"]
+    rr0, rr1 = (
+        runs["default"]["policies"]["round_robin"],
+        runs["no_cache"]["policies"]["round_robin"],
+    )
+    assert rr0["hit_ratio"] == rr1["hit_ratio"] and rr0["ttft_p99_s"] == rr1["ttft_p99_s"]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("kvgate", "expected POLICY.NAME=VALUE"),
+        ("kvgate.nope=1", "unexpected keyword argument 'nope'"),
+        ("nosuch.x=1", "unknown routing policy 'nosuch'"),
+        ("kvgate.epsilon=2", "epsilon must be in [0, 1]"),
+    ],
+)
+def test_bad_policy_params_fail_before_simulating(
+    item: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["simulate", "--workload", "gsp", "--find-saturation", "--policy-param", item])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "simulating" not in err

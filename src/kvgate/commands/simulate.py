@@ -17,6 +17,8 @@ from typing import Any
 
 from kvgate.core.admission import AdmissionConfig
 from kvgate.core.config import ControllerConfig
+from kvgate.core.errors import ConfigError
+from kvgate.core.routing import make_policy
 from kvgate.sim.cluster import ClusterConfig
 from kvgate.sim.report import Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
@@ -88,6 +90,14 @@ def add_simulate_parser(sub: Any) -> None:
         default=None,
         help="comma-separated fractions of round robin's saturation speed-up to run at",
     )
+    r.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="POLICY.NAME=VALUE",
+        help="a routing policy's parameter, e.g. kvgate.decode_s_per_context_token=1.74e-5 "
+        "(repeatable; the other policies keep their defaults)",
+    )
     r.add_argument("--json", type=Path, help="write the whole report as JSON")
     r.add_argument("--plot", type=Path, help="draw TTFT distributions and hit ratios (PNG)")
     r.add_argument("--no-progress", action="store_true")
@@ -111,6 +121,38 @@ def _load_workload(args: argparse.Namespace, speedup: float) -> Workload:
     if args.limit:
         w = replace(w, requests=w.requests[: args.limit])
     return scale_rate(w, speedup) if speedup != 1.0 else w
+
+
+def parse_policy_params(items: list[str]) -> dict[str, dict[str, object]]:
+    """``POLICY.NAME=VALUE`` items as {policy: {name: value}}, checked by building each
+    policy; a value is a number, true/false or none. Raises ValueError on a bad item."""
+    out: dict[str, dict[str, object]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        policy, dot, name = key.partition(".")
+        if not sep or not dot or not policy or not name:
+            raise ValueError(f"--policy-param {item!r}: expected POLICY.NAME=VALUE")
+        value: object
+        low = raw.strip().lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        elif low == "none":
+            value = None
+        else:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = raw  # a word (e.g. kvgate.form=brief)
+            else:
+                if value.is_integer() and "." not in raw and "e" not in low:
+                    value = int(value)
+        out.setdefault(policy.strip(), {})[name.strip()] = value
+    for policy, params in out.items():
+        try:
+            make_policy(policy, params)
+        except ConfigError as exc:
+            raise ValueError(f"--policy-param: {exc}") from exc
+    return out
 
 
 def _config(args: argparse.Namespace) -> ClusterConfig:
@@ -241,9 +283,17 @@ def _run_once(args: argparse.Namespace, speedup: float, progress: Progress) -> d
     cfg = _config(args)
     slo = Slo(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
     policies = resolve_policies([p.strip() for p in args.policies.split(",") if p.strip()])
+    params = parse_policy_params(args.policy_param)
     if args.scenario == "none":
         rep = compare(
-            base, cfg, policies, seed=args.seed, slo=slo, clock=time.perf_counter, progress=progress
+            base,
+            cfg,
+            policies,
+            seed=args.seed,
+            slo=slo,
+            clock=time.perf_counter,
+            progress=progress,
+            policy_params=params,
         )
         rep["speedup"] = speedup
         return rep
@@ -265,6 +315,7 @@ def _run_once(args: argparse.Namespace, speedup: float, progress: Progress) -> d
             hooks=plan.hooks,
             clock=time.perf_counter,
             progress=progress,
+            policy_params=params,
         )
         if plan.probe is not None:
             rep["probe"] = {
@@ -279,6 +330,7 @@ def _run_once(args: argparse.Namespace, speedup: float, progress: Progress) -> d
 def run_simulate(args: argparse.Namespace) -> int:
     progress = Progress(not args.no_progress)
     try:
+        parse_policy_params(args.policy_param)  # a bad one fails before any simulation
         report: dict[str, Any]
         if args.find_saturation or args.at_saturation:
             sat = args.saturation or find_saturation(args, progress)

@@ -6,7 +6,7 @@ Every policy in one comparison runs with the same cluster and admission settings
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from kvgate.core.routing import POLICIES
@@ -48,13 +48,17 @@ def run_policy(
     slo: Slo | None = None,
     hooks: Sequence[tuple[float, Hook]] = (),
     clock: Callable[[], float] | None = None,
+    policy_params: Mapping[str, Mapping[str, object]] | None = None,
 ) -> tuple[SimCluster, dict[str, object]]:
     """One simulation of ``workload`` under ``policy``; returns the cluster and its report.
 
     ``clock`` measures wall time for the report (the CLI passes a real clock; the
-    simulation itself never reads one).
+    simulation itself never reads one). ``policy_params``, when given, maps a policy
+    name to its keyword parameters (no entry: its defaults) in place of the config's.
     """
     ctl = replace(config.controller, policy=policy)
+    if policy_params is not None:
+        ctl = replace(ctl, policy_params=dict(policy_params.get(policy, {})))
     cluster = SimCluster(replace(config, controller=ctl), workload, rng=SeededRng(seed))
     cluster.hooks.extend(hooks)
     t0 = clock() if clock else 0.0
@@ -83,6 +87,7 @@ def compare(
     hooks: Sequence[tuple[float, Hook]] = (),
     clock: Callable[[], float] | None = None,
     progress: Callable[[str], None] | None = None,
+    policy_params: Mapping[str, Mapping[str, object]] | None = None,
 ) -> dict[str, object]:
     capacity = config.nodes * config.cache_blocks
     report: dict[str, object] = {
@@ -105,9 +110,20 @@ def compare(
     for name in policies:
         if progress:
             progress(name)
-        _, rep = run_policy(workload, config, name, seed=seed, slo=slo, hooks=hooks, clock=clock)
+        _, rep = run_policy(
+            workload,
+            config,
+            name,
+            seed=seed,
+            slo=slo,
+            hooks=hooks,
+            clock=clock,
+            policy_params=policy_params,
+        )
         results[name] = rep
         wall += float(rep["wall_s"])  # type: ignore[arg-type]
+    if policy_params:
+        report["policy_params"] = {k: dict(v) for k, v in sorted(policy_params.items())}
     report["policies"] = results
     report["wall_s"] = round(wall, 2)
     return report
