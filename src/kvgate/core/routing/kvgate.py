@@ -54,7 +54,7 @@ Dynamo's decode-blocks term. It keeps long-context sessions from piling onto the
 holders (on the simulator's agent workload it cuts requests over the 100 ms TPOT
 target from 70-100 to 1-5 and lets kvgate's goodput pass dynamo_cost's), but it
 also moves conversations off their holders: the conversation trace's hit ratio
-falls by about 0.007, so it is not on by default.
+falls by up to 0.007, so it is not on by default.
 
 Two more rules of the ttft form look past the request itself:
 
