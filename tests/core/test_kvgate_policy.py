@@ -187,6 +187,7 @@ def test_ttft_form_weighs_saved_prefill_against_queued_prefill() -> None:
         cache_gain=2.0,
         decode_s=0.0,
         attention_s_per_pair=0.0,
+        keep_hit_within_s=0.0,  # the score alone
     )
     m = {NodeId("holder"): 10}  # 10 blocks x 64 tokens = 640 tokens = 0.64 s saved
     # 1.0 s of queued prefill on the holder: 2 x 0.64 - 1.0 > 0 -> still the holder
@@ -212,6 +213,7 @@ def test_ttft_form_counts_the_queued_prefill_already_done() -> None:
     p = KvgatePolicy(
         epsilon=0, prefill_tokens_per_s=1000.0, cache_gain=2.0, decode_s=0.0,
         attention_s_per_pair=0.0, kv_pressure_s=0.0,  # (reports go stale by NOW + 10)
+        keep_hit_within_s=0.0,  # the score alone
     )
     m = {NodeId("holder"): 10}
     t.on_sent(c[0], now=NOW, key="a", prefill_tokens=1500)
@@ -303,6 +305,13 @@ def test_ttft_form_keeps_a_hit_that_still_answers_in_time() -> None:
         ctx(blocks=20), c[:2], m, t, FixedRng(0.9), NOW
     )
     assert kept is not None and kept.reason is RouteReason.CACHE_HIT and kept.matched_blocks == 10
+    # behind a queue (two prefills of ours), not one long prefill: no tolerance
+    t.on_sent(c[0], now=NOW, key=2, prefill_tokens=1)
+    d = KvgatePolicy(keep_hit_within_s=8.0, **kw).select(
+        ctx(blocks=20), c[:2], m, t, FixedRng(0.9), NOW
+    )
+    assert d is not None and d.node_id == "idle"
+    t.on_prefilled(c[0], 2, now=NOW)
     # a winner that saves more than keep_hit_share of it is left alone: another holder of
     # 6 blocks, idle, wins on load
     m2 = {NodeId("holder"): 10, NodeId("short"): 6}

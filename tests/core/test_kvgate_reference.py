@@ -174,7 +174,8 @@ class Reference:
             if keep is not None and keep[1] is not best and p.keep_hit_within_s > 0:
                 (km, _, _), ks, kbonus, kq, kpenalty = keep
                 if (
-                    matches.get(best.node_id, 0) <= p.keep_hit_share * km
+                    len(ks.prefills) <= 1
+                    and matches.get(best.node_id, 0) <= p.keep_hit_share * km
                     and kpenalty + self.uncached_s(prompt, km * tpb) <= p.keep_hit_within_s
                 ):
                     best, best_key = ks, (p.cache_gain * kbonus - kpenalty, -kq, -ks.slot)
