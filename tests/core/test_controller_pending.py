@@ -15,11 +15,7 @@ from kvgate.core.nodes import NodeSpec
 
 def cluster() -> Controller:
     ctl = Controller(
-        # the load rule alone: no keep-the-hit tolerance
-        ControllerConfig(
-            hasher="trace", policy_params={"epsilon": 0, "keep_hit_within_s": 0.0}
-        ),
-        rng=random.Random(1),
+        ControllerConfig(hasher="trace", policy_params={"epsilon": 0}), rng=random.Random(1)
     )
     for i in range(2):
         ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}")), 0.0)
