@@ -505,7 +505,8 @@ class KvgatePolicy:
         best_match_tripped = False
         hot_holders = 0
         # the open holder with the longest match (then the lowest penalty): the one
-        # the keep-the-hit rule may give the request back to
+        # the keep-the-hit rule may give the request back to (tracked only if it is on)
+        track_keep = ttft and self.keep_hit_within_s > 0.0
         keep: _Load | None = None
         keep_key = (0, 0.0, 0)
         keep_bonus = 0.0
@@ -537,8 +538,8 @@ class KvgatePolicy:
                     bonus = cap
                 bonus *= load.state.cache_weight
                 score = w_cache * bonus - w_load * load.penalty
-                if (m, -load.penalty, -load.slot) > keep_key:
-                    keep, keep_key, keep_bonus = load, (m, -load.penalty, -load.slot), bonus
+                if track_keep and (k := (m, -load.penalty, -load.slot)) > keep_key:
+                    keep, keep_key, keep_bonus = load, k, bonus
             if score >= best_score:
                 key = (score, -q, -load.slot)
                 if key > best_key:
@@ -559,7 +560,7 @@ class KvgatePolicy:
                 best, best_key, best_bonus = self._rescore_blocking(
                     loads, cands, matches, prompt, tpb, w_cache, now
                 )
-            if keep is not None and keep is not best and self.keep_hit_within_s > 0.0:
+            if keep is not None and keep is not best:
                 keep_m = keep_key[0]
                 if (
                     len(keep.state.prefills) <= 1  # stalled by one prefill, not a queue
