@@ -125,34 +125,36 @@ def _load_workload(args: argparse.Namespace, speedup: float) -> Workload:
 
 def parse_policy_params(items: list[str]) -> dict[str, dict[str, object]]:
     """``POLICY.NAME=VALUE`` items as {policy: {name: value}}, checked by building each
-    policy; a value is a number, true/false or none. Raises ValueError on a bad item."""
+    policy. Raises ValueError on a bad item."""
     out: dict[str, dict[str, object]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         policy, dot, name = key.partition(".")
         if not sep or not dot or not policy or not name:
             raise ValueError(f"--policy-param {item!r}: expected POLICY.NAME=VALUE")
-        value: object
-        low = raw.strip().lower()
-        if low in ("true", "false"):
-            value = low == "true"
-        elif low == "none":
-            value = None
-        else:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = raw  # a word (e.g. kvgate.form=brief)
-            else:
-                if value.is_integer() and "." not in raw and "e" not in low:
-                    value = int(value)
-        out.setdefault(policy.strip(), {})[name.strip()] = value
+        out.setdefault(policy.strip(), {})[name.strip()] = _param_value(raw)
     for policy, params in out.items():
         try:
             make_policy(policy, params)
         except ConfigError as exc:
             raise ValueError(f"--policy-param: {exc}") from exc
     return out
+
+
+def _param_value(raw: str) -> object:
+    """true/false, none, an integer, a float, or else the word (e.g. kvgate.form=brief)."""
+    text = raw.strip()
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _config(args: argparse.Namespace) -> ClusterConfig:
@@ -278,12 +280,16 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _run_once(args: argparse.Namespace, speedup: float, progress: Progress) -> dict[str, Any]:
+def _run_once(
+    args: argparse.Namespace,
+    speedup: float,
+    progress: Progress,
+    params: dict[str, dict[str, object]],
+) -> dict[str, Any]:
     base = _load_workload(args, speedup)
     cfg = _config(args)
     slo = Slo(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
     policies = resolve_policies([p.strip() for p in args.policies.split(",") if p.strip()])
-    params = parse_policy_params(args.policy_param)
     if args.scenario == "none":
         rep = compare(
             base,
@@ -330,16 +336,16 @@ def _run_once(args: argparse.Namespace, speedup: float, progress: Progress) -> d
 def run_simulate(args: argparse.Namespace) -> int:
     progress = Progress(not args.no_progress)
     try:
-        parse_policy_params(args.policy_param)  # a bad one fails before any simulation
+        params = parse_policy_params(args.policy_param)  # bad ones fail before any run
         report: dict[str, Any]
         if args.find_saturation or args.at_saturation:
             sat = args.saturation or find_saturation(args, progress)
             report = {"round_robin_saturation_speedup": sat, "runs": {}}
             fractions = [float(f) for f in (args.at_saturation or "").split(",") if f]
             for f in fractions:
-                report["runs"][f"{f:g}"] = _run_once(args, f * sat, progress)
+                report["runs"][f"{f:g}"] = _run_once(args, f * sat, progress, params)
         else:
-            report = _run_once(args, args.speedup, progress)
+            report = _run_once(args, args.speedup, progress, params)
     except (OSError, ValueError) as exc:
         progress.done()
         print(f"kvgate simulate: {exc}", file=sys.stderr)
