@@ -363,24 +363,17 @@ def test_failures_map_to_the_same_kinds_as_aiohttp() -> None:
                 r.close()
                 assert classify_exception(short.value) is FailureKind.UPSTREAM_ERROR
 
-                # total timeout, before the headers and while reading a body
-                with pytest.raises(TimeoutError) as tot:
-                    await c.request(t("/hang"), b"{}", {}, total_timeout=0.2)
-                assert classify_exception(tot.value) is FailureKind.TIMEOUT
-                r = await c.request(t("/trickle"), b"{}", {}, total_timeout=0.3)
-                assert await r.content.readany() == b"data: x\n\n"
-                with pytest.raises(TimeoutError):
-                    await r.content.readany()
-                r.close()
-                # read (idle) timeout, before the headers and between chunks
-                with pytest.raises(TimeoutError) as idle:
-                    await c.request(t("/hang"), b"{}", {}, read_timeout=0.2)
-                assert classify_exception(idle.value) is FailureKind.TIMEOUT
-                r = await c.request(t("/trickle"), b"{}", {}, read_timeout=0.2)
-                assert await r.content.readany() == b"data: x\n\n"
-                with pytest.raises(TimeoutError):
-                    await r.content.readany()
-                r.close()
+                # the total and the read (idle) timeout, each before the headers and
+                # while reading a body (between chunks)
+                for kind in ("total_timeout", "read_timeout"):
+                    with pytest.raises(TimeoutError) as before:
+                        await c.request(t("/hang"), b"{}", {}, **{kind: 0.2})
+                    assert classify_exception(before.value) is FailureKind.TIMEOUT
+                    r = await c.request(t("/trickle"), b"{}", {}, **{kind: 0.3})
+                    assert await r.content.readany() == b"data: x\n\n"
+                    with pytest.raises(TimeoutError):
+                        await r.content.readany()
+                    r.close()
                 assert c.open_connections == 0  # every failed exchange was closed
             await asyncio.sleep(0.05)
             assert srv.closed_by_peer >= 4
