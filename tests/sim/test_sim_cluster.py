@@ -138,3 +138,42 @@ def test_same_seed_same_report_bytes_across_processes() -> None:
         outs.append(res.stdout)
     assert outs[0] == outs[1]
     assert json.loads(outs[0])["policies"]["kvgate"]["completed"] > 0
+
+
+def test_closed_loop_request_arrives_its_think_time_after_the_answer() -> None:
+    from kvgate.sim.report import ttft
+    from kvgate.sim.workload import SimRequest, Workload
+
+    def req(rid: str, t: float, blocks: int, **kw: object) -> SimRequest:
+        return SimRequest(
+            request_id=rid,
+            arrival_s=t,
+            prompt_tokens=512 * blocks,
+            output_tokens=20,
+            block_ids=tuple(range(blocks)),
+            **kw,  # type: ignore[arg-type]
+        )
+
+    w = Workload(
+        name="w",
+        block_tokens=512,
+        requests=(
+            req("a", 0.0, 8),
+            req("b", 0.1, 9, after="a", think_s=0.5),  # planned 0.1 s, sent on a's answer
+            req("huge", 0.0, 1000),  # longer than a node's context: rejected at once
+            req("c", 0.2, 2, after="huge", think_s=0.25),
+        ),
+    )
+    cluster, rep = run_policy(w, small_config(nodes=1), "kvgate")
+    out = cluster.outcomes
+    a, b, c = out["a"], out["b"], out["c"]
+    assert a.status == b.status == c.status == "completed" and out["huge"].status == "rejected"
+    assert a.ended_s is not None and a.ended_s > 0.2  # well after b's plan
+    assert b.arrived_s == pytest.approx(a.ended_s + 0.5)  # not at its planned 0.1 s
+    assert c.arrived_s == pytest.approx(0.25)  # released by the rejection, too
+    assert ttft(b) == pytest.approx(b.first_token_s - b.arrived_s)
+    assert rep["completed"] == 3 and rep["rejected"] == 1
+    # without its predecessor in the workload, a request keeps its planned time
+    alone = Workload(name="w", block_tokens=512, requests=(req("b", 0.1, 9, after="a"),))
+    cluster, _ = run_policy(alone, small_config(nodes=1), "kvgate")
+    assert cluster.outcomes["b"].arrived_s == pytest.approx(0.1)

@@ -139,3 +139,27 @@ def test_bad_policy_params_fail_before_simulating(
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "simulating" not in err
+
+
+def test_closed_loop_runs_sessions_on_answers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--closed-loop sends an agent's next step on the previous answer; the saturation
+    search stays on the open-loop plan, so both runs share one speed-up."""
+    reports = []
+    for extra in ([], ["--closed-loop"]):
+        out = tmp_path / f"r{len(reports)}.json"
+        argv = ["simulate", "--workload", "agent", "--limit", "80", "--nodes", "2"]
+        argv += ["--policies", "round_robin", "--find-saturation", "--at-saturation", "0.9"]
+        assert main([*argv, *extra, "--no-progress", "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    opened, closed = reports
+    assert opened["round_robin_saturation_speedup"] == closed["round_robin_saturation_speedup"]
+    o, c = (r["runs"]["0.9"]["policies"]["round_robin"] for r in reports)
+    assert o["completed"] == c["completed"] == 80
+    assert c["span_s"] > o["span_s"]  # each step waits for the answer before it
+    assert c["ttft_p99_s"] < o["ttft_p99_s"]  # and no longer queues behind its own task
+    capsys.readouterr()
+    bad = ["simulate", "--workload", "gsp", "--closed-loop", "--limit", "5", "--no-progress"]
+    assert main(bad) == 2
+    assert "--closed-loop applies to the session workloads" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import pairwise
 
 import pytest
@@ -159,6 +160,26 @@ def test_agent_loops_structure() -> None:
             added = cur.prompt_tokens - prev.prompt_tokens
             assert prev.output_tokens + 500 <= added <= prev.output_tokens + 2000
             assert _shared(prev, cur) == prev.prompt_tokens // 512
+
+
+@pytest.mark.parametrize("gen", [multi_turn_chat, agent_loops])
+def test_closed_loop_sessions_wait_for_the_previous_answer(gen: Gen) -> None:
+    """Closed loop changes when a session's next request is sent, nothing else: the same
+    prompts and plan, each later request waiting for its predecessor plus the gap."""
+    kw = {"num_sessions": 30} if gen is multi_turn_chat else {"num_tasks": 30}
+    opened = gen(rng=random.Random(8), **kw)
+    closed = gen(rng=random.Random(8), closed_loop=True, **kw)
+    assert all(r.after is None and r.think_s == 0.0 for r in opened.requests)
+    assert tuple(replace(r, after=None, think_s=0.0) for r in closed.requests) == opened.requests
+    by_id = {r.request_id: r for r in closed.requests}
+    sessions: dict[str | None, list[SimRequest]] = {}
+    for r in closed.requests:
+        sessions.setdefault(r.session, []).append(r)
+    for steps in sessions.values():
+        assert steps[0].after is None
+        for prev, cur in pairwise(steps):
+            assert cur.after == prev.request_id and by_id[cur.after] is prev
+            assert cur.think_s == pytest.approx(cur.arrival_s - prev.arrival_s)
 
 
 def test_zipf_prefixes_popularity() -> None:

@@ -299,3 +299,20 @@ def test_concat_places_workloads_back_to_back() -> None:
     c = concat(a, a, gap_s=1.0)
     assert [r.arrival_s for r in c.requests][9:11] == [9.0, 10.0]
     assert math.isclose(c.duration_s, 19.0)
+
+
+def test_closed_loop_requests_are_checked_scaled_and_merged() -> None:
+    a = _req("a", 0.0, (1,))
+    b = _req("b", 1.0, (1, 2), after="a", think_s=2.0)
+    w = Workload(name="w", block_tokens=512, requests=(b, a))  # sorted: a first
+    assert [r.request_id for r in w.requests] == ["a", "b"]
+    with pytest.raises(ValueError, match="planned after it"):  # a chain could loop
+        Workload(name="w", block_tokens=512, requests=(_req("a", 0.0, (1,), after="b"), b))
+    with pytest.raises(ValueError, match="wait for itself"):
+        _req("a", 0.0, (1,), after="a")
+    with pytest.raises(ValueError, match="think_s"):
+        _req("b", 1.0, (1,), after="a", think_s=-1.0)
+    fast = scale_rate(w, 4)
+    assert fast.requests[1].arrival_s == 0.25 and fast.requests[1].think_s == 0.5
+    m = merge(w, w)
+    assert [r.after for r in m.requests if r.after] == ["0.w:a", "1.w:a"]

@@ -27,6 +27,7 @@ from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_gro
 from kvgate.sim.workload import Workload, load_mooncake_trace, scale_rate
 
 SYNTHETIC = ("gsp", "chat", "agent", "zipf")
+CLOSED_LOOP = ("chat", "agent")  # the synthetic workloads made of sessions
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -53,6 +54,13 @@ def add_simulate_parser(sub: Any) -> None:
         help="replay a bucketed trace timestamp as a burst or spread to the next (spread)",
     )
     w.add_argument("--rate", type=float, default=None, help="synthetic arrival rate (rps)")
+    w.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="chat and agent: send a session's next request only after the previous one "
+        "is answered, plus its think time (default: open loop, at the planned times; "
+        "--find-saturation then searches on the open-loop arrivals)",
+    )
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=8)
     c.add_argument("--gateways", type=int, default=1)
@@ -103,8 +111,21 @@ def add_simulate_parser(sub: Any) -> None:
     r.add_argument("--no-progress", action="store_true")
 
 
-def _load_workload(args: argparse.Namespace, speedup: float) -> Workload:
+def check_closed_loop(args: argparse.Namespace) -> None:
+    """--closed-loop needs a workload made of sessions. Raises ValueError."""
+    if args.closed_loop and (args.trace is not None or args.workload not in CLOSED_LOOP):
+        raise ValueError(
+            f"--closed-loop applies to the session workloads ({', '.join(CLOSED_LOOP)}); "
+            "a trace or another workload has no sessions to close"
+        )
+
+
+def _load_workload(
+    args: argparse.Namespace, speedup: float, *, open_loop: bool = False
+) -> Workload:
+    """The workload of ``args`` at ``speedup``; ``open_loop`` ignores --closed-loop."""
     rng = SeededRng(args.seed)
+    closed = args.closed_loop and not open_loop
     if args.trace is not None:
         return load_mooncake_trace(
             args.trace, speedup=speedup, bucket_mode=args.bucket, limit=args.limit
@@ -113,9 +134,9 @@ def _load_workload(args: argparse.Namespace, speedup: float) -> Workload:
     if kind == "gsp":
         w = shared_prefix_groups(rng=rng, arrivals=args.rate or 16.0)
     elif kind == "chat":
-        w = multi_turn_chat(rng=rng, arrivals=args.rate or 0.5)
+        w = multi_turn_chat(rng=rng, arrivals=args.rate or 0.5, closed_loop=closed)
     elif kind == "agent":
-        w = agent_loops(rng=rng, arrivals=args.rate or 0.2)
+        w = agent_loops(rng=rng, arrivals=args.rate or 0.2, closed_loop=closed)
     else:
         w = zipf_prefixes(rng=rng, arrivals=args.rate or 4.0)
     if args.limit:
@@ -210,12 +231,16 @@ def find_saturation(args: argparse.Namespace, progress: Progress) -> float:
     cfg = _config(args)
     lo, hi = 0.25, 16.0
     progress(f"round_robin unloaded reference x{lo:.2f}")
-    _, base = run_policy(_load_workload(args, lo), cfg, "round_robin", seed=args.seed)
+    # Closed-loop sessions slow down instead of queueing, so the point where arrivals
+    # outrun round robin is searched on the open-loop plan (same prompts, same starts).
+    _, base = run_policy(
+        _load_workload(args, lo, open_loop=True), cfg, "round_robin", seed=args.seed
+    )
     base_e2e = float(base["e2e_p99_s"])
     for _ in range(7):
         mid = (lo * hi) ** 0.5
         progress(f"round_robin saturation probe x{mid:.2f}")
-        w = _load_workload(args, mid)
+        w = _load_workload(args, mid, open_loop=True)
         _, rep = run_policy(w, cfg, "round_robin", seed=args.seed)
         if keeps_up(rep, w, base_e2e):
             lo = mid
@@ -337,6 +362,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     progress = Progress(not args.no_progress)
     try:
         params = parse_policy_params(args.policy_param)  # bad ones fail before any run
+        check_closed_loop(args)
         report: dict[str, Any]
         if args.find_saturation or args.at_saturation:
             sat = args.saturation or find_saturation(args, progress)

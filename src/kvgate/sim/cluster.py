@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvgate.core.admission import FailureKind, InProcessCoordinator
 from kvgate.core.config import ControllerConfig
@@ -78,6 +79,7 @@ class RequestOutcome:
 
     req: SimRequest
     gateway: int
+    arrived_s: float = 0.0  # when it reached its gateway (req.arrival_s unless closed loop)
     status: str = ""  # "completed" | "rejected" | "failed"; "" while open
     reason: str = ""
     node: str = ""
@@ -170,6 +172,8 @@ class SimCluster:
         self.funnel: Counter[str] = Counter()
         self._seen_blocks: set[int] = set()
         self._ideal: dict[str, int] = {}
+        # closed loop: the requests waiting for each request's end, with their gateways
+        self._followers: dict[str, list[tuple[SimRequest, int]]] = {}
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
@@ -182,9 +186,13 @@ class SimCluster:
         loop.at(0.0, self._health)
         for at, fn in self.hooks:
             loop.at(at, lambda fn=fn: fn(self))
+        ids = {r.request_id for r in self.workload.requests}
         for i, req in enumerate(self.workload.requests):
             g = i % len(self.gateways)
-            loop.at(req.arrival_s, lambda r=req, g=g: self._arrive(r, g))
+            if req.after is not None and req.after in ids:  # closed loop: sent on its answer
+                self._followers.setdefault(req.after, []).append((req, g))
+            else:
+                loop.at(req.arrival_s, lambda r=req, g=g: self._arrive(r, g))
         loop.run()
 
     def busy(self) -> bool:
@@ -193,7 +201,7 @@ class SimCluster:
     # ------------------------------------------------------------------ gateways
     def _arrive(self, req: SimRequest, g: int) -> None:
         self._arrivals_left -= 1
-        out = RequestOutcome(req=req, gateway=g)
+        out = RequestOutcome(req=req, gateway=g, arrived_s=self.loop.now)
         self.outcomes[req.request_id] = out
         seen = self._seen_blocks
         ideal = 0
@@ -234,6 +242,8 @@ class SimCluster:
             raise AssertionError(f"request {request_id} ended twice ({out.status}, {status})")
         out.status, out.reason, out.ended_s = status, reason, now
         self._open -= 1
+        for req, g in self._followers.pop(request_id, ()):  # the session's next step
+            self.loop.after(req.think_s, partial(self._arrive, req, g))
 
     def _send(self, g: int, d: Dispatch) -> None:
         out = self.outcomes[d.request_id]
@@ -313,7 +323,7 @@ class SimCluster:
                 block_hashes=req.block_ids[:full],
                 max_tokens=max(1, req.output_tokens),
                 priority=req.priority,
-                arrival=req.arrival_s,
+                arrival=att.outcome.arrived_s,
             ),
             now,
         )

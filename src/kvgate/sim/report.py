@@ -55,7 +55,7 @@ def _r(x: float, nd: int = 4) -> float:
 def ttft(o: RequestOutcome) -> float | None:
     if o.status != "completed" or o.first_token_s is None:
         return None
-    return o.first_token_s - o.req.arrival_s
+    return o.first_token_s - o.arrived_s
 
 
 def tpot(o: RequestOutcome) -> float | None:
@@ -91,8 +91,8 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
     done = [o for o in outs if o.status == "completed"]
     ttfts = [t for o in done if (t := ttft(o)) is not None]
     tpots = [p for o in done if (p := tpot(o)) is not None]
-    e2es = [o.finished_s - o.req.arrival_s for o in done if o.finished_s is not None]
-    first = min((o.req.arrival_s for o in outs), default=0.0)
+    e2es = [o.finished_s - o.arrived_s for o in done if o.finished_s is not None]
+    first = min((o.arrived_s for o in outs), default=0.0)
     last = max((o.ended_s or 0.0 for o in outs), default=0.0)
     span = max(last - first, 1e-9)
     block = cluster.block_tokens

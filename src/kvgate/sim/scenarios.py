@@ -188,9 +188,7 @@ def p0_admit_shares(c: SimCluster, start: float, end: float) -> tuple[float, flo
     """Share of offered P0 requests admitted (not rejected) before and during a window."""
 
     def share(lo: float, hi: float) -> float:
-        offered = [
-            o for o in c.outcomes.values() if o.req.priority == 0 and lo <= o.req.arrival_s < hi
-        ]
+        offered = [o for o in c.outcomes.values() if o.req.priority == 0 and lo <= o.arrived_s < hi]
         if not offered:
             return 1.0
         admitted = sum(1 for o in offered if o.status != "rejected")

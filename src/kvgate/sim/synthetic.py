@@ -105,6 +105,27 @@ def shared_prefix_groups(
     return build_workload(name, block_tokens, drafts)
 
 
+def _session_draft(
+    t: float,
+    context: list[Segment],
+    out: int,
+    session: str,
+    prev: int | None,
+    gap: float,
+    closed_loop: bool,
+) -> Draft:
+    """One request of a session planned at ``t``; closed loop, it is sent ``gap`` after
+    the answer to draft ``prev`` instead."""
+    return Draft(
+        arrival_s=t,
+        segments=tuple(context),
+        output_tokens=out,
+        session=session,
+        after=prev if closed_loop else None,
+        think_s=gap if closed_loop else 0.0,
+    )
+
+
 def multi_turn_chat(
     *,
     rng: Rng,
@@ -117,6 +138,7 @@ def multi_turn_chat(
     think_time_s: float = 10.0,
     block_tokens: int = 512,
     name: str = "chat",
+    closed_loop: bool = False,
 ) -> Workload:
     """Chat sessions sharing one system prompt; ``arrivals`` starts sessions.
 
@@ -124,7 +146,9 @@ def multi_turn_chat(
     previous prompt, the previous output and a new user message. So turn *k+1* shares
     every *full* block of turn *k*'s prompt; turn *k*'s partial last block is not shared
     (new tokens fill it). Turn *k+1* arrives an exponential think time (mean
-    ``think_time_s``) after turn *k* arrives. Sessions are ``"<name>-s<i>"``.
+    ``think_time_s``) after turn *k* arrives, or, with ``closed_loop``, that think time
+    after turn *k* is answered (the same draws, so the same prompts). Sessions are
+    ``"<name>-s<i>"``.
     """
     if num_sessions < 0:
         raise ValueError("num_sessions must be >= 0")
@@ -134,17 +158,17 @@ def multi_turn_chat(
     for s, start in enumerate(starts):
         session = f"{name}-s{s}"
         context: list[Segment] = [system]
-        t = start
+        t, think, prev = start, 0.0, None
         n_turns = _span(rng, turns)
         for k in range(n_turns):
             context.append(Segment(segment_key(name, s, "user", k), _span(rng, user_tokens)))
             out = _span(rng, output_tokens)
-            drafts.append(
-                Draft(arrival_s=t, segments=tuple(context), output_tokens=out, session=session)
-            )
+            drafts.append(_session_draft(t, context, out, session, prev, think, closed_loop))
+            prev = len(drafts) - 1
             context.append(Segment(segment_key(name, s, "assistant", k), out))
             if k + 1 < n_turns:
-                t += exponential(rng, think_time_s)
+                think = exponential(rng, think_time_s)
+                t += think
     return build_workload(name, block_tokens, drafts)
 
 
@@ -162,14 +186,18 @@ def agent_loops(
     output_tokens: Range = (50, 200),
     block_tokens: int = 512,
     name: str = "agent",
+    closed_loop: bool = False,
 ) -> Workload:
     """Agent/tool loops; ``arrivals`` starts tasks.
 
     A task picks one of ``agent_types`` (uniformly), whose long tool/system prefix all
     its tasks share, then a task description. Each of its K steps sends the whole
     context and gets a short output (a tool call); the next step, a uniform
-    ``step_gap_s`` later, appends that output and the tool's result. Sessions are
-    ``"<name>-t<i>"``.
+    ``step_gap_s`` later, appends that output and the tool's result. Open loop (the
+    default), "later" counts from the previous step's arrival, so under load a task
+    has several steps in flight at once; with ``closed_loop`` it counts from the
+    previous step's answer, as a real agent must wait for it (the same draws, so the
+    same prompts). Sessions are ``"<name>-t<i>"``.
     """
     if num_tasks < 0 or agent_types < 1:
         raise ValueError("need num_tasks >= 0 and agent_types >= 1")
@@ -184,19 +212,19 @@ def agent_loops(
             prefixes[pick_index(rng, agent_types)],
             Segment(segment_key(name, i, "task"), _span(rng, task_tokens)),
         ]
-        t = start
+        t, gap, prev = start, 0.0, None
         n_steps = _span(rng, steps)
         for k in range(n_steps):
             out = _span(rng, output_tokens)
-            drafts.append(
-                Draft(arrival_s=t, segments=tuple(context), output_tokens=out, session=session)
-            )
+            drafts.append(_session_draft(t, context, out, session, prev, gap, closed_loop))
+            prev = len(drafts) - 1
             if k + 1 < n_steps:
                 context.append(Segment(segment_key(name, i, "call", k), out))
                 context.append(
                     Segment(segment_key(name, i, "result", k), _span(rng, tool_output_tokens))
                 )
-                t += uniform(rng, step_gap_s[0], step_gap_s[1])
+                gap = uniform(rng, step_gap_s[0], step_gap_s[1])
+                t += gap
     return build_workload(name, block_tokens, drafts)
 
 

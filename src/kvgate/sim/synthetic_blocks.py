@@ -75,6 +75,10 @@ class Draft:
     segments: tuple[Segment, ...]
     output_tokens: int
     session: str | None = None
+    # closed loop: the index (in the drafts list) of the draft whose answer this one
+    # waits for, and the time after that answer it is sent
+    after: int | None = None
+    think_s: float = 0.0
 
 
 def build_workload(name: str, block_tokens: int, drafts: Sequence[Draft]) -> Workload:
@@ -83,21 +87,24 @@ def build_workload(name: str, block_tokens: int, drafts: Sequence[Draft]) -> Wor
     Request ids are ``<name>-<k>``, *k* the position in arrival order.
     """
     order = sorted(range(len(drafts)), key=lambda k: drafts[k].arrival_s)
+    rid = {k: f"{name}-{pos}" for pos, k in enumerate(order)}
     remap: dict[int, int] = {}
     reqs: list[SimRequest] = []
-    for pos, k in enumerate(order):
+    for k in order:
         d = drafts[k]
         ids = tuple(
             remap.setdefault(h, len(remap)) for h in chained_block_hashes(d.segments, block_tokens)
         )
         reqs.append(
             SimRequest(
-                request_id=f"{name}-{pos}",
+                request_id=rid[k],
                 arrival_s=d.arrival_s,
                 prompt_tokens=sum(s.tokens for s in d.segments),
                 output_tokens=d.output_tokens,
                 block_ids=ids,
                 session=d.session,
+                after=None if d.after is None else rid[d.after],
+                think_s=d.think_s,
             )
         )
     return Workload(name=name, block_tokens=block_tokens, requests=tuple(reqs))

@@ -68,10 +68,14 @@ def assign_classes(
 
 
 def scale_rate(workload: Workload, factor: float) -> Workload:
-    """Multiply the arrival rate by ``factor`` (arrival times divided by it)."""
+    """Multiply the arrival rate by ``factor`` (arrival times, and the think times of
+    closed-loop requests, divided by it)."""
     if not (math.isfinite(factor) and factor > 0):
         raise ValueError("factor must be a finite number > 0")
-    reqs = tuple(replace(r, arrival_s=r.arrival_s / factor) for r in workload.requests)
+    reqs = tuple(
+        replace(r, arrival_s=r.arrival_s / factor, think_s=r.think_s / factor)
+        for r in workload.requests
+    )
     return replace(workload, requests=reqs)
 
 
@@ -134,6 +138,7 @@ def _combine(
                 arrival_s=r.arrival_s + off,
                 block_ids=tuple(b + shift for b in r.block_ids) if shift else r.block_ids,
                 session=None if r.session is None else prefix + r.session,
+                after=None if r.after is None else prefix + r.after,
             )
             for r in w.requests
         )

@@ -26,7 +26,14 @@ PRIORITIES = (0, 1, 2)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimRequest:
-    """One request of a workload: lengths, arrival time and prompt block ids."""
+    """One request of a workload: lengths, arrival time and prompt block ids.
+
+    ``after`` makes the request closed loop: it is the next step of a session that
+    cannot be sent before the answer to request ``after`` (an agent's next step carries
+    the previous step's output), so it arrives ``think_s`` after that request ends,
+    whatever ``arrival_s`` says. ``arrival_s`` is then the open-loop plan: it orders the
+    workload and is used if ``after`` is not in the workload (cut out by a window).
+    """
 
     request_id: str
     arrival_s: float
@@ -37,10 +44,16 @@ class SimRequest:
     priority: int = 1
     session: str | None = None
     model: str = ""
+    after: str | None = None
+    think_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("SimRequest needs a non-empty request_id")
+        if not (math.isfinite(self.think_s) and self.think_s >= 0):
+            raise ValueError(f"{self.request_id}: think_s must be finite and >= 0")
+        if self.after == self.request_id:
+            raise ValueError(f"{self.request_id}: a request cannot wait for itself")
         if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
             raise ValueError(f"{self.request_id}: arrival_s must be finite and >= 0")
         if self.prompt_tokens < 0 or self.output_tokens < 0:
@@ -72,10 +85,16 @@ class Workload:
         if any(a.arrival_s > b.arrival_s for a, b in pairwise(reqs)):
             reqs = tuple(sorted(reqs, key=_by_arrival))
         object.__setattr__(self, "requests", reqs)
+        ids = {r.request_id for r in reqs}
         seen: set[str] = set()
         for r in reqs:
             if r.request_id in seen:
                 raise ValueError(f"workload {self.name!r}: duplicate request_id {r.request_id!r}")
+            if r.after in ids and r.after not in seen:  # so a chain can never loop
+                raise ValueError(
+                    f"workload {self.name!r}: {r.request_id!r} waits for {r.after!r}, "
+                    "which is planned after it"
+                )
             seen.add(r.request_id)
 
     @property
