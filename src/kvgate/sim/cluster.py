@@ -17,6 +17,10 @@ All gateways share one in-process coordinator (refreshing every
 :class:`~kvgate.engine.SimEngine`s stepped by the loop: a step starting at ``t``
 delivers its results at ``t + duration`` and the next step starts then.
 
+Requests arrive at their planned ``arrival_s`` (gateways in turn), except a
+closed-loop request (``after`` set), which arrives ``think_s`` after the request it
+waits for has ended; latencies count from the real arrival (``arrived_s``).
+
 Every request ends with exactly one terminal outcome (completed, rejected with
 a reason, failed with a reason); :meth:`SimCluster.check_outcomes` verifies it.
 """
