@@ -24,7 +24,7 @@ def test_ruff_clean() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_mypy_strict_on_core() -> None:
+def test_mypy_strict_on_package() -> None:
     pytest.importorskip("mypy")
     res = _run([sys.executable, "-m", "mypy"])
     assert res.returncode == 0, res.stdout + res.stderr

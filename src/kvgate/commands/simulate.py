@@ -236,7 +236,9 @@ def find_saturation(args: argparse.Namespace, progress: Progress) -> float:
     _, base = run_policy(
         _load_workload(args, lo, open_loop=True), cfg, "round_robin", seed=args.seed
     )
-    base_e2e = float(base["e2e_p99_s"])
+    e2e_p99 = base["e2e_p99_s"]
+    assert isinstance(e2e_p99, int | float), "an unloaded run completes requests"
+    base_e2e = float(e2e_p99)
     for _ in range(7):
         mid = (lo * hi) ** 0.5
         progress(f"round_robin saturation probe x{mid:.2f}")

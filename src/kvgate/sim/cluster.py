@@ -186,17 +186,17 @@ class SimCluster:
         # first load reports are on their way before the first arrival.
         loop.at(0.0, self._report)
         for g in range(len(self.gateways)):
-            loop.at(0.0, lambda g=g: self._tick(g))
+            loop.at(0.0, partial(self._tick, g))
         loop.at(0.0, self._health)
         for at, fn in self.hooks:
-            loop.at(at, lambda fn=fn: fn(self))
+            loop.at(at, partial(fn, self))
         ids = {r.request_id for r in self.workload.requests}
         for i, req in enumerate(self.workload.requests):
             g = i % len(self.gateways)
             if req.after is not None and req.after in ids:  # closed loop: sent on its answer
                 self._followers.setdefault(req.after, []).append((req, g))
             else:
-                loop.at(req.arrival_s, lambda r=req, g=g: self._arrive(r, g))
+                loop.at(req.arrival_s, partial(self._arrive, req, g))
         loop.run()
 
     def busy(self) -> bool:
@@ -282,7 +282,7 @@ class SimCluster:
                 continue
             m = n.engine.metrics()
             snap = (m.num_requests_waiting, m.num_requests_running, m.kv_cache_usage_perc)
-            self.loop.after(delay, lambda n=n, s=snap: self._deliver_report(n, s))
+            self.loop.after(delay, partial(self._deliver_report, n, snap))
         if self.busy():
             self.loop.after(self.config.report_interval_s, self._report)
 
@@ -369,14 +369,14 @@ class SimCluster:
         node.decode_tokens += out.num_decode_seqs
         delay = self.config.network_delay_s
         for eid in out.first_token_ids:
-            self.loop.after(delay, lambda eid=eid: self._first_byte(eid))
+            self.loop.after(delay, partial(self._first_byte, eid))
         for fin in out.finished:
             self.loop.after(
-                delay, lambda f=fin: self._finished(f.request_id, f.cached_tokens, f.output_tokens)
+                delay, partial(self._finished, fin.request_id, fin.cached_tokens, fin.output_tokens)
             )
         for rej in out.rejected:
             kind = _failure_of(rej.reject_kind)
-            self.loop.after(delay, lambda eid=rej.request_id, k=kind: self._attempt_failed(eid, k))
+            self.loop.after(delay, partial(self._attempt_failed, rej.request_id, kind))
         self._step(node)
 
     def _drain_events(self, node: SimNode) -> None:
@@ -386,9 +386,7 @@ class SimCluster:
         precise = self.config.controller.index_mode == "precise"
         for ev in events:
             if isinstance(ev, EvictionAnnounced | EvictionDone) or precise:
-                self.loop.after(
-                    self.config.event_delay_s, lambda ev=ev: self._deliver_event(node, ev)
-                )
+                self.loop.after(self.config.event_delay_s, partial(self._deliver_event, node, ev))
 
     def _deliver_event(self, node: SimNode, ev: object) -> None:
         now = self.loop.now
@@ -470,7 +468,7 @@ class SimCluster:
         for eid in failed:
             self.loop.after(
                 self.config.network_delay_s,
-                lambda eid=eid: self._attempt_failed(eid, FailureKind.UPSTREAM_ERROR),
+                partial(self._attempt_failed, eid, FailureKind.UPSTREAM_ERROR),
             )
 
     def recover_node(self, index: int) -> None:

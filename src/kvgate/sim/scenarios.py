@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kvgate.core.admission import AdmissionConfig, Priority
-from kvgate.core.ids import TenantId
 from kvgate.core.rng import Rng
 from kvgate.sim.cluster import ClusterConfig, SimCluster
 from kvgate.sim.runner import Hook
@@ -157,7 +156,7 @@ def tenant_flood(
 ) -> Plan:
     tenants = {"alpha": 1.0, "beta": 1.0, "gamma": 1.0}
     wl = assign_classes(base, tenants=tenants, priorities={}, rng=rng)
-    quotas = {TenantId(t): 10_000 for t in tenants} | {TenantId("flood"): quota}
+    quotas: dict[str, int] = {t: 10_000 for t in tenants} | {"flood": quota}
     adm: AdmissionConfig = replace(config.controller.admission, tenant_quotas=quotas)
     cfg = replace(config, controller=replace(config.controller, admission=adm))
     if flood:
