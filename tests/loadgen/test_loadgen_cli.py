@@ -53,6 +53,20 @@ def test_flags_reach_the_config() -> None:
     assert math.isinf(config_from_args(_parse("--rate", "inf")).rate)
 
 
+def test_closed_loop_flag_links_sessions() -> None:
+    open_cfg = config_from_args(_parse("--workload", "agent", "--num-requests", "40"))
+    closed = config_from_args(_parse("--workload", "agent", "--num-requests", "40",
+                                     "--closed-loop"))
+    assert not any(r.after for r in open_cfg.workload.requests)
+    assert not open_cfg.settings("m")["closed_loop"] and closed.settings("m")["closed_loop"]
+    # the same prompts; every later step of a task waits for the step before it
+    pairs = zip(open_cfg.workload.requests, closed.workload.requests, strict=True)
+    assert all(o.block_ids == c.block_ids for o, c in pairs)
+    by_id = {r.request_id: r for r in closed.workload.requests}
+    followers = [r for r in closed.workload.requests if r.after is not None]
+    assert followers and all(by_id[r.after].session == r.session for r in followers)
+
+
 @pytest.mark.parametrize("argv", [
     ["--rate", "0"], ["--rate", "x"], ["--concurrency", "0"], ["--workload", "nope"],
     ["--workload", "gsp", "--trace", "f.jsonl"], ["--endpoint", "embeddings"],
@@ -64,7 +78,8 @@ def test_bad_flags_exit(argv: list[str]) -> None:
 
 @pytest.mark.parametrize("argv", [
     ["--schedule", "trace", "--rate", "3"], ["--save-detailed"], ["--goodput", "itl:5"],
-    ["--trace", "/nonexistent/trace.jsonl"],
+    ["--trace", "/nonexistent/trace.jsonl"], ["--closed-loop"],
+    ["--closed-loop", "--workload", "zipf"],
 ])
 def test_usage_errors_return_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench(_parse(*argv)) == 2

@@ -89,6 +89,44 @@ def test_trace_schedule_sends_on_time(stub_server: Serve) -> None:
     assert starts == pytest.approx([0.0, 0.1, 0.2, 0.3], abs=0.06)
 
 
+def _session(gaps_s: tuple[float, ...], *, think_s: float, out: int = 5) -> Workload:
+    """One session: request i planned at gaps_s[i]; each later one waits for the one
+    before it (closed loop) plus ``think_s``."""
+    reqs = tuple(
+        SimRequest(request_id=f"s{i}", arrival_s=at, prompt_tokens=32, output_tokens=out,
+                   block_ids=(7, 100 + i), session="chat-0",
+                   after=f"s{i - 1}" if i else None, think_s=think_s if i else 0.0)
+        for i, at in enumerate(gaps_s))
+    return Workload(name="unit", block_tokens=16, requests=reqs)
+
+
+def test_closed_loop_waits_for_the_answer(stub_server: Serve) -> None:
+    # planned 10 ms apart (open loop: all three in flight at once), but each answer takes
+    # >= 5 x 40 ms; closed loop sends the next one 0.1 s (think 0.2 / speedup 2) after it
+    rep, stub = _run(stub_server, dict(tokens=5, delay_s=0.04),
+                     workload=_session((0.0, 0.01, 0.02), think_s=0.2),
+                     schedule="trace", speedup=2.0)
+    assert rep.completed == 3 and stub.max_in_flight == 1
+    by_id = {r.request_id: r for r in rep.results}
+    for prev, nxt in (("s0", "s1"), ("s1", "s2")):
+        gap = by_id[nxt].start_s - by_id[prev].end_s
+        assert 0.09 <= gap <= 0.25, gap
+    assert rep.settings["closed_loop"] is True
+    assert "closed loop" in rep.format_table()
+
+
+def test_closed_loop_follows_failures_and_stops_at_the_bound(stub_server: Serve) -> None:
+    # a refused predecessor still releases its follower
+    rep, _ = _run(stub_server, dict(tokens=2, delay_s=0.01, fail=lambda i: 503 if i == 0 else None),
+                  workload=_session((0.0, 0.01), think_s=0.0), schedule="trace")
+    assert (rep.completed, rep.failed) == (1, 1)
+    # long answers: at the bound the first is cancelled and its follower never sent
+    rep, _ = _run(stub_server, dict(tokens=50, delay_s=0.02),
+                  workload=_session((0.0, 0.01, 0.02), think_s=0.0, out=50),
+                  schedule="trace", max_seconds=0.3)
+    assert rep.sent == 1 and rep.incomplete == 1 and rep.duration_s < 1.5
+
+
 def test_errors_are_counted_by_status(stub_server: Serve) -> None:
     def fail(i: int) -> int | None:
         return {1: 503, 3: 503, 4: 400}.get(i)

@@ -65,6 +65,13 @@ def _fill_parser(p: argparse.ArgumentParser) -> None:
         "second for chat/agent); used by --schedule trace",
     )
     wl.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="chat and agent: send a session's next request only after the previous "
+        "one has ended, plus its think time divided by --speedup (default: open loop, "
+        "every request on its schedule)",
+    )
+    wl.add_argument(
         "--speedup",
         type=positive_float,
         default=1.0,
@@ -198,6 +205,11 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         )
     if args.save_detailed and not args.json:
         raise ValueError("--save-detailed needs --json FILE")
+    if args.closed_loop and (args.trace or args.workload not in ("chat", "agent")):
+        raise ValueError(
+            "--closed-loop applies to the session workloads (--workload chat or agent); "
+            "a trace or another workload has no sessions to close"
+        )
     if args.trace:
         workload = trace_workload(args.trace, limit=args.limit, block_tokens=args.block_tokens)
     else:
@@ -208,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
             block_tokens=args.block_tokens,
             arrival_rate=args.arrival_rate,
             size=args.workload_size,
+            closed_loop=args.closed_loop,
         )
     return LoadConfig(
         workload=workload,

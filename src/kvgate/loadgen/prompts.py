@@ -154,6 +154,7 @@ def synthetic_workload(
     block_tokens: int = 512,
     arrival_rate: float | None = None,
     size: int | None = None,
+    closed_loop: bool = False,
 ) -> Workload:
     """One of the simulator's generators with kvgate's defaults.
 
@@ -161,8 +162,13 @@ def synthetic_workload(
     (``chat``), tasks (``agent``) or documents (``zipf``); by default it is chosen so
     the workload has at least about ``num_requests`` requests. ``arrival_rate`` (per
     second; sessions or tasks started for chat/agent) matters only when the workload's
-    own schedule is replayed.
+    own schedule is replayed. ``closed_loop`` (chat and agent) makes each later request
+    of a session wait for the previous one's answer (see :mod:`kvgate.loadgen.runner`).
     """
+    if closed_loop and kind not in ("chat", "agent"):
+        raise ValueError(
+            f"closed loop applies to the session workloads (chat, agent), not {kind!r}"
+        )
     rng = random.Random(seed)
     kw: _Arrivals = {} if arrival_rate is None else {"arrivals": arrival_rate}
     if kind == "gsp":
@@ -172,10 +178,11 @@ def synthetic_workload(
     if kind == "chat":  # 5.5 turns per session on average
         sessions = size if size is not None else max(1, -(-num_requests // 5))
         return multi_turn_chat(rng=rng, num_sessions=sessions, block_tokens=block_tokens,
-                               **kw)
+                               closed_loop=closed_loop, **kw)
     if kind == "agent":  # 12.5 steps per task on average
         tasks = size if size is not None else max(1, -(-num_requests // 12))
-        return agent_loops(rng=rng, num_tasks=tasks, block_tokens=block_tokens, **kw)
+        return agent_loops(rng=rng, num_tasks=tasks, block_tokens=block_tokens,
+                           closed_loop=closed_loop, **kw)
     if kind == "zipf":
         docs = size if size is not None else 300
         return zipf_prefixes(rng=rng, num_requests=num_requests, num_documents=docs,

@@ -18,7 +18,7 @@ JSON keys (:meth:`LoadReport.to_dict`, ``kvgate bench --json``); times in second
 the key ends in ``_ms``; absent values are ``null``:
 
 * ``settings``: the run's settings (``base_url``, ``endpoint``, ``model``, ``stream``,
-  ``workload``, ``workload_requests``, ``block_tokens``, ``schedule``, ``rate`` (a
+  ``workload``, ``workload_requests``, ``closed_loop``, ``block_tokens``, ``schedule``, ``rate`` (a
   number or ``"inf"``), ``concurrency``, ``speedup``, ``num_requests``,
   ``max_seconds``, ``seed``, ``chars_per_token``, ``max_prompt_tokens``,
   ``output_tokens_cap``, ``ignore_eos``, ``temperature``).
@@ -256,6 +256,8 @@ class LoadReport:
             row(f"  status {status}:", n)
         if self.incomplete:
             row("Incomplete requests (time bound):", self.incomplete)
+        if self.settings.get("closed_loop"):
+            row("Sessions:", "closed loop (each waits for its last answer)")
         row("Peak concurrent requests:", self.peak_concurrency)
         row("Benchmark duration (s):", self.duration_s)
         row("Total input tokens:", self.total_input_tokens)

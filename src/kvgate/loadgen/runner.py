@@ -10,6 +10,10 @@ Schedules (:class:`LoadConfig`):
 * ``concurrency=N`` caps requests in flight in either schedule (a request due while N
   are running waits for a slot, as vLLM's ``--max-concurrency``). With ``rate=inf``
   this is a closed loop of N users.
+* Closed-loop sessions: a request whose ``after`` is an earlier request of the run (the
+  chat and agent generators' ``closed_loop``) is not scheduled: it is sent when that
+  request has ended (answered, failed or refused) plus its ``think_s`` divided by
+  ``speedup``, as the simulator does. Requests without ``after`` follow the schedule.
 
 The run sends the first ``num_requests`` requests of the workload and stops at
 ``max_seconds``: nothing is sent after it and requests still running are cancelled and
@@ -100,6 +104,7 @@ class LoadConfig:
             "stream": self.stream,
             "workload": self.workload.name,
             "workload_requests": len(self.workload.requests),
+            "closed_loop": any(r.after is not None for r in self.workload.requests),
             "block_tokens": self.workload.block_tokens,
             "schedule": self.schedule,
             "rate": "inf" if math.isinf(self.rate) else self.rate,
@@ -176,6 +181,10 @@ async def _drive(
     sem = asyncio.Semaphore(config.concurrency) if config.concurrency else None
     progress = Progress(len(reqs), enabled=config.progress)
     sent: list[tuple[asyncio.Task[RequestResult], PromptSpec, float]] = []
+    # Closed loop: the requests others wait for, each with an event set when it ends
+    # (the workload orders a predecessor before its followers, so it is in this slice).
+    ids = {r.request_id for r in reqs}
+    ended = {r.after: asyncio.Event() for r in reqs if r.after is not None and r.after in ids}
     t0 = time.perf_counter()
 
     async def one(spec: PromptSpec) -> RequestResult:
@@ -192,31 +201,52 @@ async def _drive(
         finally:
             if sem is not None:
                 sem.release()
+            if (event := ended.get(spec.request_id)) is not None:
+                event.set()
+
+    async def send(req: SimRequest) -> None:
+        if sem is not None:
+            await sem.acquire()
+        spec = make_spec(req, block_tokens=config.workload.block_tokens,
+                         chars_per_token=config.chars_per_token, seed=config.seed,
+                         max_prompt_tokens=config.max_prompt_tokens,
+                         output_tokens_cap=config.output_tokens_cap)
+        sent.append((asyncio.create_task(one(spec)), spec, time.perf_counter()))
+
+    async def follow(req: SimRequest, previous: asyncio.Event) -> None:
+        await previous.wait()
+        await asyncio.sleep(req.think_s / config.speedup)
+        await send(req)
 
     async def dispatch() -> None:
-        for req, offset in zip(reqs, offsets, strict=True):
-            wait = t0 + offset - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            if sem is not None:
-                await sem.acquire()
-            spec = make_spec(req, block_tokens=config.workload.block_tokens,
-                             chars_per_token=config.chars_per_token, seed=config.seed,
-                             max_prompt_tokens=config.max_prompt_tokens,
-                             output_tokens_cap=config.output_tokens_cap)
-            sent.append((asyncio.create_task(one(spec)), spec, time.perf_counter()))
-        if sent:
-            await asyncio.wait([task for task, _, _ in sent])
+        followers = [asyncio.create_task(follow(r, ended[r.after]))
+                     for r in reqs if r.after is not None and r.after in ended]
+        try:
+            for req, offset in zip(reqs, offsets, strict=True):
+                if req.after is not None and req.after in ended:
+                    continue  # sent by its follow() task
+                wait = t0 + offset - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                await send(req)
+            if followers:
+                await asyncio.gather(*followers)
+            if sent:
+                await asyncio.wait([task for task, _, _ in sent])
+        finally:
+            for task in followers:  # at the time bound: nothing more is sent
+                task.cancel()
+            await asyncio.gather(*followers, return_exceptions=True)
 
     dispatcher = asyncio.create_task(dispatch())
     try:
         await asyncio.wait({dispatcher}, timeout=config.max_seconds)
     finally:
         dispatcher.cancel()
+        await asyncio.gather(dispatcher, return_exceptions=True)  # stops the followers
         for task, _, _ in sent:
             task.cancel()
-        await asyncio.gather(dispatcher, *(task for task, _, _ in sent),
-                             return_exceptions=True)
+        await asyncio.gather(*(task for task, _, _ in sent), return_exceptions=True)
         progress.close()
     end = time.perf_counter()
     results: list[RequestResult] = []
