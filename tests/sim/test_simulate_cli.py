@@ -43,6 +43,13 @@ def test_simulate_prints_a_table_and_writes_json(
     assert {"ideal_hit_ratio", "pooled_lru_hit_ratio"} <= rep["bounds"].keys()
     assert set(rep["policies"]) == {"kvgate", "round_robin"}
     assert plot.stat().st_size > 1000
+    # the quality bar, read from this very table (round_robin is no cache-aware baseline)
+    checks = rep["ordering"]["checks"]
+    assert checks["ttft_p99_s"]["against"] == "round_robin" and "hit_ratio" not in checks
+    assert checks["ttft_p99_s"]["ok"] == (
+        rep["policies"]["kvgate"]["ttft_p99_s"] < rep["policies"]["round_robin"]["ttft_p99_s"]
+    )
+    assert "kvgate against the other policies:" in text
 
 
 def test_simulate_finds_round_robin_saturation(capsys: pytest.CaptureFixture[str]) -> None:

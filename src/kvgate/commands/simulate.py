@@ -20,6 +20,7 @@ from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.routing import make_policy
 from kvgate.sim.cluster import ClusterConfig
+from kvgate.sim.ordering import format_ordering, ordering
 from kvgate.sim.report import Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
 from kvgate.sim.scenarios import SCENARIOS
@@ -329,6 +330,8 @@ def _run_once(
             policy_params=params,
         )
         rep["speedup"] = speedup
+        if (checked := ordering(rep)) is not None:
+            rep["ordering"] = checked
         return rep
     builder = SCENARIOS[args.scenario]
     out: dict[str, Any] = {"scenario": args.scenario, "speedup": speedup, "variants": {}}
@@ -402,6 +405,8 @@ def _print(report: dict[str, Any]) -> None:
             print(format_table(rep))
         return
     print(format_table(report))
+    if "ordering" in report:
+        print(format_ordering(report["ordering"]))
 
 
 __all__ = ["add_simulate_parser", "run_simulate"]

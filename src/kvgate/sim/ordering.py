@@ -1,0 +1,104 @@
+"""The quality bar as a check: does one policy beat the others in a comparison?
+
+A comparison report (:func:`kvgate.sim.runner.compare`) holds one row per policy.
+:func:`ordering` reads it the way the simulator's quality bar is written: the policy
+under test (``kvgate`` by default) must have a strictly lower TTFT p99 and TTFT mean
+and a strictly higher goodput than every other policy in the run, a load max/mean of
+at most 1.5, a hit ratio at least the best cache-aware baseline's (a policy that
+consults the cache index, ``uses_cache``), and at least 80 % of the pooled-LRU bound.
+Each check names the policy it is measured against, so a failure says where a
+baseline wins. Pure: report in, JSON-able dict out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvgate.core.routing import POLICIES
+
+__all__ = ["LOAD_MAX_OVER_MEAN_LIMIT", "POOLED_LRU_SHARE", "format_ordering", "ordering"]
+
+LOAD_MAX_OVER_MEAN_LIMIT = 1.5
+POOLED_LRU_SHARE = 0.8
+
+# metric -> True when higher is better
+_RANKED = (("ttft_p99_s", False), ("ttft_mean_s", False), ("goodput_rps", True))
+
+
+def _uses_cache(name: str) -> bool:
+    cls = POLICIES.get(name)
+    return bool(cls is not None and cls.uses_cache)
+
+
+def ordering(report: Mapping[str, Any], policy: str = "kvgate") -> dict[str, Any] | None:
+    """The checks for ``policy`` against the other policies of ``report``, or None when
+    the report lacks it or has nothing to compare it with."""
+    rows: Mapping[str, Mapping[str, Any]] = report.get("policies", {})
+    if policy not in rows or len(rows) < 2:
+        return None
+    ours = rows[policy]
+    others = {name: row for name, row in rows.items() if name != policy}
+    checks: dict[str, Any] = {}
+    for key, higher in _RANKED:
+        value = ours[key]
+        ranked = sorted(others, key=lambda n: others[n][key], reverse=higher)
+        rival = ranked[0]  # the best of the others on this metric
+        rival_value = others[rival][key]
+        ok = value > rival_value if higher else value < rival_value
+        checks[key] = {"value": value, "against": rival, "other": rival_value, "ok": ok}
+    load = ours["load_max_over_mean"]
+    checks["load_max_over_mean"] = {
+        "value": load,
+        "limit": LOAD_MAX_OVER_MEAN_LIMIT,
+        "ok": load <= LOAD_MAX_OVER_MEAN_LIMIT,
+    }
+    hit = ours["hit_ratio"]
+    aware = [n for n in others if _uses_cache(n)]
+    if aware:
+        rival = max(aware, key=lambda n: others[n]["hit_ratio"])
+        rival_hit = others[rival]["hit_ratio"]
+        checks["hit_ratio"] = {
+            "value": hit,
+            "against": rival,
+            "other": rival_hit,
+            "ok": hit >= rival_hit,
+        }
+    pooled = report["bounds"]["pooled_lru_hit_ratio"]
+    checks["hit_ratio_vs_pooled_lru"] = {
+        "value": hit,
+        "floor": round(POOLED_LRU_SHARE * pooled, 4),
+        "ok": hit >= POOLED_LRU_SHARE * pooled,
+    }
+    return {
+        "policy": policy,
+        "checks": checks,
+        "holds": all(c["ok"] for c in checks.values()),
+    }
+
+
+# decimals shown per check (the table's precision)
+_DECIMALS = {"ttft_p99_s": 3, "ttft_mean_s": 3, "goodput_rps": 3, "load_max_over_mean": 3}
+
+
+def format_ordering(result: Mapping[str, Any]) -> str:
+    """A few console lines: one per check, with where a baseline wins."""
+    policy = result["policy"]
+    lines = [f"{policy} against the other policies: {'holds' if result['holds'] else 'FAILS'}"]
+    for key, c in result["checks"].items():
+        digits = _DECIMALS.get(key, 4)
+        mark = "ok  " if c["ok"] else "FAIL"
+        value = f"{c['value']:.{digits}f}"
+        if key == "hit_ratio":
+            rel = ">=" if c["ok"] else "<"
+            tail = f"{rel} {c['other']:.4f} (the best cache-aware baseline, {c['against']})"
+        elif "against" in c:
+            rel = "beats" if c["ok"] else "does not beat"
+            tail = f"{rel} {c['other']:.{digits}f} (the best other policy, {c['against']})"
+        elif "limit" in c:
+            tail = f"<= {c['limit']}" if c["ok"] else f"> {c['limit']}"
+        else:
+            rel = ">=" if c["ok"] else "<"
+            tail = f"{rel} {c['floor']:.4f} ({POOLED_LRU_SHARE:.0%} of the pooled-LRU bound)"
+        lines.append(f"  {mark} {key.removesuffix('_vs_pooled_lru'):<20} {value:>9}  {tail}")
+    return "\n".join(lines)
