@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.sim.ordering import format_ordering, ordering
+from kvgate.sim.ordering import format_ordering, format_tally, ordering, tally
 
 
 def _row(p99: float, mean: float, goodput: float, hit: float, load: float = 1.1) -> dict[str, Any]:
@@ -62,3 +62,13 @@ def test_each_failure_names_where_a_baseline_wins() -> None:
 def test_nothing_to_compare() -> None:
     assert ordering(_report(kvgate=_row(1, 1, 1, 0.1))) is None
     assert ordering(_report(round_robin=_row(1, 1, 1, 0.1), random=_row(1, 1, 1, 0.1))) is None
+
+
+def test_tally_counts_the_runs_each_check_held() -> None:
+    good = _report(kvgate=_row(1.0, 0.5, 3.0, 0.18), preble_e2=_row(2.0, 0.6, 2.5, 0.17))
+    bad_hit = _report(kvgate=_row(1.0, 0.5, 3.0, 0.16), preble_e2=_row(2.0, 0.6, 2.5, 0.17))
+    results = [ordering(good), ordering(bad_hit), ordering(good)]
+    summary = tally([r for r in results if r is not None])
+    assert summary["runs"] == 3 and summary["all"] == 2
+    assert summary["held"]["hit_ratio"] == 2 and summary["held"]["ttft_p99_s"] == 3
+    assert "hit_ratio 2/3" in format_tally(summary)

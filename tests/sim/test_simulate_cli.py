@@ -52,7 +52,10 @@ def test_simulate_prints_a_table_and_writes_json(
     assert "kvgate against the other policies:" in text
 
 
-def test_simulate_finds_round_robin_saturation(capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_finds_round_robin_saturation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
     code = main(
         [
             "simulate",
@@ -63,16 +66,25 @@ def test_simulate_finds_round_robin_saturation(capsys: pytest.CaptureFixture[str
             "--nodes",
             "2",
             "--policies",
-            "kvgate",
+            "kvgate,least_loaded",
             "--find-saturation",
             "--at-saturation",
-            "0.5",
+            "0.5,0.9",
             "--no-progress",
+            "--json",
+            str(out),
         ]
     )
     assert code == 0
     text = capsys.readouterr().out
     assert "round robin saturation speed-up: x" in text and "0.5 of saturation" in text
+    # the quality-bar checks of both runs, tallied
+    rep = json.loads(out.read_text())
+    tally = rep["ordering_tally"]
+    assert tally["runs"] == 2
+    held = sum(r["ordering"]["checks"]["ttft_p99_s"]["ok"] for r in rep["runs"].values())
+    assert tally["held"]["ttft_p99_s"] == held
+    assert "checks held over 2 runs" in text
 
 
 def test_simulate_scenario_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.routing import make_policy
 from kvgate.sim.cluster import ClusterConfig
-from kvgate.sim.ordering import format_ordering, ordering
+from kvgate.sim.ordering import format_ordering, format_tally, ordering, tally
 from kvgate.sim.report import Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
 from kvgate.sim.scenarios import SCENARIOS
@@ -375,6 +375,9 @@ def run_simulate(args: argparse.Namespace) -> int:
             fractions = [float(f) for f in (args.at_saturation or "").split(",") if f]
             for f in fractions:
                 report["runs"][f"{f:g}"] = _run_once(args, f * sat, progress, params)
+            checked = [r["ordering"] for r in report["runs"].values() if "ordering" in r]
+            if len(checked) > 1:
+                report["ordering_tally"] = tally(checked)
         else:
             report = _run_once(args, args.speedup, progress, params)
     except (OSError, ValueError) as exc:
@@ -398,6 +401,8 @@ def _print(report: dict[str, Any]) -> None:
         for frac, rep in report["runs"].items():
             print(f"\n== {frac} of saturation (speed-up x{rep['speedup']:.3f}) ==")
             _print(rep)
+        if "ordering_tally" in report:
+            print("\n" + format_tally(report["ordering_tally"]))
         return
     if "variants" in report:
         for label, rep in report["variants"].items():

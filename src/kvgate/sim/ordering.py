@@ -17,7 +17,14 @@ from typing import Any
 
 from kvgate.core.routing import POLICIES
 
-__all__ = ["LOAD_MAX_OVER_MEAN_LIMIT", "POOLED_LRU_SHARE", "format_ordering", "ordering"]
+__all__ = [
+    "LOAD_MAX_OVER_MEAN_LIMIT",
+    "POOLED_LRU_SHARE",
+    "format_ordering",
+    "format_tally",
+    "ordering",
+    "tally",
+]
 
 LOAD_MAX_OVER_MEAN_LIMIT = 1.5
 POOLED_LRU_SHARE = 0.8
@@ -102,3 +109,21 @@ def format_ordering(result: Mapping[str, Any]) -> str:
             tail = f"{rel} {c['floor']:.4f} ({POOLED_LRU_SHARE:.0%} of the pooled-LRU bound)"
         lines.append(f"  {mark} {key.removesuffix('_vs_pooled_lru'):<20} {value:>9}  {tail}")
     return "\n".join(lines)
+
+
+def tally(results: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Over several runs (speed-ups): per check, at how many of them it held."""
+    held: dict[str, int] = {}
+    for result in results:
+        for key, c in result["checks"].items():
+            held[key] = held.get(key, 0) + bool(c["ok"])
+    return {"runs": len(results), "held": held, "all": sum(bool(r["holds"]) for r in results)}
+
+
+def format_tally(summary: Mapping[str, Any], policy: str = "kvgate") -> str:
+    runs = summary["runs"]
+    parts = ", ".join(
+        f"{key.replace('_vs_pooled_lru', ' vs pooled LRU')} {n}/{runs}"
+        for key, n in summary["held"].items()
+    )
+    return f"{policy} against the other policies, checks held over {runs} runs: {parts}"
