@@ -13,7 +13,9 @@ Schedules (:class:`LoadConfig`):
 * Closed-loop sessions: a request whose ``after`` is an earlier request of the run (the
   chat and agent generators' ``closed_loop``) is not scheduled: it is sent when that
   request has ended (answered, failed or refused) plus its ``think_s`` divided by
-  ``speedup``, as the simulator does. Requests without ``after`` follow the schedule.
+  ``speedup``, as the simulator does. Requests without ``after`` follow the schedule
+  (under ``rate``, at their own places in the Poisson sequence: a follower's place is
+  left empty, so the offered rate stays about ``rate`` while sessions keep up).
 
 The run sends the first ``num_requests`` requests of the workload and stops at
 ``max_seconds``: nothing is sent after it and requests still running are cancelled and
