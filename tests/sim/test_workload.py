@@ -306,6 +306,9 @@ def test_closed_loop_requests_are_checked_scaled_and_merged() -> None:
     b = _req("b", 1.0, (1, 2), after="a", think_s=2.0)
     w = Workload(name="w", block_tokens=512, requests=(b, a))  # sorted: a first
     assert [r.request_id for r in w.requests] == ["a", "b"]
+    assert w.waits() == {"b": "a"}
+    cut = Workload(name="w", block_tokens=512, requests=(b,))  # "a" cut out: b keeps its plan
+    assert cut.waits() == {}
     with pytest.raises(ValueError, match="planned after it"):  # a chain could loop
         Workload(name="w", block_tokens=512, requests=(_req("a", 0.0, (1,), after="b"), b))
     with pytest.raises(ValueError, match="wait for itself"):

@@ -106,7 +106,7 @@ class LoadConfig:
             "stream": self.stream,
             "workload": self.workload.name,
             "workload_requests": len(self.workload.requests),
-            "closed_loop": any(r.after is not None for r in self.workload.requests),
+            "closed_loop": bool(self.workload.waits()),
             "block_tokens": self.workload.block_tokens,
             "schedule": self.schedule,
             "rate": "inf" if math.isinf(self.rate) else self.rate,
@@ -185,8 +185,8 @@ async def _drive(
     sent: list[tuple[asyncio.Task[RequestResult], PromptSpec, float]] = []
     # Closed loop: the requests others wait for, each with an event set when it ends
     # (the workload orders a predecessor before its followers, so it is in this slice).
-    ids = {r.request_id for r in reqs}
-    ended = {r.after: asyncio.Event() for r in reqs if r.after is not None and r.after in ids}
+    waits = config.workload.waits()
+    ended = {waits[r.request_id]: asyncio.Event() for r in reqs if r.request_id in waits}
     t0 = time.perf_counter()
 
     async def one(spec: PromptSpec) -> RequestResult:
@@ -221,11 +221,11 @@ async def _drive(
         await send(req)
 
     async def dispatch() -> None:
-        followers = [asyncio.create_task(follow(r, ended[r.after]))
-                     for r in reqs if r.after is not None and r.after in ended]
+        followers = [asyncio.create_task(follow(r, ended[waits[r.request_id]]))
+                     for r in reqs if r.request_id in waits]
         try:
             for req, offset in zip(reqs, offsets, strict=True):
-                if req.after is not None and req.after in ended:
+                if req.request_id in waits:
                     continue  # sent by its follow() task
                 wait = t0 + offset - time.perf_counter()
                 if wait > 0:

@@ -190,11 +190,11 @@ class SimCluster:
         loop.at(0.0, self._health)
         for at, fn in self.hooks:
             loop.at(at, partial(fn, self))
-        ids = {r.request_id for r in self.workload.requests}
+        waits = self.workload.waits()
         for i, req in enumerate(self.workload.requests):
             g = i % len(self.gateways)
-            if req.after is not None and req.after in ids:  # closed loop: sent on its answer
-                self._followers.setdefault(req.after, []).append((req, g))
+            if (after := waits.get(req.request_id)) is not None:  # closed loop: on its answer
+                self._followers.setdefault(after, []).append((req, g))
             else:
                 loop.at(req.arrival_s, partial(self._arrive, req, g))
         loop.run()

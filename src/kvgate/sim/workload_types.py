@@ -97,6 +97,13 @@ class Workload:
                 )
             seen.add(r.request_id)
 
+    def waits(self) -> dict[str, str]:
+        """Closed loop: request id -> the id of the request it waits for, for every
+        request whose ``after`` is in this workload (one whose ``after`` was cut out, by a
+        window or a limit, keeps its planned ``arrival_s``)."""
+        ids = {r.request_id for r in self.requests}
+        return {r.request_id: r.after for r in self.requests if r.after in ids}
+
     @property
     def duration_s(self) -> float:
         """First to last arrival, in seconds (0 for fewer than two requests)."""
