@@ -1,4 +1,4 @@
-"""argparse value types shared by the command-line shells."""
+"""argparse value types and checks shared by the command-line shells."""
 
 from __future__ import annotations
 
@@ -26,3 +26,17 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+# the synthetic workloads made of sessions, the only ones --closed-loop applies to
+SESSION_WORKLOADS = ("chat", "agent")
+
+
+def check_closed_loop(args: argparse.Namespace) -> None:
+    """``--closed-loop`` needs a workload made of sessions (``args.closed_loop``,
+    ``args.trace``, ``args.workload``). Raises ValueError."""
+    if args.closed_loop and (args.trace is not None or args.workload not in SESSION_WORKLOADS):
+        raise ValueError(
+            f"--closed-loop applies to the session workloads ({', '.join(SESSION_WORKLOADS)}); "
+            "a trace or another workload has no sessions to close"
+        )

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvgate.commands.argtypes import check_closed_loop
 from kvgate.core.admission import AdmissionConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
@@ -28,7 +29,6 @@ from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_gro
 from kvgate.sim.workload import Workload, load_mooncake_trace, scale_rate
 
 SYNTHETIC = ("gsp", "chat", "agent", "zipf")
-CLOSED_LOOP = ("chat", "agent")  # the synthetic workloads made of sessions
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -113,15 +113,6 @@ def add_simulate_parser(sub: Any) -> None:
     r.add_argument("--json", type=Path, help="write the whole report as JSON")
     r.add_argument("--plot", type=Path, help="draw TTFT distributions and hit ratios (PNG)")
     r.add_argument("--no-progress", action="store_true")
-
-
-def check_closed_loop(args: argparse.Namespace) -> None:
-    """--closed-loop needs a workload made of sessions. Raises ValueError."""
-    if args.closed_loop and (args.trace is not None or args.workload not in CLOSED_LOOP):
-        raise ValueError(
-            f"--closed-loop applies to the session workloads ({', '.join(CLOSED_LOOP)}); "
-            "a trace or another workload has no sessions to close"
-        )
 
 
 def _load_workload(

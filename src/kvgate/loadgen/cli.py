@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvgate.commands.argtypes import positive_float, positive_int
+from kvgate.commands.argtypes import check_closed_loop, positive_float, positive_int
 from kvgate.loadgen.prompts import SYNTHETIC_WORKLOADS, synthetic_workload, trace_workload
 from kvgate.loadgen.report import parse_goodput
 from kvgate.loadgen.runner import LoadConfig, run_load
@@ -205,11 +205,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         )
     if args.save_detailed and not args.json:
         raise ValueError("--save-detailed needs --json FILE")
-    if args.closed_loop and (args.trace or args.workload not in ("chat", "agent")):
-        raise ValueError(
-            "--closed-loop applies to the session workloads (--workload chat or agent); "
-            "a trace or another workload has no sessions to close"
-        )
+    check_closed_loop(args)
     if args.trace:
         workload = trace_workload(args.trace, limit=args.limit, block_tokens=args.block_tokens)
     else:
