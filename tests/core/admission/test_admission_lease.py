@@ -162,3 +162,19 @@ def test_grant_for_another_gateway_is_a_bug() -> None:
     gw = GatewayAdmission(AdmissionConfig(), "g")
     with pytest.raises(InvariantViolation):
         gw.apply_grant(lease((1, 0, 0), gateway_id="h"), 0.0)
+
+
+def test_a_waiting_request_asks_early_on_an_idle_gateway() -> None:
+    # P2 is granted only the demand a report showed: on an idle gateway (no pressure on
+    # credits) the first P2 request must not wait a whole period for idle capacity.
+    cfg = AdmissionConfig(budget=100)
+    coord = InProcessCoordinator(cfg)
+    gw = GatewayAdmission(cfg, "g")
+    gw.apply_grant(coord.refresh(gw.make_refresh(0.0), 0.0), 0.0)
+    assert not gw.refresh_due(0.1)  # idle, nothing waits: the periodic schedule
+    first = gw.admit(req(2, rid="bulk"), 0.1)
+    assert isinstance(first, Queued)  # no P2 credits yet
+    assert gw.refresh_due(0.1)  # early, not at 0.5
+    admitted = sync_refresh(gw, coord, 0.1)
+    assert [a.ticket.request_id for a in admitted] == ["bulk"]
+    assert not gw.refresh_due(0.12)  # nothing waits any more

@@ -62,7 +62,11 @@ class GatewayAdmission(Stage1Limiter):
         lc = self.config.lease
         free = self._total - self._inuse_total
         watermark = max(lc.low_watermark_min, math.ceil(lc.low_watermark_fraction * self._total))
-        pressure = free < watermark and (self._queued_total > 0 or self._inuse_total > 0)
+        # Early when credits run low, or when anything waits: a queued request needs
+        # credits this lease does not hold (P2 is granted only the demand a report
+        # showed, so on an idle cluster the first P2 request would otherwise wait a
+        # whole period for credits nobody is using).
+        pressure = self._queued_total > 0 or (free < watermark and self._inuse_total > 0)
         urgent = self._book.state is LeaseState.NO_ASSIGNMENT or self._tenant_unseen
         return self._book.due(now, pressure=pressure, urgent=urgent)
 
