@@ -182,3 +182,45 @@ def test_closed_loop_runs_sessions_on_answers(
     bad = ["simulate", "--workload", "gsp", "--closed-loop", "--limit", "5", "--no-progress"]
     assert main(bad) == 2
     assert "--closed-loop applies to the session workloads" in capsys.readouterr().err
+
+
+def test_help_gives_every_option_a_default_and_lists_profiles_and_scenarios(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvgate.engine.profiles import PROFILES
+    from kvgate.sim.scenarios import SCENARIOS, describe
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # unwrap argparse's lines
+    text = text.split("options:", 1)[1]  # past the usage lines
+    for option, default in (
+        ("--nodes NODES", "(default 8)"),
+        ("--gateways GATEWAYS", "(default 1)"),
+        ("--index-mode {approximate,precise}", "(default approximate)"),
+        ("--seed SEED", "(default 0)"),
+        ("--scenario {none,", "default none)"),
+        ("--profile {" + ",".join(sorted(PROFILES)) + "}", "(default a100-8b)"),
+    ):
+        assert option in text and default in text.split(option, 1)[1].split(" --", 1)[0]
+    for name in SCENARIOS:
+        assert f"{name}: {describe(name)}" in text
+
+
+def test_bad_profile_is_a_usage_error_before_simulating(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--workload", "gsp", "--limit", "5", "--profile", "b200-8b"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --profile: invalid choice: 'b200-8b'" in err and "simulating" not in err
+
+
+def test_unknown_policy_fails_before_the_saturation_search(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["simulate", "--workload", "gsp", "--find-saturation", "--policies", "kvgate,nope"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "unknown policies ['nope']" in err and "simulating" not in err

@@ -70,9 +70,9 @@ def _fill_parser(p: argparse.ArgumentParser) -> None:
     wl.add_argument(
         "--closed-loop",
         action="store_true",
-        help="chat and agent: send a session's next request only after the previous "
-        "one has ended, plus its think time divided by --speedup (default: open loop, "
-        "every request on its schedule)",
+        help="chat and agent: send a session's next request only once the previous one "
+        "has ended (answered, failed or refused), plus its think time (an agent's tool "
+        "gap) divided by --speedup (default: open loop, every request on its schedule)",
     )
     wl.add_argument(
         "--speedup",

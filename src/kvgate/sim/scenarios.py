@@ -91,12 +91,14 @@ def _sampler(probe: Probe, start: float, end: float, every: float = 0.05) -> Hoo
 
 
 def p2_flood(base: Workload, config: ClusterConfig, rng: Rng, *, factor: float = 10.0) -> Plan:
+    """The workload as P0 plus a P2 flood at 10x its rate; P0 TTFT p99 must stay in its SLO."""
     p0 = with_priority(base, int(Priority.P0))
     flood = with_priority(at_rate(base, factor), int(Priority.P2))
     return Plan(workload=merge(p0, flood, name=f"{base.name}+p2x{factor:g}"), config=config)
 
 
 def nodes_fail(base: Workload, config: ClusterConfig, rng: Rng, *, fraction: float = 0.3) -> Plan:
+    """30% of nodes crash at 30% of the run and return at 60%; <= 1.2 attempts per request."""
     d = base.duration_s
     k = max(1, round(config.nodes * fraction))
 
@@ -112,6 +114,8 @@ def nodes_fail(base: Workload, config: ClusterConfig, rng: Rng, *, fraction: flo
 
 
 def coordinator_down(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
+    """The coordinator is unreachable from 30% to 60% of the run; P0 keeps >= 90% of its
+    admit rate and in-flight requests stay within the budget."""
     d = base.duration_s
     start, end = 0.3 * d, 0.6 * d
     probe = Probe(budget=config.controller.admission.budget)
@@ -134,6 +138,8 @@ def coordinator_down(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
 def mass_eviction(
     base: Workload, config: ClusterConfig, rng: Rng, *, announce: bool = True
 ) -> Plan:
+    """The fullest node drops 90% of its cache at 40% of the run, with and without
+    announcing it first; TTFT p99 and hit ratio of both."""
     at = 0.4 * base.duration_s
 
     def evict(c: SimCluster) -> None:
@@ -154,6 +160,8 @@ def tenant_flood(
     quota: int = 4,
     flood: bool = True,
 ) -> Plan:
+    """One tenant floods at 10x its share; it stays within its quota (4 in flight) and the
+    other tenants' TTFT p99 moves < 20% against a run without the flood."""
     tenants = {"alpha": 1.0, "beta": 1.0, "gamma": 1.0}
     wl = assign_classes(base, tenants=tenants, priorities={}, rng=rng)
     quotas: dict[str, int] = {t: 10_000 for t in tenants} | {"flood": quota}
@@ -167,6 +175,7 @@ def tenant_flood(
 
 
 def traffic_double(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
+    """Traffic doubles from 30% to 50% of the run; every request ends with one outcome."""
     d = base.duration_s
     extra = time_window(base, 0.3 * d, 0.5 * d, rebase=False)
     return Plan(workload=merge(base, extra, name=f"{base.name}+double"), config=config)
@@ -181,6 +190,11 @@ SCENARIOS: dict[str, Builder] = {
     "tenant_flood": tenant_flood,
     "traffic_double": traffic_double,
 }
+
+
+def describe(name: str) -> str:
+    """A scenario's one-paragraph description (its builder's docstring, on one line)."""
+    return " ".join((SCENARIOS[name].__doc__ or "").split())
 
 
 def p0_admit_shares(c: SimCluster, start: float, end: float) -> tuple[float, float]:
