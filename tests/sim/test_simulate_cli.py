@@ -224,3 +224,22 @@ def test_unknown_policy_fails_before_the_saturation_search(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "unknown policies ['nope']" in err and "simulating" not in err
+
+
+def test_scenario_prints_its_name_once_and_its_pass_criteria(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--workload", "chat", "--limit", "30", "--nodes", "2", "--no-progress"]
+    argv += ["--policies", "kvgate,round_robin", "--scenario", "p2_flood", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "== scenario p2_flood ==" in text and "p2_flood: p2_flood" not in text
+    rep = json.loads(out.read_text())
+    for policy in ("kvgate", "round_robin"):
+        check = rep["criteria"][policy]["checks"]["p0_ttft_p99_s"]
+        p0 = rep["variants"]["p2_flood"]["policies"][policy]["by_priority"]["P0"]
+        assert check["value"] == p0["ttft_p99_s"] and check["threshold"] == 5.0
+        mark = "ok  " if check["ok"] else "FAIL"
+        assert f"  {mark} p0_ttft_p99_s " in text
+        assert f"p2_flood pass criteria, {policy}: " in text

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvgate.sim.cluster import ClusterConfig
 from kvgate.sim.ordering import format_ordering, format_tally, ordering, tally
 from kvgate.sim.report import Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
+from kvgate.sim.scenario_checks import criteria, format_criteria, measure
 from kvgate.sim.scenarios import SCENARIOS, describe
 from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_groups, zipf_prefixes
 from kvgate.sim.workload import Workload, load_mooncake_trace, scale_rate
@@ -78,8 +80,7 @@ def add_simulate_parser(sub: Any) -> None:
         "--bucket",
         choices=("spread", "burst"),
         default="spread",
-        help="replay a bucketed trace timestamp as a burst or spread to the next "
-        "(default spread)",
+        help="replay a bucketed trace timestamp as a burst or spread to the next (default spread)",
     )
     w.add_argument(
         "--rate",
@@ -97,9 +98,7 @@ def add_simulate_parser(sub: Any) -> None:
         "--find-saturation then searches on the open-loop arrivals)",
     )
     c = p.add_argument_group("cluster")
-    c.add_argument(
-        "--nodes", type=int, default=8, help="simulated inference nodes (default 8)"
-    )
+    c.add_argument("--nodes", type=int, default=8, help="simulated inference nodes (default 8)")
     c.add_argument(
         "--gateways",
         type=int,
@@ -143,12 +142,8 @@ def add_simulate_parser(sub: Any) -> None:
     r.add_argument(
         "--seed", type=int, default=0, help="seed of the workload and the policies (default 0)"
     )
-    r.add_argument(
-        "--slo-ttft", type=float, default=5.0, help="goodput SLO TTFT, s (default 5)"
-    )
-    r.add_argument(
-        "--slo-tpot", type=float, default=0.1, help="goodput SLO TPOT, s (default 0.1)"
-    )
+    r.add_argument("--slo-ttft", type=float, default=5.0, help="goodput SLO TTFT, s (default 5)")
+    r.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO TPOT, s (default 0.1)")
     r.add_argument(
         "--find-saturation",
         action="store_true",
@@ -158,8 +153,7 @@ def add_simulate_parser(sub: Any) -> None:
         "--saturation",
         type=float,
         default=None,
-        help="round robin's saturation speed-up if already known (skips the search; "
-        "default: none)",
+        help="round robin's saturation speed-up if already known (skips the search; default: none)",
     )
     r.add_argument(
         "--at-saturation",
@@ -426,6 +420,7 @@ def _run_once(
             clock=time.perf_counter,
             progress=progress,
             policy_params=params,
+            extra=partial(measure, args.scenario, plan),
         )
         if plan.probe is not None:
             rep["probe"] = {
@@ -434,6 +429,7 @@ def _run_once(
                 "budget": plan.probe.budget,
             }
         out["variants"][label or args.scenario] = rep
+    out["criteria"] = criteria(out)
     return out
 
 
@@ -480,9 +476,15 @@ def _print(report: dict[str, Any]) -> None:
             print("\n" + format_tally(report["ordering_tally"]))
         return
     if "variants" in report:
+        name = report["scenario"]
         for label, rep in report["variants"].items():
-            print(f"\n== scenario {report['scenario']}: {label} ==")
+            # a one-run scenario's only variant is named after it: say the name once
+            print(
+                f"\n== scenario {name} ==" if label == name else f"\n== scenario {name}: {label} =="
+            )
             print(format_table(rep))
+        if "criteria" in report:
+            print(format_criteria(name, report["criteria"]))
         return
     print(format_table(report))
     if "ordering" in report:

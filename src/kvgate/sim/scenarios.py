@@ -1,8 +1,9 @@
 """The design brief's gray scenarios, each with written pass criteria.
 
 A scenario turns a base workload and cluster into what it runs (a changed
-workload, config and timed hooks) and, after the run, checks its criteria
-against the report. Criteria (issue "Simulator"):
+workload, config and timed hooks); after the run,
+:mod:`kvgate.sim.scenario_checks` checks its criteria against the report (the
+numbers of the checks below). Criteria (issue "Simulator"):
 
 * ``p2_flood``: a P2 flood at 10x while P0 stays steady; P0 TTFT p99 stays
   within its SLO (5 s by default).
@@ -58,11 +59,24 @@ def at_rate(base: Workload, factor: float) -> Workload:
 
 @dataclass(slots=True)
 class Probe:
-    """Samples taken during a run (for criteria no report field covers)."""
+    """Samples taken during a run (for criteria no report field covers).
+
+    One plan serves every policy of a comparison in turn: the first two fields keep the
+    maxima over all its runs, the ``run_`` ones those of the current run (:meth:`end_run`).
+    """
 
     max_inflight_in_window: int = 0
     max_tenant_inflight: dict[str, int] = field(default_factory=dict)
     budget: int = 0
+    run_max_inflight_in_window: int = 0
+    run_max_tenant_inflight: dict[str, int] = field(default_factory=dict)
+
+    def end_run(self) -> tuple[int, dict[str, int]]:
+        """The finished run's maxima (in flight in the window, per tenant), then cleared."""
+        out = (self.run_max_inflight_in_window, dict(self.run_max_tenant_inflight))
+        self.run_max_inflight_in_window = 0
+        self.run_max_tenant_inflight.clear()
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +85,8 @@ class Plan:
     config: ClusterConfig
     hooks: tuple[tuple[float, Hook], ...] = ()
     probe: Probe | None = None
+    # the fault's [start, end) in seconds, for criteria that compare before and during it
+    window: tuple[float, float] | None = None
 
 
 def _sampler(probe: Probe, start: float, end: float, every: float = 0.05) -> Hook:
@@ -81,10 +97,13 @@ def _sampler(probe: Probe, start: float, end: float, every: float = 0.05) -> Hoo
         total = sum(g.in_flight() for g in c.gateways)
         if now >= start:
             probe.max_inflight_in_window = max(probe.max_inflight_in_window, total)
+            probe.run_max_inflight_in_window = max(probe.run_max_inflight_in_window, total)
         for g in c.gateways:
             for t, n in g.admission.stats().tenant_inflight.items():
                 if n > probe.max_tenant_inflight.get(t, 0):
                     probe.max_tenant_inflight[t] = n
+                if n > probe.run_max_tenant_inflight.get(t, 0):
+                    probe.run_max_tenant_inflight[t] = n
         c.loop.after(every, lambda: sample(c))
 
     return sample
@@ -132,6 +151,7 @@ def coordinator_down(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
         config=config,
         hooks=((start, cut), (end, heal), (0.0, _sampler(probe, start, end))),
         probe=probe,
+        window=(start, end),
     )
 
 
