@@ -243,3 +243,29 @@ def test_scenario_prints_its_name_once_and_its_pass_criteria(
         mark = "ok  " if check["ok"] else "FAIL"
         assert f"  {mark} p0_ttft_p99_s " in text
         assert f"p2_flood pass criteria, {policy}: " in text
+
+
+WALL_CLOCK_KEYS = ("wall_s", "sim_requests_per_wall_s")  # the README names these
+
+
+def _without_wall_clock(node: object) -> object:
+    if isinstance(node, dict):
+        return {k: _without_wall_clock(v) for k, v in node.items() if k not in WALL_CLOCK_KEYS}
+    if isinstance(node, list):
+        return [_without_wall_clock(v) for v in node]
+    return node
+
+
+@pytest.mark.parametrize("extra", [[], ["--scenario", "tenant_flood"]])
+def test_same_seed_same_report_but_the_wall_clock_fields(
+    extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", "--workload", "chat", "--limit", "30", "--nodes", "2", "--seed", "4"]
+    argv += ["--policies", "kvgate,round_robin", "--no-progress", *extra]
+    reports = []
+    for i in range(2):
+        out = tmp_path / f"r{i}.json"
+        assert main([*argv, "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    capsys.readouterr()
+    assert _without_wall_clock(reports[0]) == _without_wall_clock(reports[1])

@@ -1,8 +1,9 @@
 """`kvgate simulate`: compare routing policies on a workload or trace, in virtual time.
 
 This is a shell around the pure simulator: it reads files, seeds the generator,
-reads the wall clock for the speed figure and prints; the simulation itself is
-deterministic (same seed, same report bytes).
+reads the wall clock for the speed figures and prints; the simulation itself is
+deterministic (same seed, same report, except the wall-clock fields ``wall_s`` and
+``sim_requests_per_wall_s``).
 """
 
 from __future__ import annotations
