@@ -42,3 +42,18 @@ def test_console_script_runs() -> None:
         check=True,
     )
     assert __version__ in out.stdout
+
+
+@pytest.mark.parametrize("command", ["simulate", "bench"])
+def test_closed_loop_help_says_when_the_next_request_goes(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """simulate and bench wait for the same thing: the previous request's end, however
+    it ended, then its think time."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "only once the previous one has ended (answered, failed or refused), plus its think "
+        "time (an agent's tool gap) divided by --speedup" in text
+    )

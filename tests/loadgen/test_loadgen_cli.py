@@ -28,10 +28,11 @@ def test_defaults() -> None:
     assert (args.workload, args.trace, args.rate, args.schedule, args.concurrency) == (
         None, None, None, "rate", None)
     assert (args.num_requests, args.max_seconds, args.base_url, args.endpoint) == (
-        200, 120.0, "http://127.0.0.1:8000", "completions")
+        None, 120.0, "http://127.0.0.1:8000", "completions")
     assert args.stream and args.progress and not args.save_detailed and args.goodput == []
     cfg = config_from_args(args)
     assert math.isinf(cfg.rate) and cfg.workload.name == "gsp"
+    assert cfg.num_requests == 200  # a synthetic workload's default size
     assert len(cfg.workload.requests) >= 200
 
 
@@ -65,6 +66,34 @@ def test_closed_loop_flag_links_sessions() -> None:
     by_id = {r.request_id: r for r in closed.workload.requests}
     followers = [r for r in closed.workload.requests if r.after is not None]
     assert followers and all(by_id[r.after].session == r.session for r in followers)
+
+
+def _trace(path: Path, n: int) -> str:
+    path.write_text("".join(
+        json.dumps({"timestamp": i * 100, "input_length": 700, "output_length": 3,
+                    "hash_ids": [0, 1, 100 + i]}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_trace_sends_the_whole_limited_trace_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A README example (--trace ... --limit 500) once sent 200: --num-requests defaulted
+    to 200 whatever the workload."""
+    trace = _trace(tmp_path / "t.jsonl", 260)
+    cfg = config_from_args(_parse("--trace", trace, "--schedule", "trace"))
+    assert cfg.num_requests == 260 and cfg.settings("m")["num_requests"] == 260
+    cfg = config_from_args(_parse("--trace", trace, "--limit", "230"))
+    assert cfg.num_requests == 230 == cfg.settings("m")["workload_requests"]
+    assert capsys.readouterr().err == ""
+    # an explicit cut is the user's choice, said in one line
+    cfg = config_from_args(_parse("--trace", trace, "--num-requests", "50"))
+    assert cfg.num_requests == 50 == cfg.settings("m")["num_requests"]
+    err = capsys.readouterr().err
+    assert err == "kvgate bench: --num-requests 50 sends only the first 50 of the trace's " \
+        "260 requests\n"
+    config_from_args(_parse("--trace", trace, "--num-requests", "900"))
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("argv", [

@@ -182,3 +182,90 @@ def test_closed_loop_runs_sessions_on_answers(
     bad = ["simulate", "--workload", "gsp", "--closed-loop", "--limit", "5", "--no-progress"]
     assert main(bad) == 2
     assert "--closed-loop applies to the session workloads" in capsys.readouterr().err
+
+
+def test_help_gives_every_option_a_default_and_lists_profiles_and_scenarios(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvgate.engine.profiles import PROFILES
+    from kvgate.sim.scenarios import SCENARIOS, describe
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # unwrap argparse's lines
+    text = text.split("options:", 1)[1]  # past the usage lines
+    for option, default in (
+        ("--nodes NODES", "(default 8)"),
+        ("--gateways GATEWAYS", "(default 1)"),
+        ("--index-mode {approximate,precise}", "(default approximate)"),
+        ("--seed SEED", "(default 0)"),
+        ("--scenario {none,", "default none)"),
+        ("--profile {" + ",".join(sorted(PROFILES)) + "}", "(default a100-8b)"),
+    ):
+        assert option in text and default in text.split(option, 1)[1].split(" --", 1)[0]
+    for name in SCENARIOS:
+        assert f"{name}: {describe(name)}" in text
+
+
+def test_bad_profile_is_a_usage_error_before_simulating(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--workload", "gsp", "--limit", "5", "--profile", "b200-8b"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --profile: invalid choice: 'b200-8b'" in err and "simulating" not in err
+
+
+def test_unknown_policy_fails_before_the_saturation_search(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["simulate", "--workload", "gsp", "--find-saturation", "--policies", "kvgate,nope"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "unknown policies ['nope']" in err and "simulating" not in err
+
+
+def test_scenario_prints_its_name_once_and_its_pass_criteria(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--workload", "chat", "--limit", "30", "--nodes", "2", "--no-progress"]
+    argv += ["--policies", "kvgate,round_robin", "--scenario", "p2_flood", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "== scenario p2_flood ==" in text and "p2_flood: p2_flood" not in text
+    rep = json.loads(out.read_text())
+    for policy in ("kvgate", "round_robin"):
+        check = rep["criteria"][policy]["checks"]["p0_ttft_p99_s"]
+        p0 = rep["variants"]["p2_flood"]["policies"][policy]["by_priority"]["P0"]
+        assert check["value"] == p0["ttft_p99_s"] and check["threshold"] == 5.0
+        mark = "ok  " if check["ok"] else "FAIL"
+        assert f"  {mark} p0_ttft_p99_s " in text
+        assert f"p2_flood pass criteria, {policy}: " in text
+
+
+WALL_CLOCK_KEYS = ("wall_s", "sim_requests_per_wall_s")  # the README names these
+
+
+def _without_wall_clock(node: object) -> object:
+    if isinstance(node, dict):
+        return {k: _without_wall_clock(v) for k, v in node.items() if k not in WALL_CLOCK_KEYS}
+    if isinstance(node, list):
+        return [_without_wall_clock(v) for v in node]
+    return node
+
+
+@pytest.mark.parametrize("extra", [[], ["--scenario", "tenant_flood"]])
+def test_same_seed_same_report_but_the_wall_clock_fields(
+    extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", "--workload", "chat", "--limit", "30", "--nodes", "2", "--seed", "4"]
+    argv += ["--policies", "kvgate,round_robin", "--no-progress", *extra]
+    reports = []
+    for i in range(2):
+        out = tmp_path / f"r{i}.json"
+        assert main([*argv, "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    capsys.readouterr()
+    assert _without_wall_clock(reports[0]) == _without_wall_clock(reports[1])

@@ -1,8 +1,9 @@
 """`kvgate simulate`: compare routing policies on a workload or trace, in virtual time.
 
 This is a shell around the pure simulator: it reads files, seeds the generator,
-reads the wall clock for the speed figure and prints; the simulation itself is
-deterministic (same seed, same report bytes).
+reads the wall clock for the speed figures and prints; the simulation itself is
+deterministic (same seed, same report, except the wall-clock fields ``wall_s`` and
+``sim_requests_per_wall_s``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,87 +23,144 @@ from kvgate.core.admission import AdmissionConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.routing import make_policy
+from kvgate.engine.profiles import DEFAULT_PROFILE, PROFILES
 from kvgate.sim.cluster import ClusterConfig
 from kvgate.sim.ordering import format_ordering, format_tally, ordering, tally
 from kvgate.sim.report import Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
-from kvgate.sim.scenarios import SCENARIOS
+from kvgate.sim.scenario_checks import criteria, format_criteria, measure
+from kvgate.sim.scenarios import SCENARIOS, describe
 from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_groups, zipf_prefixes
 from kvgate.sim.workload import Workload, load_mooncake_trace, scale_rate
 
 SYNTHETIC = ("gsp", "chat", "agent", "zipf")
 
 
+def _scenarios_epilog() -> str:
+    lines = ["scenarios (--scenario), each with its pass criteria:"]
+    for name in SCENARIOS:
+        lines.append(
+            textwrap.fill(describe(name), initial_indent=f"  {name}: ", subsequent_indent="    ")
+        )
+    return "\n".join(lines)
+
+
 def add_simulate_parser(sub: Any) -> None:
     p = sub.add_parser(
         "simulate",
         help="compare routing policies on a trace or synthetic workload (virtual time)",
-        description="Replay a workload through N simulated nodes and G gateways running "
-        "kvgate's real scheduling core, once per policy, and print a comparison table; "
-        "when kvgate runs beside other policies, lines under the table check it against "
-        "them (TTFT p99 and mean, goodput, load max/mean, hit ratio) and say where a "
-        "baseline wins.",
+        description=textwrap.fill(
+            "Replay a workload through N simulated nodes and G gateways running "
+            "kvgate's real scheduling core, once per policy, and print a comparison table; "
+            "when kvgate runs beside other policies, lines under the table check it against "
+            "them (TTFT p99 and mean, goodput, load max/mean, hit ratio) and say where a "
+            "baseline wins. Under a scenario, lines check each policy against the "
+            "scenario's pass criteria."
+        ),
+        epilog=_scenarios_epilog(),
+        # the epilog lists one scenario per paragraph, so keep its line breaks
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace to replay")
+    w.add_argument(
+        "--trace", type=Path, help="Mooncake-format JSONL trace to replay (default: --workload)"
+    )
     w.add_argument(
         "--workload",
         choices=SYNTHETIC,
         default="chat",
         help="synthetic workload when no --trace is given (default chat)",
     )
-    w.add_argument("--limit", type=int, help="use only the first N trace requests")
-    w.add_argument("--speedup", type=float, default=1.0, help="arrival speed-up factor (1.0)")
+    w.add_argument(
+        "--limit", type=int, help="use only the first N requests of the workload (default: all)"
+    )
+    w.add_argument(
+        "--speedup", type=float, default=1.0, help="arrival speed-up factor (default 1.0)"
+    )
     w.add_argument(
         "--bucket",
         choices=("spread", "burst"),
         default="spread",
-        help="replay a bucketed trace timestamp as a burst or spread to the next (spread)",
+        help="replay a bucketed trace timestamp as a burst or spread to the next (default spread)",
     )
-    w.add_argument("--rate", type=float, default=None, help="synthetic arrival rate (rps)")
+    w.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="synthetic arrivals per second: requests (gsp, zipf), sessions (chat) or "
+        "tasks (agent) (default gsp 16, chat 0.5, agent 0.2, zipf 4)",
+    )
     w.add_argument(
         "--closed-loop",
         action="store_true",
-        help="chat and agent: send a session's next request only after the previous one "
-        "is answered, plus its think time (default: open loop, at the planned times; "
+        help="chat and agent: send a session's next request only once the previous one "
+        "has ended (answered, failed or refused), plus its think time (an agent's tool "
+        "gap) divided by --speedup (default: open loop, at the planned times; "
         "--find-saturation then searches on the open-loop arrivals)",
     )
     c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, default=8)
-    c.add_argument("--gateways", type=int, default=1)
-    c.add_argument("--profile", default="a100-8b", help="engine timing profile (a100-8b)")
+    c.add_argument("--nodes", type=int, default=8, help="simulated inference nodes (default 8)")
+    c.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateways, each with its own core and a delayed view, sharing one "
+        "coordinator (default 1)",
+    )
+    c.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=DEFAULT_PROFILE,
+        help=f"engine timing profile (default {DEFAULT_PROFILE})",
+    )
     c.add_argument(
         "--cache-blocks",
         type=int,
         default=1000,
-        help="KV cache per node in blocks of the workload's block size (1000)",
+        help="KV cache per node in blocks of the workload's block size (default 1000)",
     )
-    c.add_argument("--node-capacity", type=int, default=64, help="requests per node in C (64)")
+    c.add_argument(
+        "--node-capacity", type=int, default=64, help="requests per node in C (default 64)"
+    )
     c.add_argument("--budget", type=int, help="admission budget C (default: nodes x capacity)")
-    c.add_argument("--index-mode", choices=("approximate", "precise"), default="approximate")
+    c.add_argument(
+        "--index-mode",
+        choices=("approximate", "precise"),
+        default="approximate",
+        help="cache index learned from the gateway's own routing (approximate) or from "
+        "the nodes' KV events (precise) (default approximate)",
+    )
     r = p.add_argument_group("run")
     r.add_argument(
         "--policies", default="all", help="comma-separated policy names, or 'all' (default)"
     )
-    r.add_argument("--scenario", choices=("none", *SCENARIOS), default="none")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--slo-ttft", type=float, default=5.0, help="goodput SLO TTFT, s (5)")
-    r.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO TPOT, s (0.1)")
+    r.add_argument(
+        "--scenario",
+        choices=("none", *SCENARIOS),
+        default="none",
+        help="run a gray scenario and check its pass criteria (see below; default none)",
+    )
+    r.add_argument(
+        "--seed", type=int, default=0, help="seed of the workload and the policies (default 0)"
+    )
+    r.add_argument("--slo-ttft", type=float, default=5.0, help="goodput SLO TTFT, s (default 5)")
+    r.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO TPOT, s (default 0.1)")
     r.add_argument(
         "--find-saturation",
         action="store_true",
-        help="find round robin's saturation speed-up first",
+        help="find round robin's saturation speed-up first (default: no search)",
     )
     r.add_argument(
         "--saturation",
         type=float,
         default=None,
-        help="round robin's saturation speed-up if already known (skips the search)",
+        help="round robin's saturation speed-up if already known (skips the search; default: none)",
     )
     r.add_argument(
         "--at-saturation",
         default=None,
-        help="comma-separated fractions of round robin's saturation speed-up to run at",
+        help="comma-separated fractions of round robin's saturation speed-up to run at "
+        "(default: none, one run at --speedup)",
     )
     r.add_argument(
         "--policy-param",
@@ -110,9 +170,20 @@ def add_simulate_parser(sub: Any) -> None:
         help="a routing policy's parameter, e.g. kvgate.decode_s_per_context_token=1.74e-5 "
         "(repeatable; the other policies keep their defaults)",
     )
-    r.add_argument("--json", type=Path, help="write the whole report as JSON")
-    r.add_argument("--plot", type=Path, help="draw TTFT distributions and hit ratios (PNG)")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument(
+        "--json", type=Path, help="write the whole report as JSON to this file (default: none)"
+    )
+    r.add_argument(
+        "--plot",
+        type=Path,
+        help="draw TTFT distributions and hit ratios to this PNG (default: none)",
+    )
+    r.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="print one 'simulating ...' line per run on stderr instead of a redrawn "
+        "progress line (default: redrawn on a terminal)",
+    )
 
 
 def _load_workload(
@@ -302,6 +373,10 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _policy_names(args: argparse.Namespace) -> list[str]:
+    return [p.strip() for p in args.policies.split(",") if p.strip()]
+
+
 def _run_once(
     args: argparse.Namespace,
     speedup: float,
@@ -311,7 +386,7 @@ def _run_once(
     base = _load_workload(args, speedup)
     cfg = _config(args)
     slo = Slo(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
-    policies = resolve_policies([p.strip() for p in args.policies.split(",") if p.strip()])
+    policies = resolve_policies(_policy_names(args))
     if args.scenario == "none":
         rep = compare(
             base,
@@ -346,6 +421,7 @@ def _run_once(
             clock=time.perf_counter,
             progress=progress,
             policy_params=params,
+            extra=partial(measure, args.scenario, plan),
         )
         if plan.probe is not None:
             rep["probe"] = {
@@ -354,6 +430,7 @@ def _run_once(
                 "budget": plan.probe.budget,
             }
         out["variants"][label or args.scenario] = rep
+    out["criteria"] = criteria(out)
     return out
 
 
@@ -361,6 +438,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     progress = Progress(not args.no_progress)
     try:
         params = parse_policy_params(args.policy_param)  # bad ones fail before any run
+        resolve_policies(_policy_names(args))  # so do unknown policies
         check_closed_loop(args)
         report: dict[str, Any]
         if args.find_saturation or args.at_saturation:
@@ -399,9 +477,15 @@ def _print(report: dict[str, Any]) -> None:
             print("\n" + format_tally(report["ordering_tally"]))
         return
     if "variants" in report:
+        name = report["scenario"]
         for label, rep in report["variants"].items():
-            print(f"\n== scenario {report['scenario']}: {label} ==")
+            # a one-run scenario's only variant is named after it: say the name once
+            print(
+                f"\n== scenario {name} ==" if label == name else f"\n== scenario {name}: {label} =="
+            )
             print(format_table(rep))
+        if "criteria" in report:
+            print(format_criteria(name, report["criteria"]))
         return
     print(format_table(report))
     if "ordering" in report:

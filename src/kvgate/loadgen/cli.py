@@ -25,6 +25,9 @@ from kvgate.loadgen.prompts import SYNTHETIC_WORKLOADS, synthetic_workload, trac
 from kvgate.loadgen.report import parse_goodput
 from kvgate.loadgen.runner import LoadConfig, run_load
 
+# --num-requests without --trace: a trace has its own length, a generator has none
+SYNTHETIC_NUM_REQUESTS = 200
+
 _DESCRIPTION = (
     "Replay a synthetic workload or a Mooncake trace against an OpenAI-compatible "
     "endpoint, turning block ids into real prompts that share text exactly where the "
@@ -67,9 +70,9 @@ def _fill_parser(p: argparse.ArgumentParser) -> None:
     wl.add_argument(
         "--closed-loop",
         action="store_true",
-        help="chat and agent: send a session's next request only after the previous "
-        "one has ended, plus its think time divided by --speedup (default: open loop, "
-        "every request on its schedule)",
+        help="chat and agent: send a session's next request only once the previous one "
+        "has ended (answered, failed or refused), plus its think time (an agent's tool "
+        "gap) divided by --speedup (default: open loop, every request on its schedule)",
     )
     wl.add_argument(
         "--speedup",
@@ -128,8 +131,9 @@ def _fill_parser(p: argparse.ArgumentParser) -> None:
     ld.add_argument(
         "--num-requests",
         type=positive_int,
-        default=200,
-        help="send at most this many requests (default 200)",
+        metavar="N",
+        help="send at most the first N requests (default: all of --trace, after --limit; "
+        f"{SYNTHETIC_NUM_REQUESTS} of a synthetic workload)",
     )
     ld.add_argument(
         "--max-seconds",
@@ -197,7 +201,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
-    """The :class:`LoadConfig` for parsed ``bench`` arguments (reads ``--trace``)."""
+    """The :class:`LoadConfig` for parsed ``bench`` arguments (reads ``--trace``; one
+    line on stderr when ``--num-requests`` leaves out part of the trace)."""
     if args.schedule == "trace" and args.rate is not None:
         raise ValueError(
             "--rate does not apply to --schedule trace (use --speedup, or "
@@ -206,13 +211,23 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     if args.save_detailed and not args.json:
         raise ValueError("--save-detailed needs --json FILE")
     check_closed_loop(args)
+    num_requests: int
     if args.trace:
         workload = trace_workload(args.trace, limit=args.limit, block_tokens=args.block_tokens)
+        total = len(workload.requests)
+        num_requests = total if args.num_requests is None else args.num_requests
+        if num_requests < total:  # the user's choice, but a cut trace should not go unnoticed
+            print(
+                f"kvgate bench: --num-requests {num_requests} sends only the first "
+                f"{num_requests} of the trace's {total} requests",
+                file=sys.stderr,
+            )
     else:
+        num_requests = args.num_requests or SYNTHETIC_NUM_REQUESTS
         workload = synthetic_workload(
             args.workload or "gsp",
             seed=args.seed,
-            num_requests=args.num_requests,
+            num_requests=num_requests,
             block_tokens=args.block_tokens,
             arrival_rate=args.arrival_rate,
             size=args.workload_size,
@@ -229,7 +244,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         rate=math.inf if args.rate is None else args.rate,
         concurrency=args.concurrency,
         speedup=args.speedup,
-        num_requests=args.num_requests,
+        num_requests=num_requests,
         max_seconds=args.max_seconds,
         seed=args.seed,
         chars_per_token=args.chars_per_token,

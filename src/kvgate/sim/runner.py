@@ -88,7 +88,10 @@ def compare(
     clock: Callable[[], float] | None = None,
     progress: Callable[[str], None] | None = None,
     policy_params: Mapping[str, Mapping[str, object]] | None = None,
+    extra: Callable[[SimCluster], Mapping[str, object]] | None = None,
 ) -> dict[str, object]:
+    """One run of ``workload`` per policy, with the workload's bounds; ``extra`` adds
+    keys to each policy's report, read from its finished cluster."""
     capacity = config.nodes * config.cache_blocks
     report: dict[str, object] = {
         "workload": workload.name,
@@ -110,7 +113,7 @@ def compare(
     for name in policies:
         if progress:
             progress(name)
-        _, rep = run_policy(
+        cluster, rep = run_policy(
             workload,
             config,
             name,
@@ -120,6 +123,8 @@ def compare(
             clock=clock,
             policy_params=policy_params,
         )
+        if extra is not None:
+            rep.update(extra(cluster))
         results[name] = rep
         wall += float(rep["wall_s"])  # type: ignore[arg-type]
     if policy_params:

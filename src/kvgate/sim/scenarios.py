@@ -1,8 +1,9 @@
 """The design brief's gray scenarios, each with written pass criteria.
 
 A scenario turns a base workload and cluster into what it runs (a changed
-workload, config and timed hooks) and, after the run, checks its criteria
-against the report. Criteria (issue "Simulator"):
+workload, config and timed hooks); after the run,
+:mod:`kvgate.sim.scenario_checks` checks its criteria against the report (the
+numbers of the checks below). Criteria (issue "Simulator"):
 
 * ``p2_flood``: a P2 flood at 10x while P0 stays steady; P0 TTFT p99 stays
   within its SLO (5 s by default).
@@ -58,11 +59,24 @@ def at_rate(base: Workload, factor: float) -> Workload:
 
 @dataclass(slots=True)
 class Probe:
-    """Samples taken during a run (for criteria no report field covers)."""
+    """Samples taken during a run (for criteria no report field covers).
+
+    One plan serves every policy of a comparison in turn: the first two fields keep the
+    maxima over all its runs, the ``run_`` ones those of the current run (:meth:`end_run`).
+    """
 
     max_inflight_in_window: int = 0
     max_tenant_inflight: dict[str, int] = field(default_factory=dict)
     budget: int = 0
+    run_max_inflight_in_window: int = 0
+    run_max_tenant_inflight: dict[str, int] = field(default_factory=dict)
+
+    def end_run(self) -> tuple[int, dict[str, int]]:
+        """The finished run's maxima (in flight in the window, per tenant), then cleared."""
+        out = (self.run_max_inflight_in_window, dict(self.run_max_tenant_inflight))
+        self.run_max_inflight_in_window = 0
+        self.run_max_tenant_inflight.clear()
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +85,8 @@ class Plan:
     config: ClusterConfig
     hooks: tuple[tuple[float, Hook], ...] = ()
     probe: Probe | None = None
+    # the fault's [start, end) in seconds, for criteria that compare before and during it
+    window: tuple[float, float] | None = None
 
 
 def _sampler(probe: Probe, start: float, end: float, every: float = 0.05) -> Hook:
@@ -81,22 +97,27 @@ def _sampler(probe: Probe, start: float, end: float, every: float = 0.05) -> Hoo
         total = sum(g.in_flight() for g in c.gateways)
         if now >= start:
             probe.max_inflight_in_window = max(probe.max_inflight_in_window, total)
+            probe.run_max_inflight_in_window = max(probe.run_max_inflight_in_window, total)
         for g in c.gateways:
             for t, n in g.admission.stats().tenant_inflight.items():
                 if n > probe.max_tenant_inflight.get(t, 0):
                     probe.max_tenant_inflight[t] = n
+                if n > probe.run_max_tenant_inflight.get(t, 0):
+                    probe.run_max_tenant_inflight[t] = n
         c.loop.after(every, lambda: sample(c))
 
     return sample
 
 
 def p2_flood(base: Workload, config: ClusterConfig, rng: Rng, *, factor: float = 10.0) -> Plan:
+    """The workload as P0 plus a P2 flood at 10x its rate; P0 TTFT p99 must stay in its SLO."""
     p0 = with_priority(base, int(Priority.P0))
     flood = with_priority(at_rate(base, factor), int(Priority.P2))
     return Plan(workload=merge(p0, flood, name=f"{base.name}+p2x{factor:g}"), config=config)
 
 
 def nodes_fail(base: Workload, config: ClusterConfig, rng: Rng, *, fraction: float = 0.3) -> Plan:
+    """30% of nodes crash at 30% of the run and return at 60%; <= 1.2 attempts per request."""
     d = base.duration_s
     k = max(1, round(config.nodes * fraction))
 
@@ -112,6 +133,8 @@ def nodes_fail(base: Workload, config: ClusterConfig, rng: Rng, *, fraction: flo
 
 
 def coordinator_down(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
+    """The coordinator is unreachable from 30% to 60% of the run; P0 keeps >= 90% of its
+    admit rate and in-flight requests stay within the budget."""
     d = base.duration_s
     start, end = 0.3 * d, 0.6 * d
     probe = Probe(budget=config.controller.admission.budget)
@@ -128,12 +151,15 @@ def coordinator_down(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
         config=config,
         hooks=((start, cut), (end, heal), (0.0, _sampler(probe, start, end))),
         probe=probe,
+        window=(start, end),
     )
 
 
 def mass_eviction(
     base: Workload, config: ClusterConfig, rng: Rng, *, announce: bool = True
 ) -> Plan:
+    """The fullest node drops 90% of its cache at 40% of the run, with and without
+    announcing it first; TTFT p99 and hit ratio of both."""
     at = 0.4 * base.duration_s
 
     def evict(c: SimCluster) -> None:
@@ -154,6 +180,8 @@ def tenant_flood(
     quota: int = 4,
     flood: bool = True,
 ) -> Plan:
+    """One tenant floods at 10x its share; it stays within its quota (4 in flight) and the
+    other tenants' TTFT p99 moves < 20% against a run without the flood."""
     tenants = {"alpha": 1.0, "beta": 1.0, "gamma": 1.0}
     wl = assign_classes(base, tenants=tenants, priorities={}, rng=rng)
     quotas: dict[str, int] = {t: 10_000 for t in tenants} | {"flood": quota}
@@ -167,6 +195,7 @@ def tenant_flood(
 
 
 def traffic_double(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
+    """Traffic doubles from 30% to 50% of the run; every request ends with one outcome."""
     d = base.duration_s
     extra = time_window(base, 0.3 * d, 0.5 * d, rebase=False)
     return Plan(workload=merge(base, extra, name=f"{base.name}+double"), config=config)
@@ -181,6 +210,11 @@ SCENARIOS: dict[str, Builder] = {
     "tenant_flood": tenant_flood,
     "traffic_double": traffic_double,
 }
+
+
+def describe(name: str) -> str:
+    """A scenario's one-paragraph description (its builder's docstring, on one line)."""
+    return " ".join((SCENARIOS[name].__doc__ or "").split())
 
 
 def p0_admit_shares(c: SimCluster, start: float, end: float) -> tuple[float, float]:

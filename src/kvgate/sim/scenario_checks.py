@@ -1,0 +1,181 @@
+"""Each gray scenario's pass criteria (see :mod:`kvgate.sim.scenarios`) as checks.
+
+:func:`measure` reads, after one policy's run, the numbers a criterion needs that the
+policy report lacks (``scenario_measures``: admit shares around the coordinator outage,
+in-flight maxima, the other tenants' pooled TTFT p99). :func:`criteria` reads a scenario
+report (``{scenario, variants}``, each variant a comparison report) and returns, per
+policy, one check per criterion: measured ``value``, ``rel`` and ``threshold``, ``ok``.
+:func:`format_criteria` prints them like the ordering check lines. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvgate.sim.cluster import SimCluster
+from kvgate.sim.report import pct, ttft
+from kvgate.sim.scenarios import Plan, p0_admit_shares
+
+__all__ = [
+    "MAX_ATTEMPTS_PER_REQUEST",
+    "OTHERS_TTFT_MAX_CHANGE",
+    "P0_ADMIT_KEEP",
+    "criteria",
+    "format_criteria",
+    "measure",
+]
+
+MAX_ATTEMPTS_PER_REQUEST = 1.2  # nodes_fail
+P0_ADMIT_KEEP = 0.9  # coordinator_down: P0's admit share during / before the outage
+OTHERS_TTFT_MAX_CHANGE = 0.2  # tenant_flood: |flood - no flood| / no flood, the others' p99
+FLOOD_TENANT = "flood"  # the tenant tenant_flood adds
+
+
+def measure(name: str, plan: Plan, cluster: SimCluster) -> dict[str, object]:
+    """``{"scenario_measures": {...}}`` for one finished run of ``plan`` (scenario
+    ``name``), or ``{}`` when its criteria read the report alone. Ends the probe's run."""
+    out: dict[str, object] = {}
+    if plan.probe is not None:
+        in_window, tenants = plan.probe.end_run()
+    if name == "coordinator_down" and plan.probe is not None and plan.window is not None:
+        before, during = p0_admit_shares(cluster, *plan.window)
+        out = {
+            "p0_admit_share_before": round(before, 4),
+            "p0_admit_share_during": round(during, 4),
+            "max_inflight_in_window": in_window,
+            "budget": plan.probe.budget,
+        }
+    elif name == "tenant_flood" and plan.probe is not None:
+        others = [
+            t
+            for o in cluster.outcomes.values()
+            if o.req.tenant != FLOOD_TENANT and (t := ttft(o)) is not None
+        ]
+        out = {
+            "others_ttft_p99_s": round(pct(others, 0.99), 4),
+            "flood_max_inflight": tenants.get(FLOOD_TENANT, 0),
+            "quota": plan.probe.budget,
+        }
+    return {"scenario_measures": out} if out else {}
+
+
+def _check(value: float, rel: str, threshold: float, note: str = "") -> dict[str, Any]:
+    ok = {
+        "<=": value <= threshold,
+        "<": value < threshold,
+        ">=": value >= threshold,
+        "==": value == threshold,
+    }[rel]
+    check: dict[str, Any] = {"value": value, "rel": rel, "threshold": threshold, "ok": ok}
+    if note:
+        check["note"] = note
+    return check
+
+
+def _lost(report: Mapping[str, Any], row: Mapping[str, Any]) -> dict[str, Any]:
+    ended = row["completed"] + row["rejected"] + row["failed"]
+    return _check(report["requests"] - ended, "==", 0, "requests without an outcome")
+
+
+def _policy_checks(
+    name: str, variants: Mapping[str, Mapping[str, Any]], policy: str
+) -> dict[str, Any]:
+    """The checks of ``policy`` (a row in every variant) for scenario ``name``."""
+    checks: dict[str, Any] = {}
+    if name in ("mass_eviction", "tenant_flood"):  # two variants, compared
+        pair = {
+            "mass_eviction": ("announced", "unannounced"),
+            "tenant_flood": ("flood", "no_flood"),
+        }
+        first, second = pair[name]
+        a, b = variants[first]["policies"][policy], variants[second]["policies"][policy]
+    else:
+        report = variants[name]
+        row = report["policies"][policy]
+    if name == "p2_flood":
+        p0 = row["by_priority"].get("P0", {})
+        slo = row["slo"]["ttft_s"]
+        checks["p0_ttft_p99_s"] = _check(p0.get("ttft_p99_s", 0.0), "<=", slo, "the TTFT SLO")
+        checks["p0_completed"] = _check(
+            p0.get("completed", 0), "==", p0.get("requests", 0), "every P0 request"
+        )
+    elif name == "nodes_fail":
+        checks["attempts_per_request"] = _check(
+            row["attempts_per_request"], "<=", MAX_ATTEMPTS_PER_REQUEST
+        )
+        checks["lost_requests"] = _lost(report, row)
+    elif name == "coordinator_down":
+        m = row["scenario_measures"]
+        before = m["p0_admit_share_before"]
+        checks["p0_admit_share_during"] = _check(
+            m["p0_admit_share_during"],
+            ">=",
+            round(P0_ADMIT_KEEP * before, 4),
+            f"{P0_ADMIT_KEEP:.0%} of the share before the outage, {before:.4f}",
+        )
+        checks["max_inflight_in_window"] = _check(
+            m["max_inflight_in_window"], "<=", m["budget"], "the budget C"
+        )
+    elif name == "mass_eviction":
+        # the criterion is that both runs are shown: no threshold, only both measured
+        for key in ("ttft_p99_s", "hit_ratio"):
+            measured = a["completed"] > 0 and b["completed"] > 0
+            checks[key] = {
+                "value": a[key],
+                "rel": "vs",
+                "threshold": b[key],
+                "ok": measured,
+                "note": "announced vs unannounced: both shown, no threshold",
+            }
+    elif name == "tenant_flood":
+        ma, mb = a["scenario_measures"], b["scenario_measures"]
+        checks["flood_max_inflight"] = _check(
+            ma["flood_max_inflight"], "<=", ma["quota"], "the flooding tenant's quota"
+        )
+        flood_p99, calm_p99 = ma["others_ttft_p99_s"], mb["others_ttft_p99_s"]
+        change = abs(flood_p99 - calm_p99) / calm_p99 if calm_p99 else 0.0
+        checks["others_ttft_p99_change"] = _check(
+            round(change, 4),
+            "<",
+            OTHERS_TTFT_MAX_CHANGE,
+            f"the other tenants' TTFT p99, {flood_p99:.4f} s with the flood "
+            f"against {calm_p99:.4f} s without",
+        )
+    elif name == "traffic_double":
+        checks["lost_requests"] = _lost(report, row)
+    return checks
+
+
+def criteria(report: Mapping[str, Any]) -> dict[str, Any]:
+    """Per policy of a scenario report, ``{"checks": {name: check}, "holds": bool}``."""
+    name: str = report["scenario"]
+    variants: Mapping[str, Mapping[str, Any]] = report["variants"]
+    first = next(iter(variants.values()))
+    out: dict[str, Any] = {}
+    for policy in first["policies"]:
+        checks = _policy_checks(name, variants, policy)
+        out[policy] = {"checks": checks, "holds": all(c["ok"] for c in checks.values())}
+    return out
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:.4f}"
+
+
+_NEGATED = {"<=": ">", "<": ">=", ">=": "<", "==": "!="}
+
+
+def format_criteria(scenario: str, result: Mapping[str, Any]) -> str:
+    """Console lines: per policy, one line per criterion (the ordering lines' style)."""
+    lines = []
+    for policy, r in result.items():
+        lines.append(f"{scenario} pass criteria, {policy}: {'holds' if r['holds'] else 'FAILS'}")
+        for key, c in r["checks"].items():
+            mark = "ok  " if c["ok"] else "FAIL"
+            rel = c["rel"] if c["ok"] or c["rel"] == "vs" else _NEGATED[c["rel"]]
+            tail = f"{rel} {_number(c['threshold'])}"
+            if "note" in c:
+                tail += f" ({c['note']})"
+            lines.append(f"  {mark} {key:<22} {_number(c['value']):>9}  {tail}")
+    return "\n".join(lines)

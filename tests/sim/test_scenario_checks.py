@@ -1,0 +1,98 @@
+"""The scenarios' pass criteria as check lines (sim/scenario_checks.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvgate.core.admission import AdmissionConfig
+from kvgate.core.config import ControllerConfig
+from kvgate.sim.cluster import ClusterConfig
+from kvgate.sim.runner import SeededRng, compare
+from kvgate.sim.scenario_checks import criteria, format_criteria, measure
+from kvgate.sim.scenarios import SCENARIOS
+from kvgate.sim.synthetic import multi_turn_chat
+
+
+def _row(**kw: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {"completed": 10, "rejected": 0, "failed": 0, "attempts_per_request": 1.0}
+    row["slo"] = {"ttft_s": 5.0}
+    return row | kw
+
+
+def test_p2_flood_fails_where_p0_misses_its_slo() -> None:
+    p0 = {"requests": 10, "completed": 10, "ttft_p99_s": 6.5}
+    rep = {
+        "scenario": "p2_flood",
+        "variants": {
+            "p2_flood": {
+                "requests": 10,
+                "policies": {
+                    "kvgate": _row(by_priority={"P0": p0 | {"ttft_p99_s": 1.25}}),
+                    "round_robin": _row(by_priority={"P0": p0}),
+                },
+            }
+        },
+    }
+    result = criteria(rep)
+    assert result["kvgate"]["holds"] and not result["round_robin"]["holds"]
+    check = result["round_robin"]["checks"]["p0_ttft_p99_s"]
+    assert check == {
+        "value": 6.5,
+        "rel": "<=",
+        "threshold": 5.0,
+        "ok": False,
+        "note": "the TTFT SLO",
+    }
+    text = format_criteria("p2_flood", result)
+    assert "p2_flood pass criteria, round_robin: FAILS" in text
+    assert "  FAIL p0_ttft_p99_s             6.5000  > 5.0000 (the TTFT SLO)" in text
+    assert "  ok   p0_ttft_p99_s             1.2500  <= 5.0000 (the TTFT SLO)" in text
+
+
+def test_nodes_fail_counts_attempts_and_lost_requests() -> None:
+    rows = {"kvgate": _row(attempts_per_request=1.25), "least_loaded": _row(failed=2)}
+    rep = {"scenario": "nodes_fail", "variants": {"nodes_fail": {"requests": 12, "policies": rows}}}
+    result = criteria(rep)
+    k, ll = result["kvgate"]["checks"], result["least_loaded"]["checks"]
+    assert not k["attempts_per_request"]["ok"] and k["lost_requests"]["value"] == 2
+    assert ll["lost_requests"]["value"] == 0 and ll["lost_requests"]["ok"]
+
+
+def test_tenant_flood_compares_the_other_tenants_with_and_without_the_flood() -> None:
+    def variant(p99: float, inflight: int) -> dict[str, Any]:
+        m = {"others_ttft_p99_s": p99, "flood_max_inflight": inflight, "quota": 4}
+        return {"requests": 10, "policies": {"kvgate": _row(scenario_measures=m)}}
+
+    rep = {
+        "scenario": "tenant_flood",
+        "variants": {"flood": variant(1.3, 5), "no_flood": variant(1.0, 0)},
+    }
+    checks = criteria(rep)["kvgate"]["checks"]
+    assert checks["flood_max_inflight"]["ok"] is False  # 5 in flight over a quota of 4
+    change = checks["others_ttft_p99_change"]
+    assert (change["value"], change["threshold"], change["ok"]) == (0.3, 0.2, False)
+
+
+def test_measure_reads_each_policy_run_on_its_own() -> None:
+    """One plan serves every policy: its probe's run maxima restart with each run."""
+    w = multi_turn_chat(rng=SeededRng(2), arrivals=1.5, num_sessions=30)
+    ctl = ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=64))
+    cfg = ClusterConfig(nodes=2, cache_blocks=300, node_capacity=32, controller=ctl)
+    plan = SCENARIOS["coordinator_down"](w, cfg, SeededRng(3))
+    rep = compare(
+        plan.workload,
+        plan.config,
+        ["kvgate", "round_robin"],
+        seed=1,
+        hooks=plan.hooks,
+        extra=lambda c: measure("coordinator_down", plan, c),
+    )
+    rows: dict[str, Any] = rep["policies"]  # type: ignore[assignment]
+    seen = [row["scenario_measures"]["max_inflight_in_window"] for row in rows.values()]
+    assert plan.probe is not None and max(seen) == plan.probe.max_inflight_in_window > 0
+    result = criteria({"scenario": "coordinator_down", "variants": {"coordinator_down": rep}})
+    for name, row in rows.items():
+        m = row["scenario_measures"]
+        assert m["budget"] == 64 and 0 <= m["p0_admit_share_during"] <= 1
+        check = result[name]["checks"]["p0_admit_share_during"]
+        assert check["ok"] == (m["p0_admit_share_during"] >= 0.9 * m["p0_admit_share_before"])
