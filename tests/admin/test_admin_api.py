@@ -3,6 +3,7 @@ decisions; against a gateway in front of real engine servers on 127.0.0.1."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from typing import Any
@@ -300,5 +301,29 @@ def test_dashboard_page_and_state(admin_kit: Any) -> None:
                                                                   "ge16k"]
             assert state["admission"]["lease_state"] == "active"
             assert len(state["decisions"]) == 1
+
+    admin_kit.run(body())
+
+
+def test_admin_body_badly_encoded_is_400_and_slow_is_408(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(1, server={"body_timeout_s": 0.3}) as s:
+            status, data, _ = await s.call("POST", "/admin/nodes", b'{"url": "http://x:1"}',
+                                           headers={"Content-Encoding": "gzip"})
+            assert status == 400 and _is_openai_error(data), data
+            assert data["error"]["code"] == "invalid_body"
+            host, port = s.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(b"POST /admin/nodes HTTP/1.1\r\nHost: x\r\n"
+                             b"Authorization: Bearer " + admin_kit.TOKEN.encode() +
+                             b"\r\nContent-Length: 100\r\n\r\n{")
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+                assert head.startswith(b"HTTP/1.1 408")
+            finally:
+                writer.close()
+                await writer.wait_closed()
+            assert len(s.gw.nodes) == 1
 
     admin_kit.run(body())

@@ -101,6 +101,7 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"auth": {"keys": {"k": {"tenant": "t", "max_priority": 5}}}}, "max_priority"),
     ({"auth": {"keys": ["k"]}}, "auth.keys"),
     ({"server": {"admin_token": "short"}}, "admin_token"),
+    ({"server": {"header_timeout_s": 0}}, "server.header_timeout_s must be > 0"),
 ])
 def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
                                              tmp_path: Path) -> None:
@@ -179,3 +180,12 @@ def test_request_ids_are_unique_and_reprefixed() -> None:
     ids.reset()  # a restart or a forked worker: a new random prefix
     assert ids.next() not in first
     assert RequestIds().next() != RequestIds().next()
+
+
+def test_header_timeout_from_yaml_and_env(tmp_path: Path) -> None:
+    assert GatewayConfig().server.header_timeout_s == 30.0
+    path = tmp_path / "gw.yaml"
+    path.write_text("server: {header_timeout_s: 12}\n")
+    assert load_config(path, env={}).server.header_timeout_s == 12.0
+    env = {"KVGATE_SERVER_HEADER_TIMEOUT_S": "2.5"}
+    assert load_config(path, env=env).server.header_timeout_s == 2.5

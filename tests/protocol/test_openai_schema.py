@@ -288,3 +288,19 @@ def test_edit_body_splices_absent_keys_and_matches_with_fields() -> None:
     utf16 = json.dumps({"model": "m", "prompt": "p"}).encode("utf-16")
     r4 = parse_completion_request(utf16)
     assert json.loads(edit_body(utf16, r4.raw, {"priority": 1}))["priority"] == 1
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'"temperature":1e309', "temperature"),
+    (b'"temperature":-1e309', "temperature"),
+    (b'"top_p":1e400', "top_p"),
+])
+def test_infinite_numbers_are_not_finite_rather_than_below_minimum(raw: bytes,
+                                                                  param: str) -> None:
+    # JSON text like 1e309 parses to inf: the message must say so, not "below minimum"
+    body = b'{"model":"m","messages":[{"role":"user","content":"x"}],' + raw + b"}"
+    with pytest.raises(InvalidValueError) as info:
+        parse_chat_request(body)
+    assert info.value.param == param
+    assert info.value.code == "invalid_value"
+    assert info.value.message == f"Invalid '{param}': must be a finite number."

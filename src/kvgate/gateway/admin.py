@@ -34,6 +34,7 @@ from kvgate.core.errors import AuthError, ClientRequestError, ConfigError, Kvgat
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeState
 from kvgate.core.stats import DecisionRecord
+from kvgate.gateway.body import read_body
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.config_load import parse_node
 from kvgate.gateway.errors import json_response
@@ -243,7 +244,7 @@ class AdminApi:
         return state
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
+        raw = await read_body(request, self.gw.config.server.body_timeout_s)
         if not raw.strip():
             return {}
         try:

@@ -36,6 +36,7 @@ from kvgate.gateway.admin import register_admin
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.dashboard import register_dashboard
 from kvgate.gateway.driver import Driver, InProcessLeaseClient, LeaseClient
+from kvgate.gateway.edge import EdgeRunner
 from kvgate.gateway.errors import edge_middleware, json_response
 from kvgate.gateway.identity import Authenticator
 from kvgate.gateway.metrics_text import GatewayMetrics, render
@@ -212,8 +213,9 @@ async def start_gateway(
         if setup is not None:
             setup(app)
         srv = config.server
-        runner = web.AppRunner(
+        runner = EdgeRunner(
             app,
+            header_timeout_s=srv.header_timeout_s,
             handler_cancellation=True,
             access_log=logging.getLogger("kvgate.access") if srv.access_log else None,
             shutdown_timeout=srv.shutdown_timeout_s,

@@ -63,6 +63,10 @@ class ServerConfig:
     access_log: bool = False
     client_max_size: int = 16 * 1024 * 1024  # request bodies above it get 413
     body_timeout_s: float = 30.0  # a request body not read in this time gets 408
+    # a connection must deliver a complete request head within this time of opening
+    # or of its previous response (so also the idle keep-alive timeout), else it is
+    # closed, after a 408 if part of a head came (slowloris)
+    header_timeout_s: float = 30.0
     shutdown_timeout_s: float = 10.0  # graceful drain of in-flight requests on stop
     gateway_id: str = "gw0"
     seed: int | None = None  # routing randomness (exploration); None = from the OS
@@ -77,7 +81,8 @@ class ServerConfig:
         if not self.gateway_id:
             raise ConfigError("server.gateway_id must be non-empty")
         _positive("server", client_max_size=self.client_max_size,
-                  shutdown_timeout_s=self.shutdown_timeout_s, body_timeout_s=self.body_timeout_s)
+                  shutdown_timeout_s=self.shutdown_timeout_s, body_timeout_s=self.body_timeout_s,
+                  header_timeout_s=self.header_timeout_s)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,7 @@
 One request, in order (each step a 4xx when it fails, never a 500):
 
 1. read the body (413 past ``server.client_max_size``, 408 past
-   ``server.body_timeout_s``);
+   ``server.body_timeout_s``, 400 when badly encoded or framed: body.py);
 2. identify the caller (401 with auth on and a bad key);
 3. validate the body with :mod:`kvgate.protocol` (400 with OpenAI's ``param``);
 4. resolve the priority (header over body, capped by the key), check the model
@@ -19,7 +19,6 @@ One request, in order (each step a 4xx when it fails, never a 500):
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import secrets
@@ -30,6 +29,7 @@ from aiohttp import web
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
+from kvgate.gateway.body import read_body
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.errors import REQUEST_ID_HEADER
 from kvgate.gateway.identity import PRIORITY_HEADER, Authenticator
@@ -77,10 +77,6 @@ class ModelNotFoundError(ClientRequestError):
     http_status = 404
 
 
-class RequestTimeoutError(ClientRequestError):
-    http_status = 408
-
-
 class CompletionsHandler:
     """The two OpenAI endpoints; stateless apart from the parts it is given."""
 
@@ -105,16 +101,7 @@ class CompletionsHandler:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        try:
-            if request.content.is_eof():  # the whole body is in already: no timer needed
-                body = await request.read()
-            else:
-                async with asyncio.timeout(self._body_timeout):
-                    body = await request.read()
-        except TimeoutError as exc:
-            raise RequestTimeoutError(
-                "Timed out reading the request body.", code="request_timeout"
-            ) from exc
+        body = await read_body(request, self._body_timeout)
         identity = self.auth.identify(request.headers)
         parsed: ChatRequest | CompletionRequest
         if chat:

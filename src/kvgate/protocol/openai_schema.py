@@ -203,7 +203,9 @@ def _opt_number(d: Mapping[str, Any], name: str, low: float, high: float, *,
     if not _is_number(value):
         raise _bad_type(name, "a number", value)
     number = float(value)
-    if not math.isfinite(number) or number < low or (low_open and number <= low):
+    if not math.isfinite(number):  # JSON like 1e309 parses to inf: not a bound question
+        raise InvalidValueError(f"Invalid '{name}': must be a finite number.", param=name)
+    if number < low or (low_open and number <= low):
         bound = f"> {low:g}" if low_open else f">= {low:g}"
         raise InvalidValueError(
             f"Invalid '{name}': decimal below minimum value. Expected a value {bound}, "

@@ -1,0 +1,239 @@
+"""The HTTP/1.1 connection below the app: aiohttp's ``RequestHandler`` with three fixes.
+
+aiohttp answers what its parser rejects (an oversized header, a junk request line,
+an unsupported Content-Encoding ...) itself, before any middleware runs: a text/plain
+400 that quotes the client's bytes, plus an ERROR traceback in ``aiohttp.server``.
+It has no timeout on a request head (a connection that sends nothing, or half a
+head, is kept for aiohttp's hour-long keep-alive). And when a chunked body breaks
+mid-way, its C parser drops the body without failing it, so the handler waits for
+``body_timeout_s``. :class:`EdgeRequestHandler` (one per connection; built by
+:class:`EdgeRunner` through :class:`EdgeServer`, aiohttp's own ``Server`` with its
+protocol factory overridden) fixes all three:
+
+* ``handle_error``: an OpenAI-shaped JSON error (431 oversized headers, 414 a
+  too-long request line, 415 an unsupported Content-Encoding, else 400), no echo
+  of the client's bytes, one INFO line instead of a traceback;
+* header timeout: from connect, and again from the end of each response, a
+  complete request head must arrive within ``server.header_timeout_s``, else the
+  connection is closed (after a 408 if part of a head came). Disarmed while a
+  request is handled, so long streams are untouched; it is also the idle
+  keep-alive timeout;
+* a parse error while a request's body is still being read fails that body
+  (``RequestPayloadError``: the handler answers 400 at once) and the connection is
+  closed after the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_exceptions import (
+    BadStatusLine,
+    ContentEncodingError,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
+
+from kvgate.gateway.errors import json_response
+from kvgate.protocol import error_body, invalid_request_body, server_error_body
+
+log = logging.getLogger("kvgate.gateway")
+
+# Distinct limits so a LineTooLong says which was exceeded: the request line (URL,
+# 414) or a header field (431). 8190 is aiohttp's default for both.
+MAX_LINE_SIZE = 8192
+MAX_FIELD_SIZE = 8190
+
+
+def parse_error(exc: HttpProcessingError, line_limit: int = MAX_LINE_SIZE,
+                field_limit: int = MAX_FIELD_SIZE) -> tuple[int, str, str]:
+    """(status, message, code) for what aiohttp's parser rejected; our words only,
+    since aiohttp's messages quote the client's bytes."""
+    if isinstance(exc, ContentEncodingError):
+        return (415, "Unsupported Content-Encoding: send the body as identity, gzip or "
+                "deflate.", "unsupported_content_encoding")
+    if isinstance(exc, LineTooLong):
+        if line_limit != field_limit and len(exc.args) > 1 and exc.args[1] == line_limit:
+            return 414, "Request URL too long.", "url_too_long"
+        return 431, "Request header field too large.", "headers_too_large"
+    if "too many headers" in str(exc).lower():
+        return 431, "Too many request header fields.", "headers_too_large"
+    if isinstance(exc, BadStatusLine):  # and BadHttpMethod
+        return 400, "Malformed HTTP request line.", "malformed_request"
+    if isinstance(exc, InvalidURLError):
+        return 400, "Invalid request URL.", "malformed_request"
+    if isinstance(exc, InvalidHeader):
+        return 400, "Invalid HTTP header.", "malformed_request"
+    return 400, "Malformed HTTP request.", "malformed_request"
+
+
+def _timeout_408() -> bytes:
+    body = json.dumps(invalid_request_body("Timed out reading the request headers.",
+                                           code="request_timeout"),
+                      separators=(",", ":")).encode()
+    head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+TIMEOUT_408 = _timeout_408()
+
+
+class EdgeRequestHandler(RequestHandler):
+    """One client connection (see the module docstring)."""
+
+    def __init__(self, manager: web.Server, *, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._head_timeout_s = header_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = False  # part of a request head came since the timer started
+        self._busy = False  # a request is being handled (from its head to its response)
+        self._body: StreamReader | None = None  # that request's body
+
+    # ------------------------------------------------------------ header timeout
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def request_started(self, body: StreamReader) -> None:
+        """A complete head was parsed (called by :class:`EdgeServer`'s request factory)."""
+        self._disarm()
+        self._busy = True
+        self._body = body
+
+    def _arm(self) -> None:
+        self._disarm()
+        if self.transport is not None:
+            self._head_bytes = False
+            self._head_timer = self._loop.call_later(self._head_timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _timed_out(self) -> None:
+        self._head_timer = None
+        if self._busy or self._messages or self.transport is None:
+            return  # handling a request, or a parsed one is about to start
+        if self._body is not None and not self._body.is_eof():
+            self._arm()  # aiohttp is draining the last body (bounded by its lingering_time)
+            return
+        peer = self.transport.get_extra_info("peername")
+        if self._head_bytes:
+            log.info("closing a connection from %s: no complete request head in %g s",
+                     peer, self._head_timeout_s)
+            self.transport.write(TIMEOUT_408)
+        self.force_close()  # transport.close() still flushes the 408
+
+    # --------------------------------------------------------- body parse errors
+    def data_received(self, data: bytes) -> None:
+        if data and not self._busy:
+            self._head_bytes = True
+        queued = len(self._messages)
+        super().data_received(data)
+        body = self._body
+        if (self._busy and body is not None and len(self._messages) > queued
+                and not body.is_eof() and body.exception() is None):
+            # Nothing new can be parsed before this body ends, so the new message is
+            # aiohttp's 400 for a broken chunked framing, queued behind this request
+            # while the body waits forever: fail the body now.
+            body.set_exception(web.RequestPayloadError("invalid chunked transfer encoding"))
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        broken = self._body is not None and self._body.exception() is not None
+        if broken:
+            resp.force_close()  # the connection's framing is lost: Connection: close
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._busy = False
+            if broken:
+                self.force_close()  # skip aiohttp's lingering read, which would re-raise
+            else:
+                self._arm()
+
+    # ------------------------------------------------------------- parse errors
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError):
+            # a bug of ours that escaped the middleware: aiohttp logs it; our body
+            status = super().handle_error(request, status, exc, message).status
+            body = (server_error_body() if status >= 500
+                    else error_body("Bad request.", "invalid_request_error"))
+        else:
+            if request.writer.output_size > 0:  # as aiohttp: too late for an answer
+                raise ConnectionError("response already started")
+            status, text, code = parse_error(exc, self.max_line_size, self.max_field_size)
+            log.info("rejected a request from %s: %d %s (%s)", request.remote, status,
+                     code, type(exc).__name__)
+            body = invalid_request_body(text, code=code)
+        resp = json_response(status, body)
+        resp.force_close()
+        return resp
+
+
+class EdgeServer(web.Server):
+    """aiohttp's ``Server`` as the app runner built it, making our connections."""
+
+    def __init__(self, base: web.Server, *, header_timeout_s: float) -> None:
+        self._inner_factory = base.request_factory
+        super().__init__(
+            base.request_handler,
+            request_factory=self._make_edge_request,
+            handler_cancellation=base.handler_cancellation,
+            loop=base._loop,
+            **base._kwargs,
+        )
+        self._header_timeout_s = header_timeout_s
+
+    def _make_edge_request(
+        self,
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: RequestHandler,
+        writer: AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> web.BaseRequest:
+        if isinstance(protocol, EdgeRequestHandler):
+            protocol.request_started(payload)
+        return self._inner_factory(message, payload, protocol, writer, task)
+
+    def __call__(self) -> RequestHandler:
+        return EdgeRequestHandler(self, loop=self._loop,
+                                  header_timeout_s=self._header_timeout_s, **self._kwargs)
+
+
+class EdgeRunner(web.AppRunner):
+    """``web.AppRunner`` serving through :class:`EdgeServer`."""
+
+    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
+        kwargs.setdefault("max_line_size", MAX_LINE_SIZE)
+        kwargs.setdefault("max_field_size", MAX_FIELD_SIZE)
+        super().__init__(app, **kwargs)
+        self._header_timeout_s = header_timeout_s
+
+    async def _make_server(self) -> web.Server:
+        base = await super()._make_server()
+        return EdgeServer(base, header_timeout_s=self._header_timeout_s)

@@ -1,0 +1,246 @@
+"""The HTTP edge under hostile or broken clients: raw bytes over a socket.
+
+Every answer is OpenAI-shaped JSON (never aiohttp's text/plain echo of the client's
+bytes), nothing is a 500, nothing waits for a timeout it does not need, and a bad
+client costs one log line, not a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import logging
+import time
+from typing import Any
+
+import pytest
+from aiohttp import http_parser
+
+CHAT = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}]}'
+
+
+def _addr(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+async def exchange(url: str, *parts: bytes, pause: float = 0.0,
+                   timeout: float = 5.0) -> tuple[bytes, float]:
+    """Send ``parts`` (``pause`` s apart) on one connection; read until the server
+    closes it. Returns the bytes and the seconds from connect to close."""
+    reader, writer = await asyncio.open_connection(*_addr(url))
+    start = time.monotonic()
+
+    async def send() -> None:  # alongside the read: the server may close mid-way
+        for i, part in enumerate(parts):
+            if i and pause:
+                await asyncio.sleep(pause)
+            writer.write(part)
+            await writer.drain()
+
+    sender = asyncio.ensure_future(send())
+    try:
+        data = await asyncio.wait_for(reader.read(), timeout)
+        return data, time.monotonic() - start
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+def parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {k.strip().lower(): v.strip()
+               for k, _, v in (line.partition(":") for line in lines[1:])}
+    return status, headers, body
+
+
+def assert_openai_error(raw: bytes, status: int) -> dict[str, Any]:
+    got, headers, body = parse(raw)
+    assert got == status, raw[:300]
+    assert headers["content-type"].startswith("application/json")
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    return dict(err)
+
+
+def post(body: bytes, *headers: str, path: str = "/v1/chat/completions") -> bytes:
+    head = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    bad = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not bad, [r.getMessage() for r in bad]
+
+
+# --------------------------------------------------------------- 1. encoded bodies
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_badly_encoded_body_is_400_not_500(kit: Any, caplog: pytest.LogCaptureFixture,
+                                           encoding: str) -> None:
+    async def body() -> None:
+        async with kit.cluster(1) as c:
+            raw, _ = await exchange(c.url, post(CHAT, f"Content-Encoding: {encoding}"))
+            err = assert_openai_error(raw, 400)
+            assert err["code"] == "invalid_body"
+            assert "Content-Encoding" in err["message"]
+            # a correctly encoded body still works
+            status, _, _ = await c.post("/v1/chat/completions", gzip.compress(CHAT),
+                                        {"Content-Encoding": "gzip",
+                                         "Content-Type": "application/json"})
+            assert status == 200
+
+    caplog.set_level(logging.INFO)
+    kit.run(body())
+    no_traceback(caplog)
+
+
+def test_unsupported_content_encoding_is_an_openai_415(
+        kit: Any, caplog: pytest.LogCaptureFixture) -> None:
+    missing = [e for e, ok in (("br", http_parser.HAS_BROTLI),
+                               ("zstd", http_parser.HAS_ZSTD)) if not ok]
+    if not missing:
+        pytest.skip("aiohttp can decode br and zstd here")
+
+    async def body() -> None:
+        async with kit.cluster(1) as c:
+            raw, _ = await exchange(c.url, post(CHAT, f"Content-Encoding: {missing[0]}"))
+            err = assert_openai_error(raw, 415)
+            assert err["code"] == "unsupported_content_encoding"
+
+    caplog.set_level(logging.INFO)
+    kit.run(body())
+    no_traceback(caplog)
+
+
+# ------------------------------------------------------------ 2. chunked framing
+
+
+def test_bad_chunk_mid_body_is_an_immediate_400(kit: Any,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, server={"body_timeout_s": 3.0}) as c:
+            head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            # the junk chunk-size line arrives while the handler is reading the body
+            raw, took = await exchange(c.url, head + b"5\r\n{\"mod\r\n", b"zz\r\nabc\r\n",
+                                       pause=0.2)
+            err = assert_openai_error(raw, 400)
+            assert err["code"] == "invalid_body"
+            assert raw.count(b"HTTP/1.") == 1
+            assert took < 2.0  # not body_timeout_s, then a 408
+            status, _, _ = await c.get("/health")
+            assert status == 200
+
+    caplog.set_level(logging.INFO)
+    kit.run(body())
+    no_traceback(caplog)
+
+
+# ------------------------------------------------------------- 3. header timeout
+
+HEAD_TIMEOUT = {"header_timeout_s": 0.3}
+
+
+def test_idle_and_slow_head_connections_are_closed(kit: Any,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, server=HEAD_TIMEOUT) as c:
+            # nothing sent: closed silently
+            raw, took = await exchange(c.url, b"", timeout=3)
+            assert raw == b"" and took < 2
+            # half a head, then a byte every 0.1 s (slowloris): the clock is not reset
+            raw, took = await exchange(
+                c.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+                *[b"X" for _ in range(10)], pause=0.1, timeout=3)
+            err = assert_openai_error(raw, 408)
+            assert err["code"] == "request_timeout"
+            assert took < 2
+            status, _, _ = await c.get("/health")
+            assert status == 200
+
+    caplog.set_level(logging.INFO)
+    kit.run(body())
+    no_traceback(caplog)
+
+
+def test_keep_alive_and_long_streams_outlive_the_header_timeout(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, server=HEAD_TIMEOUT) as c:
+            reader, writer = await asyncio.open_connection(*_addr(c.url))
+            try:
+                for _ in range(3):  # one connection, requests 0.2 s apart
+                    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                    await writer.drain()
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+                    assert head.startswith(b"HTTP/1.1 200")
+                    length = int(parse(head)[1]["content-length"])
+                    await asyncio.wait_for(reader.readexactly(length), 3)
+                    await asyncio.sleep(0.2)
+                # then idle past the timeout: closed without a word
+                assert await asyncio.wait_for(reader.read(), 3) == b""
+            finally:
+                writer.close()
+                await writer.wait_closed()
+
+            c.stub("n0").mode = "slow"  # a stream of 200 tokens, 50 ms apart
+            req = {"model": kit.MODEL, "prompt": "x", "stream": True}
+            async with c.session.post(c.url + "/v1/completions", json=req) as r:
+                assert r.status == 200
+                start, events = time.monotonic(), 0
+                async for line in r.content:
+                    events += line.startswith(b"data: ")
+                    if time.monotonic() - start > 1.0:  # > 3 header timeouts
+                        break
+                assert events >= 10
+
+    kit.run(body())
+
+
+# ------------------------------------------------------------ 4. parser errors
+
+JUNK = "j" * 9000
+PARSER_ERRORS = [
+    ("9 KB header", post(CHAT, f"X-Junk: {JUNK}"), 431),
+    ("9 KB URL", post(CHAT, path="/v1/" + JUNK), 414),
+    ("150 headers", post(CHAT, *[f"X-H{i}: jjj" for i in range(150)]), 431),
+    ("junk request line", b"jjjj jjjj jjjj\r\n\r\n", 400),
+    ("junk method", b"GET / HTTP/1.1\r\n\r\nj\x01j /jjjj HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    ("Content-Length and Transfer-Encoding",
+     post(b"5\r\njjjjj\r\n0\r\n\r\n", "Transfer-Encoding: chunked"), 400),
+    ("NUL in a header", post(CHAT, "X-Junk: jj\x00jj"), 400),
+    ("duplicate Content-Length", post(CHAT, "Content-Length: 3"), 400),
+]
+
+
+@pytest.mark.parametrize(("name", "raw_request", "status"), PARSER_ERRORS,
+                         ids=[e[0] for e in PARSER_ERRORS])
+def test_parser_errors_are_openai_json_with_one_log_line(
+        kit: Any, caplog: pytest.LogCaptureFixture, name: str, raw_request: bytes,
+        status: int) -> None:
+    async def body() -> None:
+        async with kit.cluster(1) as c:
+            raw, _ = await exchange(c.url, raw_request)
+            # the last answer on the connection is the parser's (a junk second request
+            # follows a good one on the same connection in one case)
+            last = raw[raw.rindex(b"HTTP/1."):]
+            assert_openai_error(last, status)
+            assert b"jjj" not in raw  # the client's bytes are not echoed
+            status_ok, _, _ = await c.get("/health")
+            assert status_ok == 200
+
+    caplog.set_level(logging.INFO)
+    kit.run(body())
+    no_traceback(caplog)
+    lines = [r for r in caplog.records if r.getMessage().startswith("rejected a request")]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
