@@ -22,9 +22,10 @@ cluster's healthy capacity (C_eff) fall below the capacity the grant was made fo
 
 Refresh scheduling: periodic (``refresh_s``, jittered if an rng is given), early
 (coalesced, at most every ``early_refresh_min_interval_s``) when free credits fall
-below the low watermark, a request waits in a queue, or something urgent happened (no assignment yet, a new
-quota tenant, C_eff changed). One refresh in flight at a time; after a failure,
-only the periodic schedule (no early storm against a dead coordinator).
+below the low watermark, a request waits in a queue, or something urgent happened
+(no assignment yet, a new quota tenant, C_eff changed). One refresh in flight at a
+time; after a failure, only the periodic schedule (no early storm against a dead
+coordinator).
 """
 
 from __future__ import annotations
