@@ -254,3 +254,13 @@ async def test_health(start_server: Any, http: aiohttp.ClientSession) -> None:
     server = await start_server()
     async with http.get(f"{server.url}/health") as resp:
         assert resp.status == 200
+
+
+async def test_badly_encoded_body_is_a_400(start_server: Any, http: aiohttp.ClientSession) -> None:
+    # a body that says gzip but is not: the client's fault, not a 500
+    server = await start_server()
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    payload = b'{"model": "x", "prompt": "hi"}'
+    async with http.post(f"{server.url}/v1/completions", data=payload, headers=headers) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["code"] == "invalid_body"

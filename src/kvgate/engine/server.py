@@ -373,6 +373,11 @@ class EngineServer:
             raise RequestTooLargeError(
                 f"Request body is larger than {self.config.max_body_bytes} bytes.",
                 code="request_too_large") from None
+        except web.RequestPayloadError:
+            # a gzip/deflate body that does not decode, a broken chunked framing: the
+            # client's fault, a 400 (aiohttp's own text may quote the client's bytes)
+            raise ProtocolError("The request body could not be read as sent "
+                                "(Content-Encoding or framing).", code="invalid_body") from None
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
