@@ -450,7 +450,12 @@ class Controller:
             return [decision, *self._take_deferred()]
         self._requests.pop(request_id, None)
         self.stats.outcomes["failed"] += 1
-        self.admission.record_outcome(False, now)
+        if failure is FailureKind.CLIENT_ERROR:
+            # The client's own bad request: neither the node nor the cluster failed,
+            # so one client's 400s never open the breaker for every tenant.
+            self.admission.record_ignored(now)
+        else:
+            self.admission.record_outcome(False, now)
         out: list[Decision] = [
             Fail(
                 request_id=request_id,

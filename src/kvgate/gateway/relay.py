@@ -224,7 +224,7 @@ class Relay:
             body = b""
         decision = self._next(flight, kind)
         if isinstance(decision, Fail) and kind in (
-            FailureKind.CLIENT_ERROR, FailureKind.UPSTREAM_ERROR
+            FailureKind.CLIENT_ERROR, FailureKind.RATE_LIMITED, FailureKind.UPSTREAM_ERROR
         ) and body:
             flight.done = True  # the engine's own error body, passed through
             headers = self._headers(flight)

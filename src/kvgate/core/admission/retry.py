@@ -8,8 +8,8 @@ retry budget of 20 % of active requests with a minimum of 3; admission-anchors 8
 - only for failures that say "another node may do it": a connect error, a bare 503
   (plain vLLM) or an explicit ``retry-elsewhere`` reject;
 - never ``pool-overloaded`` (the whole pool is full: a retry only adds load), never a
-  timeout (the deadline is spent), an upstream error after work began, or a client
-  error;
+  timeout (the deadline is spent), an upstream error after work began, a 429 or a
+  client error;
 - never when the request is itself a client retry naming a node it wants avoided
   (the client is retrying; two layers of retries multiply);
 - only while retries in flight < max(minimum, ratio x active requests).
@@ -39,7 +39,8 @@ class FailureKind(StrEnum):
     POOL_OVERLOADED = "pool_overloaded"  # node reject: the whole pool is full, do not retry
     TIMEOUT = "timeout"  # no first byte in time
     UPSTREAM_ERROR = "upstream_error"  # 5xx other than 503, reset, protocol error
-    CLIENT_ERROR = "client_error"  # 4xx: the request itself is bad
+    RATE_LIMITED = "rate_limited"  # 429: the node sheds load (not the client's fault)
+    CLIENT_ERROR = "client_error"  # 4xx but 429: the request itself is bad, the node is fine
 
 
 RETRYABLE_FAILURES: frozenset[FailureKind] = frozenset(

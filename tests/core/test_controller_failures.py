@@ -1,0 +1,59 @@
+"""How the controller judges failed attempts: whose fault, what status, what to abort."""
+
+from __future__ import annotations
+
+import random
+
+from kvgate.core.admission import BreakerState, FailureKind, InProcessCoordinator
+from kvgate.core.config import ControllerConfig
+from kvgate.core.controller import Controller
+from kvgate.core.decisions import Decision, Dispatch, Fail
+from kvgate.core.events import RequestArrived
+from kvgate.core.ids import NodeId, RequestId
+from kvgate.core.nodes import NodeSpec
+
+
+def cluster(n: int = 2) -> Controller:
+    ctl = Controller(
+        ControllerConfig(hasher="trace", policy_params={"epsilon": 0}), rng=random.Random(1)
+    )
+    for i in range(n):
+        ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}")), 0.0)
+        ctl.on_load_report(NodeId(f"n{i}"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    return ctl
+
+
+def arrive(ctl: Controller, rid: str, now: float = 0.1, **extra: object) -> Decision:
+    return ctl.on_arrival(
+        RequestArrived(request_id=RequestId(rid), block_ids=(1, 2), prompt_tokens=100,
+                       **extra),  # type: ignore[arg-type]
+        now,
+    )
+
+
+def dispatch(ctl: Controller, rid: str, now: float = 0.1, **extra: object) -> Dispatch:
+    d = arrive(ctl, rid, now, **extra)
+    assert isinstance(d, Dispatch)
+    return d
+
+
+def test_client_errors_neither_open_the_breaker_nor_eject_the_node() -> None:
+    ctl = cluster()
+    for i in range(40):  # well past the breaker's 20 outcomes at a 50 % error rate
+        d = dispatch(ctl, f"bad{i}", 1.0)
+        out = ctl.on_failed(RequestId(f"bad{i}"), FailureKind.CLIENT_ERROR, 1.0,
+                            before_first_byte=True)
+        assert isinstance(out[0], Fail) and out[0].node_id == d.node_id  # no retry
+    assert ctl.admission.breaker_state is BreakerState.CLOSED
+    assert all(s.healthy and s.consecutive_failures == 0 for s in ctl.nodes)
+    assert ctl.stats.failures["client_error"] == 40
+    assert isinstance(arrive(ctl, "good", 1.1), Dispatch)
+
+
+def test_node_failures_still_open_the_breaker() -> None:
+    ctl = cluster()
+    for i in range(20):
+        dispatch(ctl, f"r{i}", 1.0)
+        ctl.on_failed(RequestId(f"r{i}"), FailureKind.RATE_LIMITED, 1.0, before_first_byte=True)
+    assert ctl.admission.breaker_state is BreakerState.OPEN
