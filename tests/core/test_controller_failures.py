@@ -57,3 +57,35 @@ def test_node_failures_still_open_the_breaker() -> None:
         dispatch(ctl, f"r{i}", 1.0)
         ctl.on_failed(RequestId(f"r{i}"), FailureKind.RATE_LIMITED, 1.0, before_first_byte=True)
     assert ctl.admission.breaker_state is BreakerState.OPEN
+
+
+def test_only_a_known_excluded_node_turns_off_the_gateway_retry() -> None:
+    ctl = cluster(3)
+    d = dispatch(ctl, "a", excluded_nodes=frozenset({NodeId("no-such-node")}))
+    out = ctl.on_failed(RequestId("a"), FailureKind.RETRY_ELSEWHERE, 0.2, before_first_byte=True)
+    assert isinstance(out[0], Dispatch) and out[0].node_id != d.node_id  # retried
+    # a real client retry names a node we know: the client retries, so we do not
+    d = dispatch(ctl, "b", excluded_nodes=frozenset({NodeId("n0"), NodeId("nope")}))
+    assert d.node_id != "n0"
+    out = ctl.on_failed(RequestId("b"), FailureKind.RETRY_ELSEWHERE, 0.3, before_first_byte=True)
+    assert isinstance(out[0], Fail)
+
+
+def test_a_request_no_node_ran_fails_with_503_other_failures_with_502() -> None:
+    expected = {
+        FailureKind.HTTP_503: 503,
+        FailureKind.RETRY_ELSEWHERE: 503,
+        FailureKind.POOL_OVERLOADED: 503,
+        FailureKind.RATE_LIMITED: 503,
+        FailureKind.CONNECT_ERROR: 502,
+        FailureKind.UPSTREAM_ERROR: 502,
+        FailureKind.TIMEOUT: 502,
+    }
+    for kind, status in expected.items():
+        ctl = cluster(2)
+        dispatch(ctl, "r")
+        out = ctl.on_failed(RequestId("r"), kind, 0.2, before_first_byte=True)
+        if isinstance(out[0], Dispatch):  # retried once; the other node fails it too
+            out = ctl.on_failed(RequestId("r"), kind, 0.3, before_first_byte=True)
+        assert isinstance(out[0], Fail), kind
+        assert out[0].http_status == status, kind

@@ -40,3 +40,20 @@ def test_a_clients_bad_requests_do_not_open_the_cluster_breaker(kit: Any) -> Non
             assert status == 200
 
     kit.run(body())
+
+
+def test_refused_everywhere_is_a_retryable_503_and_unknown_exclusions_keep_the_retry(
+    kit: Any,
+) -> None:
+    async def body() -> None:
+        async with kit.cluster(3, stub={"mode": "retry-elsewhere"}) as c:
+            status, headers, raw = await c.post("/v1/completions", _req(1),
+                                                {"X-Kvgate-Exclude-Node": "no-such-node"})
+            assert status == 503
+            assert headers["Retry-After"] == "1" and "x-should-retry" not in headers
+            err = json.loads(raw)["error"]
+            assert err["code"] == "retry_elsewhere" and err["type"] == "server_error"
+            assert sum(s.attempts for s in c.stubs) == 2  # the gateway still retried once
+            assert c.gw.controller.stats.retries["retry_elsewhere"] == 1
+
+    kit.run(body())

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.core.admission import (
+    NOT_RUN_FAILURES,
     AdmissionRequest,
     Admitted,
     Coordinator,
@@ -437,7 +438,8 @@ class Controller:
             failure,
             before_first_byte=before_first_byte,
             attempts_so_far=record.attempts,
-            client_named_excluded_node=bool(record.arrived.excluded_nodes),
+            # only names of nodes we know: any other value is no sign of a client retry
+            client_named_excluded_node=any(n in self.nodes for n in record.arrived.excluded_nodes),
             active_requests=len(self._requests),
             retries_in_flight=self._retries_in_flight,
         )
@@ -460,7 +462,7 @@ class Controller:
             Fail(
                 request_id=request_id,
                 reason=failure.value,
-                http_status=503 if failure is FailureKind.POOL_OVERLOADED else 502,
+                http_status=503 if failure in NOT_RUN_FAILURES else 502,
                 node_id=node.spec.node_id if node is not None else None,
             )
         ]

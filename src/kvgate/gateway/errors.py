@@ -86,7 +86,8 @@ def fail_response(fail: Fail, headers: Mapping[str, str] | None = None) -> web.R
     """The nodes failed the request and the gateway will not retry it.
 
     ``X-Kvgate-Node`` names the node that failed last, so a client retry can send
-    ``X-Kvgate-Exclude-Node`` with it. A pool-overloaded answer must not be retried.
+    ``X-Kvgate-Exclude-Node`` with it. A pool-overloaded answer must not be retried;
+    any other 503 means the node never ran the request, which the client may retry.
     """
     out = dict(headers or {})
     if fail.node_id is not None:
@@ -94,6 +95,12 @@ def fail_response(fail: Fail, headers: Mapping[str, str] | None = None) -> web.R
     if fail.reason == "pool_overloaded":
         body = overloaded_body("All inference nodes are overloaded.", code=fail.reason)
         out[SHOULD_RETRY_HEADER] = "false"
+    elif fail.http_status == 503:
+        body = overloaded_body(
+            f"The inference node {fail.node_id or ''} did not run the request "
+            f"({fail.reason}); please retry.",
+            code=fail.reason,
+        )
     else:
         body = server_error_body(
             f"The inference node {fail.node_id or ''} failed the request ({fail.reason}).",

@@ -47,6 +47,17 @@ RETRYABLE_FAILURES: frozenset[FailureKind] = frozenset(
     {FailureKind.CONNECT_ERROR, FailureKind.HTTP_503, FailureKind.RETRY_ELSEWHERE}
 )
 
+# The node never ran the request (it refused it): the client may send it again as it
+# is, so when the gateway cannot retry it the answer is a 503, not a 502 Bad Gateway.
+NOT_RUN_FAILURES: frozenset[FailureKind] = frozenset(
+    {
+        FailureKind.HTTP_503,
+        FailureKind.RETRY_ELSEWHERE,
+        FailureKind.POOL_OVERLOADED,
+        FailureKind.RATE_LIMITED,
+    }
+)
+
 MAX_ATTEMPTS = 2  # the first attempt plus one retry
 
 
