@@ -89,3 +89,57 @@ def test_a_request_no_node_ran_fails_with_503_other_failures_with_502() -> None:
             out = ctl.on_failed(RequestId("r"), kind, 0.3, before_first_byte=True)
         assert isinstance(out[0], Fail), kind
         assert out[0].http_status == status, kind
+
+
+def test_a_node_marked_down_aborts_the_attempts_it_has_not_answered() -> None:
+    ctl = cluster(2)
+    on: dict[str, list[str]] = {"n0": [], "n1": []}
+    for i in range(6):
+        rid = f"r{i}"
+        d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), block_ids=(100 + i,),
+                                          prompt_tokens=100), 0.1)
+        assert isinstance(d, Dispatch)
+        on[d.node_id].append(rid)
+    down, up = ("n0", "n1") if len(on["n0"]) >= 2 else ("n1", "n0")
+    streaming, *waiting = on[down]
+    ctl.on_first_byte(RequestId(streaming), 0.2)  # already answering: left alone
+    assert ctl.take_aborts() == []
+    ctl.set_healthy(NodeId(down), False, 0.3)
+    assert sorted(ctl.take_aborts()) == sorted(waiting)
+    assert ctl.take_aborts() == []  # each abort is handed out once
+    ctl.set_healthy(NodeId(down), False, 0.3)  # no transition: nothing new
+    assert ctl.take_aborts() == []
+    for rid in waiting:  # the driver reports each abort: retried on the other node
+        out = ctl.on_failed(RequestId(rid), FailureKind.NODE_DOWN, 0.4, before_first_byte=True)
+        assert isinstance(out[0], Dispatch) and out[0].node_id == up
+    assert ctl.stats.retries["node_down"] == len(waiting)
+    assert ctl.nodes.get(NodeId(down)).consecutive_failures == 0  # type: ignore[union-attr]
+
+
+def test_an_ejection_aborts_the_other_attempts_on_the_node() -> None:
+    ctl = cluster(1)
+    ids = [f"r{i}" for i in range(ctl.config.eject_after_failures + 2)]
+    for rid in ids:
+        dispatch(ctl, rid)
+    failing, waiting = ids[: ctl.config.eject_after_failures], ids[-2:]
+    for rid in failing:
+        ctl.on_failed(RequestId(rid), FailureKind.UPSTREAM_ERROR, 0.2, before_first_byte=True)
+    assert not ctl.nodes.get(NodeId("n0")).healthy  # type: ignore[union-attr]
+    assert sorted(ctl.take_aborts()) == sorted(waiting)
+    out = ctl.on_failed(RequestId(waiting[0]), FailureKind.NODE_DOWN, 0.3,
+                        before_first_byte=True)
+    assert [type(d).__name__ for d in out] == ["Reject"]  # the retry found no node
+    ctl.on_cancelled(RequestId(waiting[1]), 0.3)
+    assert ctl.num_requests() == 0 and ctl.take_aborts() == []
+
+
+def test_an_abort_whose_attempt_moved_on_is_dropped() -> None:
+    ctl = cluster(2)
+    d = dispatch(ctl, "a")
+    ctl.set_healthy(d.node_id, False, 0.2)
+    ctl.on_first_byte(RequestId("a"), 0.25)  # the answer started meanwhile
+    assert ctl.take_aborts() == []
+    d = dispatch(ctl, "b", 0.3)
+    ctl.set_healthy(d.node_id, False, 0.35)
+    ctl.on_finished(RequestId("b"), 0.4)
+    assert ctl.take_aborts() == []

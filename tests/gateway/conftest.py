@@ -40,7 +40,8 @@ class StubEngine:
     """Pretends to be vLLM's OpenAI server; behaviour set by `mode`.
 
     modes: ok, 503, retry-elsewhere, pool-overloaded, 400, 500, die-mid-stream,
-    slow (a long stream / a long wait), hang (never answers).
+    slow (a long stream / a long wait), hang (never answers), stall (a stream's
+    headers, then nothing).
     """
 
     name: str
@@ -178,6 +179,8 @@ class StubEngine:
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.mode == "stall":
+            await asyncio.sleep(30)
         n = 200 if self.mode == "slow" else 3
         for i in range(n):
             choice: dict[str, Any] = {"index": 0, "finish_reason": None}

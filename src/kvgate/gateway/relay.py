@@ -5,6 +5,7 @@ The loop over decisions (:meth:`Relay.run`)::
     admit ─► Reject / Fail ─────────────────────────► error response (no retry)
           └► Dispatch ─► attempt ─► 2xx ─► relay ────► on_finished(cached_tokens)
                                  └► failure before the first byte ─► on_failed
+                                    (or aborted: its node was marked down, NODE_DOWN)
                                        └► Dispatch (the one retry) ─► attempt ...
                                        └► Fail / Reject ─► error response
 
@@ -190,19 +191,40 @@ class Relay:
         if rt is None:  # removed between the decision and now
             return self._next(flight, FailureKind.CONNECT_ERROR)
         headers = {**flight.headers, **rt.headers} if rt.headers else flight.headers
+        resp: UpstreamResponse | None = None
+        first = b""
+        # Until the answer starts (headers; a stream's first chunk) the driver may abort
+        # the attempt through this handle: its node was marked down, e.g. a hung engine.
+        guard = asyncio.timeout(None)
         try:
-            resp = await self.upstream.post(
-                self.upstream.url(rt.url, flight.path), flight.body, headers,
-                stream=flight.stream,
-            )
+            async with guard:
+                self.driver.guard(flight.rid, dispatch.node_id, guard)
+                try:
+                    resp = await self.upstream.post(
+                        self.upstream.url(rt.url, flight.path), flight.body, headers,
+                        stream=flight.stream,
+                    )
+                    if (resp.status < 300 and flight.stream
+                            and resp.content_type == "text/event-stream"):
+                        first = await resp.content.readany()
+                finally:
+                    self.driver.unguard(flight.rid)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            return self._next(flight, classify_exception(exc))
+            if resp is not None:
+                resp.close()
+            return self._next(
+                flight, FailureKind.NODE_DOWN if guard.expired() else classify_exception(exc)
+            )
+        except BaseException:  # the client went away
+            if resp is not None:
+                resp.close()
+            raise
         clean = False
         try:
             if resp.status >= 300:
                 result = await self._upstream_error(flight, resp)
             elif flight.stream and resp.content_type == "text/event-stream":
-                result = await self._relay_stream(request, flight, resp)
+                result = await self._relay_stream(request, flight, resp, first)
             else:
                 result = await self._relay_unary(flight, resp)
             clean = resp.content.at_eof()
@@ -254,13 +276,9 @@ class Relay:
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def _relay_stream(
-        self, request: web.Request, flight: Flight, resp: UpstreamResponse
+        self, request: web.Request, flight: Flight, resp: UpstreamResponse, chunk: bytes
     ) -> web.StreamResponse | Decision:
         content = resp.content
-        try:
-            chunk = await content.readany()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            return self._next(flight, classify_exception(exc))
         if not chunk:
             return self._next(flight, FailureKind.UPSTREAM_ERROR)
         self.driver.first_byte(flight.rid)

@@ -6,7 +6,8 @@ retry budget of 20 % of active requests with a minimum of 3; admission-anchors 8
 - only an attempt that failed **before the first byte** may be retried (after it the
   client has seen output, and a replay would duplicate it);
 - only for failures that say "another node may do it": a connect error, a bare 503
-  (plain vLLM) or an explicit ``retry-elsewhere`` reject;
+  (plain vLLM), an explicit ``retry-elsewhere`` reject, or an attempt aborted because
+  its node was marked down before it answered;
 - never ``pool-overloaded`` (the whole pool is full: a retry only adds load), never a
   timeout (the deadline is spent), an upstream error after work began, a 429 or a
   client error;
@@ -34,6 +35,7 @@ class FailureKind(StrEnum):
     """Why an attempt at a node failed, as the gateway classifies it."""
 
     CONNECT_ERROR = "connect_error"  # no connection: the node never saw the request
+    NODE_DOWN = "node_down"  # the node was marked down before it answered: aborted
     HTTP_503 = "http_503"  # a bare 503 (plain vLLM): treated as retry-elsewhere
     RETRY_ELSEWHERE = "retry_elsewhere"  # node reject: this node is busy, try another
     POOL_OVERLOADED = "pool_overloaded"  # node reject: the whole pool is full, do not retry
@@ -44,13 +46,20 @@ class FailureKind(StrEnum):
 
 
 RETRYABLE_FAILURES: frozenset[FailureKind] = frozenset(
-    {FailureKind.CONNECT_ERROR, FailureKind.HTTP_503, FailureKind.RETRY_ELSEWHERE}
+    {
+        FailureKind.CONNECT_ERROR,
+        FailureKind.NODE_DOWN,
+        FailureKind.HTTP_503,
+        FailureKind.RETRY_ELSEWHERE,
+    }
 )
 
-# The node never ran the request (it refused it): the client may send it again as it
-# is, so when the gateway cannot retry it the answer is a 503, not a 502 Bad Gateway.
+# The node never ran the request (it refused it, or went down before answering): the
+# client may send it again as it is, so when the gateway cannot retry it the answer is
+# a 503, not a 502 Bad Gateway.
 NOT_RUN_FAILURES: frozenset[FailureKind] = frozenset(
     {
+        FailureKind.NODE_DOWN,
         FailureKind.HTTP_503,
         FailureKind.RETRY_ELSEWHERE,
         FailureKind.POOL_OVERLOADED,
