@@ -37,6 +37,7 @@ from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
 from kvgate.gateway.driver import Driver
 from kvgate.gateway.errors import (
+    CLIENT_GONE,
     NODE_HEADER,
     REASON_HEADER,
     REQUEST_ID_HEADER,
@@ -290,6 +291,7 @@ class Relay:
             await self._pump(request, flight, content, chunk, out)
         except ConnectionResetError:  # the client went away; run() forgets the request
             self.metrics.client_disconnects += 1
+            request[CLIENT_GONE] = True  # a 499, however the disconnect was noticed
         return out  # already prepared: aiohttp only finishes it
 
     async def _pump(self, request: web.Request, flight: Flight, content: aiohttp.StreamReader,
