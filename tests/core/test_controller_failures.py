@@ -143,3 +143,15 @@ def test_an_abort_whose_attempt_moved_on_is_dropped() -> None:
     ctl.set_healthy(d.node_id, False, 0.35)
     ctl.on_finished(RequestId("b"), 0.4)
     assert ctl.take_aborts() == []
+
+
+def test_no_node_for_the_request_is_counted_with_the_admission_rejections() -> None:
+    ctl = cluster(2)
+    every = frozenset({NodeId("n0"), NodeId("n1")})
+    d = arrive(ctl, "a", excluded_nodes=every, priority=0)
+    assert type(d).__name__ == "Reject"
+    assert ctl.stats.rejects["overloaded"] == 1  # what the dashboard counts ...
+    rejected = ctl.admission.stats().rejected
+    assert sum(rejected.values()) == 1  # ... and the admission counters (metrics) too
+    ((reason, priority),) = rejected
+    assert (reason.value, int(priority)) == ("overloaded", 0)

@@ -171,3 +171,16 @@ def test_a_client_gone_mid_stream_is_always_a_499(kit: Any) -> None:
 
     kit.run(body())
 
+
+def test_no_node_for_the_request_shows_in_the_admission_rejections(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2) as c:
+            status, _, _ = await c.post("/v1/completions", {"model": kit.MODEL, "prompt": "p"},
+                                        {"X-Kvgate-Exclude-Node": "n0,n1"})
+            assert status == 503
+            _, _, raw = await c.get("/metrics")
+            text = raw.decode()
+            assert 'kvgate_rejections_total{reason="overloaded"} 1' in text
+            assert 'kvgate_admission_rejected_total{reason="overloaded",class="P1"} 1' in text
+
+    kit.run(body())

@@ -402,6 +402,9 @@ class Controller:
             )
         rejected = overloaded_rejection("no healthy node can take this request")
         self.stats.rejects[rejected.reason.value] += 1
+        ticket = record.ticket
+        priority = ticket.priority if ticket is not None else Priority(record.arrived.priority)
+        self.admission.count_rejection(rejected.reason, priority)
         return Reject(request_id=record.request_id, rejected=rejected)
 
     # ------------------------------------------------------------------ outcomes
