@@ -126,6 +126,29 @@ def test_a_stream_with_headers_but_no_first_byte_fails_over_too(kit: Any) -> Non
     kit.run(body())
 
 
+def test_an_ejected_node_gives_up_the_attempts_waiting_on_it(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2, upstream=SLOW, routing={"eject_after_failures": 1}) as c:
+            _, headers, _ = await c.post("/v1/completions", _shared(0))
+            home = c.stub(headers["X-Kvgate-Node"])
+            other = next(s for s in c.stubs if s is not home)
+            home.mode = "hang"
+            home.seen.clear()
+            call = asyncio.ensure_future(c.post("/v1/completions", _shared(1)))
+            await kit.eventually(lambda: home.attempts == 1)
+            home.mode = "500"  # its next answer is an error: the node is ejected
+            status, _, _ = await c.post("/v1/completions", _shared(2),
+                                        {"X-Kvgate-Exclude-Node": other.name})
+            assert status == 500
+            assert not c.gw.controller.nodes.get(home.name).healthy  # type: ignore[union-attr]
+            async with asyncio.timeout(5):
+                status, headers, _ = await call
+            assert status == 200 and headers["X-Kvgate-Node"] == other.name
+            assert c.gw.controller.stats.retries["node_down"] == 1
+
+    kit.run(body())
+
+
 def test_node_down_with_nowhere_to_retry_is_a_prompt_503(kit: Any) -> None:
     async def body() -> None:
         async with kit.cluster(1, stub={"mode": "hang"}, upstream=SLOW) as c:
