@@ -40,7 +40,8 @@ class StubEngine:
     """Pretends to be vLLM's OpenAI server; behaviour set by `mode`.
 
     modes: ok, 503, retry-elsewhere, pool-overloaded, 400, 500, die-mid-stream,
-    slow (a long stream / a long wait), hang (never answers).
+    slow (a long stream / a long wait), hang (never answers), stall (a stream's
+    headers, then nothing), burst (a long stream written at once, then no end).
     """
 
     name: str
@@ -178,7 +179,9 @@ class StubEngine:
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        n = 200 if self.mode == "slow" else 3
+        if self.mode == "stall":
+            await asyncio.sleep(30)
+        n = {"slow": 200, "burst": 3000}.get(self.mode, 3)
         for i in range(n):
             choice: dict[str, Any] = {"index": 0, "finish_reason": None}
             if chat:
@@ -199,6 +202,8 @@ class StubEngine:
                 return resp
             if self.mode == "slow":
                 await asyncio.sleep(0.05)
+        if self.mode == "burst":
+            await asyncio.sleep(30)
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {
                 "id": "c1",

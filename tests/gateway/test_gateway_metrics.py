@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import struct
 from typing import Any
 
 import pytest
@@ -135,5 +136,51 @@ def test_remote_lease_client_and_readiness(kit: Any) -> None:
             finally:
                 await srv.stop()
             assert remote.released == ["gw0"]
+
+    kit.run(body())
+
+
+def test_a_client_gone_mid_stream_is_always_a_499(kit: Any) -> None:
+    """However the gateway notices (its handler cancelled, or a write failing first,
+    the usual case while it relays a burst), it is a 499."""
+
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "burst"}) as c:
+            port = int(c.url.rsplit(":", 1)[1])
+            req = b'{"model": "stub-model", "prompt": "hi", "stream": true}'
+            n = 10
+            for _ in range(n):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
+                             b"Content-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(req), req))
+                assert (await reader.read(4096)).startswith(b"HTTP/1.1 200")
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()  # a reset, mid-stream
+            ctl = c.gw.controller
+            responses = c.gw.gateway.metrics.responses
+            await kit.eventually(
+                lambda: sum(v for (e, _), v in responses.items() if e == "/v1/completions") == n
+            )
+            assert ctl.num_requests() == 0
+            assert responses[("/v1/completions", 499)] == n
+            assert responses[("/v1/completions", 200)] == 0
+            assert c.gw.gateway.metrics.client_disconnects == n
+            assert ctl.stats.outcomes["cancelled"] == n
+
+    kit.run(body())
+
+
+def test_no_node_for_the_request_shows_in_the_admission_rejections(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2) as c:
+            status, _, _ = await c.post("/v1/completions", {"model": kit.MODEL, "prompt": "p"},
+                                        {"X-Kvgate-Exclude-Node": "n0,n1"})
+            assert status == 503
+            _, _, raw = await c.get("/metrics")
+            text = raw.decode()
+            assert 'kvgate_rejections_total{reason="overloaded"} 1' in text
+            assert 'kvgate_admission_rejected_total{reason="overloaded",class="P1"} 1' in text
 
     kit.run(body())

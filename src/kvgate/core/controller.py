@@ -22,6 +22,12 @@ guess is speculative and the engines' KV events confirm or expire it.
 
 Every admitted request holds one credit (its ticket) until it finishes, fails
 for good or is cancelled; a gateway retry reuses the same credit.
+
+When a node is marked down (health probes, or ejection after failures in a row) the
+attempts on it that have no first byte yet will not get one (a hung or dead engine):
+the controller lists them, and the driver, which alone knows whether response headers
+came in, aborts them (``take_aborts``) and reports each as
+``on_failed(NODE_DOWN, before_first_byte=True)``: retried elsewhere or failed (503).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.core.admission import (
+    NOT_RUN_FAILURES,
     AdmissionRequest,
     Admitted,
     Coordinator,
@@ -103,6 +110,7 @@ class Controller:
         self._requests: dict[RequestId, _Request] = {}
         self._retries_in_flight = 0
         self._ejected_until: dict[NodeId, float] = {}
+        self._aborts: dict[RequestId, NodeId] = {}  # see take_aborts
         self._deferred: list[Decision] = []  # decisions made inside a single-result call
         # model -> the largest max_model_len among the nodes serving it (None: no node),
         # valid while the node table's version (membership, spec, health) is unchanged
@@ -147,7 +155,30 @@ class Controller:
         if healthy:
             state.consecutive_failures = 0
             self._ejected_until.pop(node_id, None)
+        else:
+            for rid, record in self._requests.items():
+                node = record.node
+                if node is not None and not record.first_byte and node.spec.node_id == node_id:
+                    self._aborts[rid] = node_id
         self._capacity_changed(now)
+
+    def take_aborts(self) -> list[RequestId]:
+        """The attempts to abort now: their node was marked down before their first byte.
+
+        The driver aborts those still waiting for the node's answer and reports each
+        with ``on_failed(NODE_DOWN, before_first_byte=True)``; the rest (an answer
+        already coming in) it leaves alone. Ids whose attempt moved on are dropped.
+        """
+        if not self._aborts:
+            return []
+        out: list[RequestId] = []
+        for rid, node_id in self._aborts.items():
+            record = self._requests.get(rid)
+            if (record is not None and record.node is not None and not record.first_byte
+                    and record.node.spec.node_id == node_id):
+                out.append(rid)
+        self._aborts.clear()
+        return out
 
     def set_draining(self, node_id: NodeId, draining: bool, now: float) -> None:
         state = self.nodes.get(node_id)
@@ -361,6 +392,8 @@ class Controller:
     def _finish_rejected(self, record: _Request, now: float) -> Decision:
         """No node can take the request: give the credit back and say overloaded."""
         self._requests.pop(record.request_id, None)
+        if self._aborts:
+            self._aborts.pop(record.request_id, None)
         if record.ticket is not None:
             # The freed credit may admit queued requests; this call returns one
             # decision, so theirs go out with the next call that returns a list.
@@ -369,6 +402,9 @@ class Controller:
             )
         rejected = overloaded_rejection("no healthy node can take this request")
         self.stats.rejects[rejected.reason.value] += 1
+        ticket = record.ticket
+        priority = ticket.priority if ticket is not None else Priority(record.arrived.priority)
+        self.admission.count_rejection(rejected.reason, priority)
         return Reject(request_id=record.request_id, rejected=rejected)
 
     # ------------------------------------------------------------------ outcomes
@@ -437,7 +473,8 @@ class Controller:
             failure,
             before_first_byte=before_first_byte,
             attempts_so_far=record.attempts,
-            client_named_excluded_node=bool(record.arrived.excluded_nodes),
+            # only names of nodes we know: any other value is no sign of a client retry
+            client_named_excluded_node=any(n in self.nodes for n in record.arrived.excluded_nodes),
             active_requests=len(self._requests),
             retries_in_flight=self._retries_in_flight,
         )
@@ -450,12 +487,17 @@ class Controller:
             return [decision, *self._take_deferred()]
         self._requests.pop(request_id, None)
         self.stats.outcomes["failed"] += 1
-        self.admission.record_outcome(False, now)
+        if failure is FailureKind.CLIENT_ERROR:
+            # The client's own bad request: neither the node nor the cluster failed,
+            # so one client's 400s never open the breaker for every tenant.
+            self.admission.record_ignored(now)
+        else:
+            self.admission.record_outcome(False, now)
         out: list[Decision] = [
             Fail(
                 request_id=request_id,
                 reason=failure.value,
-                http_status=503 if failure is FailureKind.POOL_OVERLOADED else 502,
+                http_status=503 if failure in NOT_RUN_FAILURES else 502,
                 node_id=node.spec.node_id if node is not None else None,
             )
         ]
@@ -481,6 +523,8 @@ class Controller:
             bucket.measured_hit_tokens += min(cached_tokens, tokens)
 
     def _close(self, record: _Request, now: float, *, node_done: bool = True) -> list[Decision]:
+        if self._aborts:  # the request is over: nothing left to abort
+            self._aborts.pop(record.request_id, None)
         node = record.node
         if node_done and node is not None:
             self.nodes.on_done(

@@ -68,11 +68,12 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.auth = Authenticator(config.auth)
         self.upstream = Upstream(config.upstream, config.nodes)
-        self.watcher = NodeWatcher(self.controller, config.nodes, self.upstream, clock)
         self.driver = Driver(
             self.controller, self.lease, self.metrics,
             tick_interval_s=config.admission.tick_interval_s, clock=clock,
         )
+        self.watcher = NodeWatcher(self.controller, config.nodes, self.upstream, clock,
+                                   after_down=self.driver.abort_unanswered)
         self.relay = Relay(
             self.driver, self.watcher, self.upstream, self.metrics,
             route_headers=config.server.route_headers,

@@ -10,6 +10,11 @@ Rules:
   ``tick``, ``on_lease``) and all go through :meth:`Driver.apply`, which resolves
   the waiter, or, when its client is already gone, hands the credit straight back
   (``on_cancelled``).
+* An attempt waiting for its node's first byte registers an abort handle
+  (:meth:`Driver.guard`, an :func:`asyncio.timeout` with no deadline). When the core
+  says its node went down (``take_aborts``, after a health mark or an ejection), the
+  driver expires that handle: the attempt ends at once with ``TimeoutError`` and the
+  relay reports it as ``NODE_DOWN``, which the core retries elsewhere or fails.
 * The lease loop (:meth:`Driver.run`) ticks the controller every
   ``admission.tick_interval_s`` (queue deadlines, lease transitions, ejection
   expiry) and refreshes the lease when ``refresh_due`` says so, through a
@@ -38,7 +43,7 @@ from kvgate.core.admission import (
 from kvgate.core.controller import Controller
 from kvgate.core.decisions import Decision, Dispatch, Hold, Reject
 from kvgate.core.events import RequestArrived
-from kvgate.core.ids import RequestId
+from kvgate.core.ids import NodeId, RequestId
 from kvgate.gateway.metrics_text import GatewayMetrics
 
 log = logging.getLogger("kvgate.gateway")
@@ -120,6 +125,7 @@ class Driver:
         self.clock = clock
         self.tick_interval_s = tick_interval_s
         self._waiters: dict[RequestId, asyncio.Future[Decision]] = {}
+        self._guards: dict[RequestId, asyncio.Timeout] = {}
         self.lease_errors = 0
         # The index insert of a dispatched chain runs after the request went out (a
         # loop callback), not inside the decision; the core flushes it first whenever
@@ -203,7 +209,30 @@ class Driver:
             self._schedule_flush()
         mine = next((d for d in decisions if d.request_id == rid), None)
         self.apply(d for d in decisions if d is not mine)
+        self.abort_unanswered()  # the failure may have ejected the node
         return mine
+
+    # ------------------------------------------------------------------ aborts
+    def guard(self, rid: RequestId, node_id: NodeId, handle: asyncio.Timeout) -> None:
+        """The attempt ``rid`` waits for ``node_id``'s first byte inside ``handle``
+        (entered); it stays abortable until :meth:`unguard`."""
+        self._guards[rid] = handle
+        state = self.controller.nodes.get(node_id)
+        if state is None or not state.healthy:  # marked down since the Dispatch
+            self._abort(rid)
+
+    def unguard(self, rid: RequestId) -> None:
+        self._guards.pop(rid, None)
+
+    def abort_unanswered(self) -> None:
+        """Carry out the core's aborts: attempts whose node went down before answering."""
+        for rid in self.controller.take_aborts():
+            self._abort(rid)
+
+    def _abort(self, rid: RequestId) -> None:
+        handle = self._guards.pop(rid, None)
+        if handle is not None:  # None: its answer is already coming in, let it be
+            handle.reschedule(asyncio.get_running_loop().time())
 
     def cancel(self, rid: RequestId) -> None:
         """The client went away (or gave up waiting): forget it, free its credit."""
@@ -232,6 +261,7 @@ class Driver:
     async def step(self) -> None:
         now = self.clock()
         self.apply(self.controller.tick(now))
+        self.abort_unanswered()
         if self.controller.refresh_due(now):
             t0 = time.perf_counter()
             decisions = await self.lease.refresh(self.controller, self.clock)

@@ -47,6 +47,10 @@ SHOULD_RETRY_HEADER = "x-should-retry"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# Set by a handler that saw its client go away after the response started (a write
+# failed): what it returns is counted as a 499, as when the disconnect cancels it.
+CLIENT_GONE: web.RequestKey[bool] = web.RequestKey("kvgate_client_gone", bool)
+
 
 def json_response(
     status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
@@ -86,7 +90,8 @@ def fail_response(fail: Fail, headers: Mapping[str, str] | None = None) -> web.R
     """The nodes failed the request and the gateway will not retry it.
 
     ``X-Kvgate-Node`` names the node that failed last, so a client retry can send
-    ``X-Kvgate-Exclude-Node`` with it. A pool-overloaded answer must not be retried.
+    ``X-Kvgate-Exclude-Node`` with it. A pool-overloaded answer must not be retried;
+    any other 503 means the node never ran the request, which the client may retry.
     """
     out = dict(headers or {})
     if fail.node_id is not None:
@@ -94,6 +99,12 @@ def fail_response(fail: Fail, headers: Mapping[str, str] | None = None) -> web.R
     if fail.reason == "pool_overloaded":
         body = overloaded_body("All inference nodes are overloaded.", code=fail.reason)
         out[SHOULD_RETRY_HEADER] = "false"
+    elif fail.http_status == 503:
+        body = overloaded_body(
+            f"The inference node {fail.node_id or ''} did not run the request "
+            f"({fail.reason}); please retry.",
+            code=fail.reason,
+        )
     else:
         body = server_error_body(
             f"The inference node {fail.node_id or ''} failed the request ({fail.reason}).",
@@ -168,8 +179,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def edge_middleware(responses: Counter[tuple[str, int]]) -> Any:
     """:func:`error_middleware` and the response counter (``responses[(endpoint,
-    status)]``, 499 when the client went away) in one middleware: one layer per
-    request instead of two."""
+    status)]``, 499 when the client went away before the end: the handler was
+    cancelled, or it set :data:`CLIENT_GONE`) in one middleware: one layer per request
+    instead of two."""
 
     @web.middleware
     async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -188,7 +200,7 @@ def edge_middleware(responses: Counter[tuple[str, int]]) -> Any:
                 raise
             except Exception as exc:  # foreign exceptions: translated here, and only here
                 resp = _with_request_id(request, error_response(exc))
-            status = resp.status
+            status = 499 if request.get(CLIENT_GONE) else resp.status
             return resp
         finally:
             responses[(endpoint, status)] += 1

@@ -56,7 +56,8 @@ FAMILIES: dict[str, Family] = {
         Family("kvgate_admission_admitted_total", "counter", "Admissions by class."),
         Family("kvgate_admission_bypass_admitted_total", "counter", "Bypass-lane admissions."),
         Family("kvgate_admission_rejected_total", "counter",
-               "Stage-1 rejections by reason and class."),
+               "Rejections by reason and class: stage 1, and routing finding no node "
+               "(overloaded)."),
         Family("kvgate_admission_inflight", "gauge", "Credits in use, by class."),
         Family("kvgate_admission_class_cap", "gauge", "Per-class ceiling inside the lease."),
         Family("kvgate_tenant_inflight", "gauge", "In-flight requests by tenant."),

@@ -4,10 +4,12 @@ Per node, three small loops on the gateway's event loop, each bounded by a timeo
 
 * **health** every ``nodes.health_interval_s``: ``GET /health``. ``unhealthy_after``
   failures in a row take the node out (``controller.set_healthy(False)``), which also
-  shrinks the admission budget; ``healthy_after`` passes in a row bring it back and
-  re-read its models. The watcher only announces its own transitions, so a node the
-  controller ejected for failing requests stays out until the ejection expires; a
-  node the watcher sees failing is held out even if an ejection expires meanwhile.
+  shrinks the admission budget and aborts the attempts still waiting for its first
+  byte (``after_down``: they are retried on another node or failed); ``healthy_after``
+  passes in a row bring it back and re-read its models. The watcher only announces its
+  own transitions, so a node the controller ejected for failing requests stays out
+  until the ejection expires; a node the watcher sees failing is held out even if an
+  ejection expires meanwhile.
 * **load** every ``nodes.metrics_interval_s``: ``GET /metrics`` -> ``on_load_report``.
 * **evictions** every ``nodes.evictions_interval_s``: ``GET /kvgate/evictions?since=N``
   -> ``on_eviction_warning`` / ``on_eviction_done``; a 404 stops polling that node.
@@ -74,11 +76,15 @@ class NodeWatcher:
         config: NodesConfig,
         upstream: Upstream,
         clock: Callable[[], float],
+        *,
+        after_down: Callable[[], None] | None = None,
     ) -> None:
         self.controller = controller
         self.config = config
         self.upstream = upstream
         self.clock = clock
+        # called after a node is marked down: the driver aborts what was waiting on it
+        self.after_down = after_down
         self.nodes: dict[NodeId, NodeRuntime] = {}
         self._stopped = False
 
@@ -204,6 +210,8 @@ class NodeWatcher:
         rt.watch_healthy = healthy
         if rt.node_id in self.nodes:
             self.controller.set_healthy(rt.node_id, healthy, self.clock())
+            if not healthy and self.after_down is not None:
+                self.after_down()
 
     async def discover(self, rt: NodeRuntime) -> None:
         got = await self._get(rt, "/v1/models", self.config.health_timeout_s)

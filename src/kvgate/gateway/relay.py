@@ -5,6 +5,7 @@ The loop over decisions (:meth:`Relay.run`)::
     admit ─► Reject / Fail ─────────────────────────► error response (no retry)
           └► Dispatch ─► attempt ─► 2xx ─► relay ────► on_finished(cached_tokens)
                                  └► failure before the first byte ─► on_failed
+                                    (or aborted: its node was marked down, NODE_DOWN)
                                        └► Dispatch (the one retry) ─► attempt ...
                                        └► Fail / Reject ─► error response
 
@@ -36,6 +37,7 @@ from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
 from kvgate.gateway.driver import Driver
 from kvgate.gateway.errors import (
+    CLIENT_GONE,
     NODE_HEADER,
     REASON_HEADER,
     REQUEST_ID_HEADER,
@@ -190,19 +192,40 @@ class Relay:
         if rt is None:  # removed between the decision and now
             return self._next(flight, FailureKind.CONNECT_ERROR)
         headers = {**flight.headers, **rt.headers} if rt.headers else flight.headers
+        resp: UpstreamResponse | None = None
+        first = b""
+        # Until the answer starts (headers; a stream's first chunk) the driver may abort
+        # the attempt through this handle: its node was marked down, e.g. a hung engine.
+        guard = asyncio.timeout(None)
         try:
-            resp = await self.upstream.post(
-                self.upstream.url(rt.url, flight.path), flight.body, headers,
-                stream=flight.stream,
-            )
+            async with guard:
+                self.driver.guard(flight.rid, dispatch.node_id, guard)
+                try:
+                    resp = await self.upstream.post(
+                        self.upstream.url(rt.url, flight.path), flight.body, headers,
+                        stream=flight.stream,
+                    )
+                    if (resp.status < 300 and flight.stream
+                            and resp.content_type == "text/event-stream"):
+                        first = await resp.content.readany()
+                finally:
+                    self.driver.unguard(flight.rid)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            return self._next(flight, classify_exception(exc))
+            if resp is not None:
+                resp.close()
+            return self._next(
+                flight, FailureKind.NODE_DOWN if guard.expired() else classify_exception(exc)
+            )
+        except BaseException:  # the client went away
+            if resp is not None:
+                resp.close()
+            raise
         clean = False
         try:
             if resp.status >= 300:
                 result = await self._upstream_error(flight, resp)
             elif flight.stream and resp.content_type == "text/event-stream":
-                result = await self._relay_stream(request, flight, resp)
+                result = await self._relay_stream(request, flight, resp, first)
             else:
                 result = await self._relay_unary(flight, resp)
             clean = resp.content.at_eof()
@@ -224,7 +247,7 @@ class Relay:
             body = b""
         decision = self._next(flight, kind)
         if isinstance(decision, Fail) and kind in (
-            FailureKind.CLIENT_ERROR, FailureKind.UPSTREAM_ERROR
+            FailureKind.CLIENT_ERROR, FailureKind.RATE_LIMITED, FailureKind.UPSTREAM_ERROR
         ) and body:
             flight.done = True  # the engine's own error body, passed through
             headers = self._headers(flight)
@@ -254,13 +277,9 @@ class Relay:
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def _relay_stream(
-        self, request: web.Request, flight: Flight, resp: UpstreamResponse
+        self, request: web.Request, flight: Flight, resp: UpstreamResponse, chunk: bytes
     ) -> web.StreamResponse | Decision:
         content = resp.content
-        try:
-            chunk = await content.readany()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            return self._next(flight, classify_exception(exc))
         if not chunk:
             return self._next(flight, FailureKind.UPSTREAM_ERROR)
         self.driver.first_byte(flight.rid)
@@ -272,6 +291,7 @@ class Relay:
             await self._pump(request, flight, content, chunk, out)
         except ConnectionResetError:  # the client went away; run() forgets the request
             self.metrics.client_disconnects += 1
+            request[CLIENT_GONE] = True  # a 499, however the disconnect was noticed
         return out  # already prepared: aiohttp only finishes it
 
     async def _pump(self, request: web.Request, flight: Flight, content: aiohttp.StreamReader,

@@ -27,8 +27,12 @@ connect refused / DNS / connect timeout     CONNECT_ERROR
 503 + ``X-Kvgate-Reject: pool-overloaded``  POOL_OVERLOADED
 no response within the timeout              TIMEOUT
 other 5xx, reset, protocol error            UPSTREAM_ERROR
-4xx                                         CLIENT_ERROR
+429                                         RATE_LIMITED
+other 4xx (the client's own bad request)    CLIENT_ERROR
 ==========================================  ===================
+
+A CLIENT_ERROR is the client's fault, not the node's: it counts toward neither the
+cluster breaker nor the node's ejection, and is passed through as the node sent it.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ def classify_status(status: int, headers: Mapping[str, str]) -> FailureKind:
         if reject == "retry-elsewhere":
             return FailureKind.RETRY_ELSEWHERE
         return FailureKind.HTTP_503
+    if status == 429:
+        return FailureKind.RATE_LIMITED
     if 400 <= status < 500:
         return FailureKind.CLIENT_ERROR
     return FailureKind.UPSTREAM_ERROR

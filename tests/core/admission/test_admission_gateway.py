@@ -222,6 +222,25 @@ def test_breaker_half_open_failure_reopens() -> None:
     assert isinstance(gw.admit(req(0), 10.2), Admitted)
 
 
+def test_breaker_ignores_client_errors_and_hands_back_their_probe() -> None:
+    gw = leased_gateway(lease((50, 50, 0)))
+    for _ in range(40):
+        gw.record_ignored(1.0)
+    assert gw.breaker_state is BreakerState.CLOSED
+    for _ in range(20):
+        gw.record_outcome(False, 2.0)
+    assert gw.breaker_state is BreakerState.OPEN
+    probes = [gw.admit(req(0), 7.5) for _ in range(3)]
+    assert [kind(p) for p in probes] == ["Admitted"] * 3
+    assert kind(gw.admit(req(0), 7.5)) == "Rejected"
+    gw.record_ignored(7.6)  # a probe that was the client's own bad request proves nothing
+    assert isinstance(gw.admit(req(0), 7.7), Admitted)  # ... so another probe may go
+    assert kind(gw.admit(req(0), 7.7)) == "Rejected"
+    for t in (7.8, 7.9, 8.0):
+        gw.record_outcome(True, t)
+    assert gw.breaker_state is BreakerState.CLOSED
+
+
 def test_breaker_window_slides() -> None:
     gw = leased_gateway(lease((50, 50, 0)))
     for _ in range(15):

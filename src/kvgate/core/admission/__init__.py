@@ -35,6 +35,7 @@ from kvgate.core.admission.gateway import GatewayAdmission
 from kvgate.core.admission.queues import FairQueue, QueueEntry
 from kvgate.core.admission.quota_book import LocalLimits, QuotaBook
 from kvgate.core.admission.retry import (
+    NOT_RUN_FAILURES,
     RETRYABLE_FAILURES,
     FailureKind,
     RetryBudget,
@@ -67,6 +68,7 @@ from kvgate.core.admission.types import (
 )
 
 __all__ = [
+    "NOT_RUN_FAILURES",
     "PRIORITIES",
     "REJECT_HTTP_STATUS",
     "REJECT_RETRYABLE",

@@ -10,6 +10,8 @@ Independently, the breaker is forced open while no node is healthy (reason
 
 The breaker sees only outcomes (``record``) and admits (``allow``); it does not know
 which outcome belongs to which request, so in HALF_OPEN the next outcomes decide.
+An outcome that says nothing about the cluster (a client's own bad request) is
+``ignore``d: not counted, and in HALF_OPEN its probe is handed back.
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ class ClusterBreaker:
             total = ok + fail
             if total >= self.config.min_outcomes and fail >= self.config.error_rate * total:
                 self._open(now)
+
+    def ignore(self, now: float) -> None:
+        """An outcome that is neither a success nor a failure of the cluster."""
+        self.tick(now)
+        if self._state is BreakerState.HALF_OPEN:
+            # The probe it may have used proved nothing: let another one through, or
+            # the breaker could stay half-open with no probe left.
+            self._probes_left = min(self._probes_left + 1, self.config.half_open_probes)
 
     def tick(self, now: float) -> None:
         """Time-based transition OPEN -> HALF_OPEN."""

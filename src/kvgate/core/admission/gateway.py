@@ -52,6 +52,10 @@ class GatewayAdmission(Stage1Limiter):
     def record_outcome(self, success: bool, now: float) -> None:
         self._breaker.record(success, now)
 
+    def record_ignored(self, now: float) -> None:
+        """An outcome the breaker must not count (the client's own bad request)."""
+        self._breaker.ignore(now)
+
     def record_ttft(self, priority: Priority, ttft_s: float, now: float) -> None:
         if priority == Priority.P0:
             self._ttft.add(ttft_s, now)

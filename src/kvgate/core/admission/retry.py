@@ -6,10 +6,11 @@ retry budget of 20 % of active requests with a minimum of 3; admission-anchors 8
 - only an attempt that failed **before the first byte** may be retried (after it the
   client has seen output, and a replay would duplicate it);
 - only for failures that say "another node may do it": a connect error, a bare 503
-  (plain vLLM) or an explicit ``retry-elsewhere`` reject;
+  (plain vLLM), an explicit ``retry-elsewhere`` reject, or an attempt aborted because
+  its node was marked down before it answered;
 - never ``pool-overloaded`` (the whole pool is full: a retry only adds load), never a
-  timeout (the deadline is spent), an upstream error after work began, or a client
-  error;
+  timeout (the deadline is spent), an upstream error after work began, a 429 or a
+  client error;
 - never when the request is itself a client retry naming a node it wants avoided
   (the client is retrying; two layers of retries multiply);
 - only while retries in flight < max(minimum, ratio x active requests).
@@ -34,16 +35,36 @@ class FailureKind(StrEnum):
     """Why an attempt at a node failed, as the gateway classifies it."""
 
     CONNECT_ERROR = "connect_error"  # no connection: the node never saw the request
+    NODE_DOWN = "node_down"  # the node was marked down before it answered: aborted
     HTTP_503 = "http_503"  # a bare 503 (plain vLLM): treated as retry-elsewhere
     RETRY_ELSEWHERE = "retry_elsewhere"  # node reject: this node is busy, try another
     POOL_OVERLOADED = "pool_overloaded"  # node reject: the whole pool is full, do not retry
     TIMEOUT = "timeout"  # no first byte in time
     UPSTREAM_ERROR = "upstream_error"  # 5xx other than 503, reset, protocol error
-    CLIENT_ERROR = "client_error"  # 4xx: the request itself is bad
+    RATE_LIMITED = "rate_limited"  # 429: the node sheds load (not the client's fault)
+    CLIENT_ERROR = "client_error"  # 4xx but 429: the request itself is bad, the node is fine
 
 
 RETRYABLE_FAILURES: frozenset[FailureKind] = frozenset(
-    {FailureKind.CONNECT_ERROR, FailureKind.HTTP_503, FailureKind.RETRY_ELSEWHERE}
+    {
+        FailureKind.CONNECT_ERROR,
+        FailureKind.NODE_DOWN,
+        FailureKind.HTTP_503,
+        FailureKind.RETRY_ELSEWHERE,
+    }
+)
+
+# The node never ran the request (it refused it, or went down before answering): the
+# client may send it again as it is, so when the gateway cannot retry it the answer is
+# a 503, not a 502 Bad Gateway.
+NOT_RUN_FAILURES: frozenset[FailureKind] = frozenset(
+    {
+        FailureKind.NODE_DOWN,
+        FailureKind.HTTP_503,
+        FailureKind.RETRY_ELSEWHERE,
+        FailureKind.POOL_OVERLOADED,
+        FailureKind.RATE_LIMITED,
+    }
 )
 
 MAX_ATTEMPTS = 2  # the first attempt plus one retry

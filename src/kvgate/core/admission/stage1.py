@@ -219,6 +219,12 @@ class Stage1Limiter:
         self._bypass_admitted += 1
         return admitted(req.request_id, req.tenant, req.priority, "bypass", serial)
 
+    def count_rejection(self, reason: RejectReason, priority: Priority) -> None:
+        """Count a request turned away after stage 1 (routing found no node for it), so
+        the rejection counters see every request the gateway refused."""
+        key = (reason, priority)
+        self._rejected[key] = self._rejected.get(key, 0) + 1
+
     def _reject(
         self,
         req: AdmissionRequest,

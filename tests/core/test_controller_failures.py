@@ -1,0 +1,157 @@
+"""How the controller judges failed attempts: whose fault, what status, what to abort."""
+
+from __future__ import annotations
+
+import random
+
+from kvgate.core.admission import BreakerState, FailureKind, InProcessCoordinator
+from kvgate.core.config import ControllerConfig
+from kvgate.core.controller import Controller
+from kvgate.core.decisions import Decision, Dispatch, Fail
+from kvgate.core.events import RequestArrived
+from kvgate.core.ids import NodeId, RequestId
+from kvgate.core.nodes import NodeSpec
+
+
+def cluster(n: int = 2) -> Controller:
+    ctl = Controller(
+        ControllerConfig(hasher="trace", policy_params={"epsilon": 0}), rng=random.Random(1)
+    )
+    for i in range(n):
+        ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}")), 0.0)
+        ctl.on_load_report(NodeId(f"n{i}"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    return ctl
+
+
+def arrive(ctl: Controller, rid: str, now: float = 0.1, **extra: object) -> Decision:
+    return ctl.on_arrival(
+        RequestArrived(request_id=RequestId(rid), block_ids=(1, 2), prompt_tokens=100,
+                       **extra),  # type: ignore[arg-type]
+        now,
+    )
+
+
+def dispatch(ctl: Controller, rid: str, now: float = 0.1, **extra: object) -> Dispatch:
+    d = arrive(ctl, rid, now, **extra)
+    assert isinstance(d, Dispatch)
+    return d
+
+
+def test_client_errors_neither_open_the_breaker_nor_eject_the_node() -> None:
+    ctl = cluster()
+    for i in range(40):  # well past the breaker's 20 outcomes at a 50 % error rate
+        d = dispatch(ctl, f"bad{i}", 1.0)
+        out = ctl.on_failed(RequestId(f"bad{i}"), FailureKind.CLIENT_ERROR, 1.0,
+                            before_first_byte=True)
+        assert isinstance(out[0], Fail) and out[0].node_id == d.node_id  # no retry
+    assert ctl.admission.breaker_state is BreakerState.CLOSED
+    assert all(s.healthy and s.consecutive_failures == 0 for s in ctl.nodes)
+    assert ctl.stats.failures["client_error"] == 40
+    assert isinstance(arrive(ctl, "good", 1.1), Dispatch)
+
+
+def test_node_failures_still_open_the_breaker() -> None:
+    ctl = cluster()
+    for i in range(20):
+        dispatch(ctl, f"r{i}", 1.0)
+        ctl.on_failed(RequestId(f"r{i}"), FailureKind.RATE_LIMITED, 1.0, before_first_byte=True)
+    assert ctl.admission.breaker_state is BreakerState.OPEN
+
+
+def test_only_a_known_excluded_node_turns_off_the_gateway_retry() -> None:
+    ctl = cluster(3)
+    d = dispatch(ctl, "a", excluded_nodes=frozenset({NodeId("no-such-node")}))
+    out = ctl.on_failed(RequestId("a"), FailureKind.RETRY_ELSEWHERE, 0.2, before_first_byte=True)
+    assert isinstance(out[0], Dispatch) and out[0].node_id != d.node_id  # retried
+    # a real client retry names a node we know: the client retries, so we do not
+    d = dispatch(ctl, "b", excluded_nodes=frozenset({NodeId("n0"), NodeId("nope")}))
+    assert d.node_id != "n0"
+    out = ctl.on_failed(RequestId("b"), FailureKind.RETRY_ELSEWHERE, 0.3, before_first_byte=True)
+    assert isinstance(out[0], Fail)
+
+
+def test_a_request_no_node_ran_fails_with_503_other_failures_with_502() -> None:
+    expected = {
+        FailureKind.HTTP_503: 503,
+        FailureKind.RETRY_ELSEWHERE: 503,
+        FailureKind.POOL_OVERLOADED: 503,
+        FailureKind.RATE_LIMITED: 503,
+        FailureKind.CONNECT_ERROR: 502,
+        FailureKind.UPSTREAM_ERROR: 502,
+        FailureKind.TIMEOUT: 502,
+    }
+    for kind, status in expected.items():
+        ctl = cluster(2)
+        dispatch(ctl, "r")
+        out = ctl.on_failed(RequestId("r"), kind, 0.2, before_first_byte=True)
+        if isinstance(out[0], Dispatch):  # retried once; the other node fails it too
+            out = ctl.on_failed(RequestId("r"), kind, 0.3, before_first_byte=True)
+        assert isinstance(out[0], Fail), kind
+        assert out[0].http_status == status, kind
+
+
+def test_a_node_marked_down_aborts_the_attempts_it_has_not_answered() -> None:
+    ctl = cluster(2)
+    on: dict[str, list[str]] = {"n0": [], "n1": []}
+    for i in range(6):
+        rid = f"r{i}"
+        d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), block_ids=(100 + i,),
+                                          prompt_tokens=100), 0.1)
+        assert isinstance(d, Dispatch)
+        on[d.node_id].append(rid)
+    down, up = ("n0", "n1") if len(on["n0"]) >= 2 else ("n1", "n0")
+    streaming, *waiting = on[down]
+    ctl.on_first_byte(RequestId(streaming), 0.2)  # already answering: left alone
+    assert ctl.take_aborts() == []
+    ctl.set_healthy(NodeId(down), False, 0.3)
+    assert sorted(ctl.take_aborts()) == sorted(waiting)
+    assert ctl.take_aborts() == []  # each abort is handed out once
+    ctl.set_healthy(NodeId(down), False, 0.3)  # no transition: nothing new
+    assert ctl.take_aborts() == []
+    for rid in waiting:  # the driver reports each abort: retried on the other node
+        out = ctl.on_failed(RequestId(rid), FailureKind.NODE_DOWN, 0.4, before_first_byte=True)
+        assert isinstance(out[0], Dispatch) and out[0].node_id == up
+    assert ctl.stats.retries["node_down"] == len(waiting)
+    assert ctl.nodes.get(NodeId(down)).consecutive_failures == 0  # type: ignore[union-attr]
+
+
+def test_an_ejection_aborts_the_other_attempts_on_the_node() -> None:
+    ctl = cluster(1)
+    ids = [f"r{i}" for i in range(ctl.config.eject_after_failures + 2)]
+    for rid in ids:
+        dispatch(ctl, rid)
+    failing, waiting = ids[: ctl.config.eject_after_failures], ids[-2:]
+    for rid in failing:
+        ctl.on_failed(RequestId(rid), FailureKind.UPSTREAM_ERROR, 0.2, before_first_byte=True)
+    assert not ctl.nodes.get(NodeId("n0")).healthy  # type: ignore[union-attr]
+    assert sorted(ctl.take_aborts()) == sorted(waiting)
+    out = ctl.on_failed(RequestId(waiting[0]), FailureKind.NODE_DOWN, 0.3,
+                        before_first_byte=True)
+    assert [type(d).__name__ for d in out] == ["Reject"]  # the retry found no node
+    ctl.on_cancelled(RequestId(waiting[1]), 0.3)
+    assert ctl.num_requests() == 0 and ctl.take_aborts() == []
+
+
+def test_an_abort_whose_attempt_moved_on_is_dropped() -> None:
+    ctl = cluster(2)
+    d = dispatch(ctl, "a")
+    ctl.set_healthy(d.node_id, False, 0.2)
+    ctl.on_first_byte(RequestId("a"), 0.25)  # the answer started meanwhile
+    assert ctl.take_aborts() == []
+    d = dispatch(ctl, "b", 0.3)
+    ctl.set_healthy(d.node_id, False, 0.35)
+    ctl.on_finished(RequestId("b"), 0.4)
+    assert ctl.take_aborts() == []
+
+
+def test_no_node_for_the_request_is_counted_with_the_admission_rejections() -> None:
+    ctl = cluster(2)
+    every = frozenset({NodeId("n0"), NodeId("n1")})
+    d = arrive(ctl, "a", excluded_nodes=every, priority=0)
+    assert type(d).__name__ == "Reject"
+    assert ctl.stats.rejects["overloaded"] == 1  # what the dashboard counts ...
+    rejected = ctl.admission.stats().rejected
+    assert sum(rejected.values()) == 1  # ... and the admission counters (metrics) too
+    ((reason, priority),) = rejected
+    assert (reason.value, int(priority)) == ("overloaded", 0)
