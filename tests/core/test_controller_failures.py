@@ -7,7 +7,7 @@ import random
 from kvgate.core.admission import BreakerState, FailureKind, InProcessCoordinator
 from kvgate.core.config import ControllerConfig
 from kvgate.core.controller import Controller
-from kvgate.core.decisions import Decision, Dispatch, Fail
+from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
 from kvgate.core.nodes import NodeSpec
@@ -155,3 +155,14 @@ def test_no_node_for_the_request_is_counted_with_the_admission_rejections() -> N
     assert sum(rejected.values()) == 1  # ... and the admission counters (metrics) too
     ((reason, priority),) = rejected
     assert (reason.value, int(priority)) == ("overloaded", 0)
+
+
+def test_a_too_long_request_says_which_part_to_cut() -> None:
+    # prompt_tokens=100 plus max_tokens against a node accepting 1000 tokens
+    ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0"), max_model_len=1000), 0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    d = arrive(ctl, "long", max_tokens=950)
+    assert isinstance(d, Reject) and d.rejected.http_status == 400
+    assert "1050 tokens (100 of prompt + 950 of max_tokens)" in d.rejected.message
+    assert "1000" in d.rejected.message

@@ -260,6 +260,7 @@ class Controller:
                 priority=priority,
                 bypass=req.bypass,
                 prompt_tokens=tokens + req.max_tokens,
+                output_tokens=req.max_tokens,
                 max_seq_len=self._max_seq_len(req.model),
             ),
             now,

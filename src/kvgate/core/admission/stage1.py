@@ -139,7 +139,7 @@ class Stage1Limiter:
             return self._reject(
                 req,
                 RejectReason.INVALID_REQUEST,
-                f"prompt of {req.prompt_tokens} tokens exceeds max_seq_len {mx}",
+                _too_long(req.prompt_tokens, req.output_tokens, mx),
                 0.0,
             )
         tenant = req.tenant
@@ -369,3 +369,14 @@ class Stage1Limiter:
                 self._drop_slot(entry.request.tenant)
                 return True
         return False
+
+
+def _too_long(total: int, output: int, max_seq_len: int | None) -> str:
+    """The context-length rejection, naming both parts so the client knows which to cut."""
+    if total < 0:
+        return f"a request of {total} tokens is invalid"
+    return (
+        f"this request needs {total} tokens ({total - output} of prompt + {output} of "
+        f"max_tokens), more than the {max_seq_len} a serving node accepts; shorten the "
+        "prompt or lower max_tokens"
+    )

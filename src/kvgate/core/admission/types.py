@@ -110,6 +110,7 @@ class AdmissionRequest:
     priority: Priority
     bypass: bool = False  # authenticated probe / operator traffic: the bypass lane
     prompt_tokens: int  # prompt plus requested output, as the driver estimates it
+    output_tokens: int = 0  # the requested output part of prompt_tokens (for messages)
     max_seq_len: int | None = None  # the longest context any serving node accepts
     deadline: float | None = None  # the client's own deadline (monotonic), caps the queue wait
 
