@@ -56,6 +56,9 @@ class StubEngine:
     kv: float = 0.25
     seen: list[Seen] = field(default_factory=list)
     disconnects: int = 0
+    delay_s: float = 0.0  # every completion waits this long before answering
+    inflight: int = 0  # completions being answered now
+    peak_inflight: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -125,6 +128,16 @@ class StubEngine:
         return usage
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
+        self.inflight += 1
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            return await self._answer(request)
+        finally:
+            self.inflight -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(Seen(request.path, body, dict(request.headers)))
         chat = request.path.endswith("chat/completions")
@@ -295,3 +308,52 @@ class Kit:
 @pytest.fixture
 def kit() -> type[Kit]:
     return Kit
+
+
+# ------------------------------------------------------------------------------ Redis
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Any:
+    """A Redis for the fleet tests: REDIS_URL, else 127.0.0.1:6379, else a redis-server
+    from PATH started on a free port for this session. Outside CI, skip if none."""
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    if _redis_answers(url):
+        yield url
+        return
+    server = shutil.which("redis-server")
+    if server is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"no Redis at {url} and no redis-server on PATH (CI must run these)")
+        pytest.skip(f"no Redis at {url} and no redis-server on PATH")
+    port = closed_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10.0
+        while not _redis_answers(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"redis-server on port {port} did not start")
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

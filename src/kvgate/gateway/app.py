@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,19 +35,30 @@ from kvgate.core.admission import InProcessCoordinator, LeaseState
 from kvgate.core.controller import Controller
 from kvgate.core.nodes import NodeTable
 from kvgate.gateway.admin import register_admin
-from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.config import DEFAULT_GATEWAY_ID, GatewayConfig
 from kvgate.gateway.dashboard import register_dashboard
-from kvgate.gateway.driver import Driver, InProcessLeaseClient, LeaseClient
+from kvgate.gateway.driver import Driver, InProcessLeaseClient, LeaseClient, RemoteLeaseClient
 from kvgate.gateway.edge import EdgeRunner
 from kvgate.gateway.errors import edge_middleware, json_response
 from kvgate.gateway.identity import Authenticator
 from kvgate.gateway.metrics_text import GatewayMetrics, render
 from kvgate.gateway.node_watcher import NodeWatcher
 from kvgate.gateway.proxy import CompletionsHandler
+from kvgate.gateway.redis_coordinator import RedisCoordinator
 from kvgate.gateway.relay import Relay
 from kvgate.gateway.upstream import Upstream
 
 log = logging.getLogger("kvgate.gateway")
+
+def fleet_gateway_id(config: GatewayConfig) -> str:
+    """``server.gateway_id``; with a shared (Redis) coordinator, the default "gw0" becomes
+    host-pid: two gateways under one id would share one lease record and so, together,
+    admit twice their share."""
+    gid = config.server.gateway_id
+    if config.admission.coordinator == "redis" and gid == DEFAULT_GATEWAY_ID:
+        return f"{socket.gethostname()}-{os.getpid()}"
+    return gid
+
 
 class Gateway:
     """Every part of one gateway. Construct inside the running event loop."""
@@ -60,10 +73,18 @@ class Gateway:
         self.config = config
         self.clock = clock
         cc = config.controller_config()
+        self.gateway_id = fleet_gateway_id(config)
         self.controller = Controller(
-            cc, rng=random.Random(config.server.seed), gateway_id=config.server.gateway_id
+            cc, rng=random.Random(config.server.seed), gateway_id=self.gateway_id
         )
         self.coordinator = InProcessCoordinator(cc.admission)
+        # a fleet shares one budget through Redis; one gateway keeps it in process
+        self.redis: RedisCoordinator | None = None
+        if lease is None and config.admission.coordinator == "redis":
+            self.redis = RedisCoordinator(
+                cc.admission, config.admission.redis_url, key=config.admission.redis_key
+            )
+            lease = RemoteLeaseClient(self.redis)
         self.lease: LeaseClient = lease or InProcessLeaseClient(self.coordinator)
         self.metrics = GatewayMetrics()
         self.auth = Authenticator(config.auth)
@@ -98,7 +119,9 @@ class Gateway:
                 await self._loop_task
             self._loop_task = None
         await self.watcher.stop()
-        await self.lease.close(self.config.server.gateway_id)
+        await self.lease.close(self.gateway_id)
+        if self.redis is not None:
+            await self.redis.close()
         await self.upstream.close()
 
     def ready(self) -> tuple[bool, dict[str, Any]]:

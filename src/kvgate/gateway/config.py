@@ -53,6 +53,9 @@ def _positive(section: str, **values: float) -> None:
             raise ConfigError(f"{section}.{key} must be > 0, got {value}", param=key)
 
 
+DEFAULT_GATEWAY_ID = "gw0"  # with a redis coordinator, replaced by host-pid (app.py)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -68,7 +71,7 @@ class ServerConfig:
     # closed, after a 408 if part of a head came (slowloris)
     header_timeout_s: float = 30.0
     shutdown_timeout_s: float = 10.0  # graceful drain of in-flight requests on stop
-    gateway_id: str = "gw0"
+    gateway_id: str = DEFAULT_GATEWAY_ID
     seed: int | None = None  # routing randomness (exploration); None = from the OS
 
     def __post_init__(self) -> None:
@@ -191,13 +194,28 @@ class AdmissionSection:
     retry_budget_ratio: float = 0.2
     retry_budget_min: int = 3
     tick_interval_s: float = 0.05  # controller.tick and the lease refresh check
-    coordinator: Literal["inprocess"] = "inprocess"
+    # inprocess: one gateway (the default); redis: a fleet sharing one budget through
+    # the lease state under redis_key (every gateway needs its own server.gateway_id)
+    coordinator: Literal["inprocess", "redis"] = "inprocess"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_key: str = "kvgate:coordinator"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_quotas", _frozen_map(self.tenant_quotas))
         _positive("admission", tick_interval_s=self.tick_interval_s)
-        if self.coordinator != "inprocess":
-            raise ConfigError("admission.coordinator: only 'inprocess' is available")
+        if self.coordinator not in ("inprocess", "redis"):
+            raise ConfigError(
+                f"admission.coordinator must be 'inprocess' or 'redis', got {self.coordinator!r}"
+            )
+        if self.coordinator == "redis" and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(
+                "admission.redis_url must be a redis://, rediss:// or unix:// URL, "
+                f"got {self.redis_url!r}"
+            )
+        if not self.redis_key:
+            raise ConfigError("admission.redis_key must be non-empty")
 
     def _class(self, c: ClassConfig) -> ClassConfig:
         return ClassConfig(

@@ -75,7 +75,7 @@ def dashboard_state(gw: Gateway) -> dict[str, Any]:
     total_prompt = sum(h["prompt_tokens"] for h in hit_ratio)
     total_measured = sum(h["measured_prompt_tokens"] for h in hit_ratio)
     return {
-        "gateway_id": gw.config.server.gateway_id,
+        "gateway_id": gw.gateway_id,
         "policy": gw.config.routing.policy,
         "time": time.time(),
         "requests": {

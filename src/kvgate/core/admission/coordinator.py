@@ -128,20 +128,20 @@ class InProcessCoordinator:
     ) -> None:
         self.config = config
         self.epoch = epoch
-        self._learn_on_start = learn_on_start
+        self.learn_on_start = learn_on_start
         self.capacity = config.budget
         self.slo = SloController(config.slo)
         self.records: dict[str, GatewayRecord] = {}
         self.learning_until = -1.0
         self.refreshes = 0
-        self._slo_seen: dict[str, int] = {}
-        self._slo_pending: dict[str, float | None] = {}
-        self._slo_next: float | None = None
+        self.slo_seen: dict[str, int] = {}
+        self.slo_pending: dict[str, float | None] = {}
+        self.slo_next: float | None = None
 
     # ----------------------------------------------------------------- public
     def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
-        if self._learn_on_start:
-            self._learn_on_start = False
+        if self.learn_on_start:
+            self.learn_on_start = False
             self.learning_until = now + self.config.lease.ttl_s
         self.refreshes += 1
         self._expire(now)
@@ -155,8 +155,8 @@ class InProcessCoordinator:
 
     def release_gateway(self, gateway_id: str) -> None:
         self.records.pop(gateway_id, None)
-        self._slo_seen.pop(gateway_id, None)
-        self._slo_pending.pop(gateway_id, None)
+        self.slo_seen.pop(gateway_id, None)
+        self.slo_pending.pop(gateway_id, None)
 
     def reset_epoch(self, epoch: str, now: float) -> None:
         """Simulate lost coordinator state (a Redis restart): forget all, learn for a TTL."""
@@ -191,6 +191,10 @@ class InProcessCoordinator:
                 continue
             if rec.ghost or grace <= 0.0:
                 del self.records[gid]
+                # forget its SLO bookkeeping too: gateway ids come and go (restarts),
+                # and a shared store keeps this state for the fleet's lifetime
+                self.slo_seen.pop(gid, None)
+                self.slo_pending.pop(gid, None)
             else:
                 rec.ghost = True
                 rec.expires_at = now + grace
@@ -341,18 +345,18 @@ class InProcessCoordinator:
     def _observe_slo(self, req: RefreshRequest, now: float) -> None:
         """Count each gateway window once; close a coordinator window every window_s."""
         gid = req.gateway_id
-        if req.p0_ttft_window > self._slo_seen.get(gid, -1):
-            self._slo_seen[gid] = req.p0_ttft_window
-            self._slo_pending[gid] = req.p0_ttft_p99_s
-        if self._slo_next is None:
-            self._slo_next = now + self.config.slo.window_s
+        if req.p0_ttft_window > self.slo_seen.get(gid, -1):
+            self.slo_seen[gid] = req.p0_ttft_window
+            self.slo_pending[gid] = req.p0_ttft_p99_s
+        if self.slo_next is None:
+            self.slo_next = now + self.config.slo.window_s
             return
-        if now < self._slo_next:
+        if now < self.slo_next:
             return
-        values = [v for v in self._slo_pending.values() if v is not None]
+        values = [v for v in self.slo_pending.values() if v is not None]
         self.slo.observe_window(max(values) if values else None)
-        self._slo_pending.clear()
-        self._slo_next = now + self.config.slo.window_s
+        self.slo_pending.clear()
+        self.slo_next = now + self.config.slo.window_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,126 @@
+"""The coordinator for a fleet of gateways: the lease rules, with their state in Redis.
+
+One refresh is one optimistic transaction on one key::
+
+    WATCH key; GET key; TIME           -- the state, and Redis's clock
+    (in Python) load_state -> InProcessCoordinator.refresh(report, redis_now) -> dump
+    MULTI; SET key state PX ttl; EXEC  -- fails if another gateway wrote in between
+
+A conflict (another gateway's refresh committed first) re-runs the whole step on the
+new state, so every grant is computed from the state every earlier grant left: the
+sum of in-flight stays <= C exactly as with one in-process coordinator, whose code
+this runs (``core/admission/coordinator.py``; nothing of the rules is written twice).
+All gateways read one clock, Redis's ``TIME``, for record expiry and learning windows.
+
+Lost state (Redis restarted, or the key expired after every gateway left for
+``state_ttl_s``) is a missing key: the next refresh starts a new epoch in learning
+mode for one lease TTL (the coordinator's ``learn_on_start``), since gateways may
+still hold credits granted under the old one.
+
+Redis errors become :class:`CoordinatorUnavailable`; the gateway then reuses its last
+lease and, past ``reuse_s``, runs in SAFE mode (``core/admission/quota_book.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, WatchError
+
+from kvgate.core.admission import AdmissionConfig, CoordinatorUnavailable, InProcessCoordinator
+from kvgate.core.admission.coordinator_state import dump_state, load_state
+from kvgate.core.admission.types import LeaseGrant, RefreshRequest
+from kvgate.core.errors import ConfigError
+
+T = TypeVar("T")
+
+DEFAULT_KEY = "kvgate:coordinator"
+# Optimistic retries of one refresh before it counts as a failed refresh: with a
+# handful of gateways refreshing every 0.5 s a conflict is rare, so this many in a
+# row means the store is unusable, not busy.
+MAX_ATTEMPTS = 16
+
+
+class RedisCoordinator:
+    """An ``AsyncCoordinator`` (``gateway/driver.py``) backed by one Redis key."""
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        url: str,
+        *,
+        key: str = DEFAULT_KEY,
+        state_ttl_s: float | None = None,
+        socket_timeout_s: float = 1.0,
+    ) -> None:
+        self.config = config
+        self.url = url
+        self.key = key
+        # long enough that a fleet restart keeps its state, short enough that a store
+        # shared by test runs or abandoned fleets does not keep it forever
+        self.state_ttl_s = state_ttl_s if state_ttl_s is not None else max(
+            60.0, 30 * config.lease.ttl_s
+        )
+        self.conflicts = 0  # optimistic retries (a metric of contention)
+        self._redis: aioredis.Redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            decode_responses=False,
+        )
+
+    async def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
+        """One gateway's report in, its lease out (``now``, the gateway's clock, is not
+        used: the fleet's records run on Redis's)."""
+        return await self._transact(lambda coord, t: coord.refresh(req, t))
+
+    async def release_gateway(self, gateway_id: str) -> None:
+        await self._transact(lambda coord, t: coord.release_gateway(gateway_id))
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def _transact(self, step: Callable[[InProcessCoordinator, float], T]) -> T:
+        try:
+            for _ in range(MAX_ATTEMPTS):
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    try:
+                        await pipe.watch(self.key)
+                        raw = await pipe.get(self.key)
+                        seconds, micros = await pipe.time()
+                        now = seconds + micros / 1e6
+                        coord = self._load(raw)
+                        out = step(coord, now)
+                        pipe.multi()  # type: ignore[no-untyped-call]
+                        pipe.set(self.key, _encode(dump_state(coord)),
+                                 px=int(self.state_ttl_s * 1000))
+                        await pipe.execute()
+                        return out
+                    except WatchError:
+                        self.conflicts += 1
+        except RedisError as exc:
+            raise CoordinatorUnavailable(f"redis coordinator at {self.url}: {exc}") from exc
+        raise CoordinatorUnavailable(
+            f"redis coordinator at {self.url}: {MAX_ATTEMPTS} conflicting refreshes in a row"
+        )
+
+    def _load(self, raw: Any) -> InProcessCoordinator:
+        if raw is None:  # a new fleet, or Redis lost the state: a new epoch, learning
+            return InProcessCoordinator(
+                self.config, epoch=uuid.uuid4().hex, learn_on_start=True
+            )
+        try:
+            return load_state(self.config, json.loads(raw))
+        except (ValueError, KeyError, TypeError, ConfigError) as exc:
+            # never overwrite what we cannot read (another version's state, say)
+            raise CoordinatorUnavailable(
+                f"redis coordinator at {self.url}: unreadable state under {self.key!r}: {exc}"
+            ) from exc
+
+
+def _encode(state: dict[str, Any]) -> bytes:
+    return json.dumps(state, separators=(",", ":")).encode()
