@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -33,7 +34,6 @@ from typing import Protocol
 
 from kvgate.core.admission import (
     Coordinator,
-    CoordinatorUnavailable,
     FailureKind,
     LeaseGrant,
     RefreshRequest,
@@ -84,29 +84,62 @@ class InProcessLeaseClient:
 
 
 class RemoteLeaseClient:
-    """A coordinator behind the network: report, await the grant, apply it."""
+    """A coordinator behind the network: report, await the grant, apply it.
+
+    Any error of the call (a timeout, a refused or dropped connection, whatever the
+    client library raises: aiohttp's and redis-py's connection errors are not
+    ``OSError``) is a failed refresh: the lease ages toward SAFE and the failure is
+    counted. It is logged as one line, at most every ``warn_every_s`` while the
+    coordinator stays down, since a dead coordinator fails every refresh.
+    """
 
     in_process = False
 
-    def __init__(self, coordinator: AsyncCoordinator, timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, coordinator: AsyncCoordinator, timeout_s: float = 1.0, *, warn_every_s: float = 10.0
+    ) -> None:
         self.coordinator = coordinator
         self.timeout_s = timeout_s
+        self.warn_every_s = warn_every_s
+        self.failing = 0  # failed refreshes in a row
+        self._warned_at = -math.inf
 
     async def refresh(self, controller: Controller, clock: Callable[[], float]) -> list[Decision]:
         req = controller.make_refresh(clock())
         try:
             async with asyncio.timeout(self.timeout_s):
                 grant = await self.coordinator.refresh(req, clock())
-        except (CoordinatorUnavailable, TimeoutError, OSError):
+        except Exception as exc:  # not CancelledError (a BaseException): shutdown goes on
+            self._refresh_failed(exc)
             return controller.on_refresh_failed(clock())
+        if self.failing:
+            log.info("coordinator reachable again after %d failed refreshes", self.failing)
+            self.failing = 0
         return controller.on_lease(grant, clock())
+
+    def _refresh_failed(self, exc: Exception) -> None:
+        self.failing += 1
+        now = time.monotonic()
+        if now - self._warned_at >= self.warn_every_s:
+            self._warned_at = now
+            log.warning("lease refresh failed (%d in a row): %s", self.failing,
+                        _describe(exc, self.timeout_s))
 
     async def close(self, gateway_id: str) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.coordinator.release_gateway(gateway_id)
-        except (CoordinatorUnavailable, TimeoutError, OSError):
-            log.warning("could not release the lease of %s", gateway_id)
+        except Exception as exc:  # its lease expires on the coordinator after ttl anyway
+            log.warning("could not release the lease of %s: %s", gateway_id,
+                        _describe(exc, self.timeout_s))
+
+
+def _describe(exc: Exception, timeout_s: float) -> str:
+    """One line for the log (no traceback: the cause is the coordinator, not us)."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return f"no answer within {timeout_s:g} s"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class Driver:

@@ -1,0 +1,102 @@
+"""The lease loop against a remote coordinator: client errors, stalls, shutdown.
+
+Driver-level tests on a fake clock where time matters to the core, with a fake
+:class:`AsyncCoordinator` standing in for Redis (no sockets).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import aiohttp
+import pytest
+
+from kvgate.core.admission import InProcessCoordinator, LeaseGrant, LeaseState, RefreshRequest
+from kvgate.core.config import ControllerConfig
+from kvgate.core.controller import Controller
+from kvgate.core.ids import NodeId
+from kvgate.core.nodes import NodeSpec
+from kvgate.gateway.driver import RemoteLeaseClient
+from kvgate.testing import run_bounded
+
+
+class RedisConnectionError(Exception):
+    """Like redis-py's ``redis.exceptions.ConnectionError``: an Exception, not OSError."""
+
+
+class BrokenRemote:
+    """Every call raises the next error of ``errors`` (a client library's own)."""
+
+    def __init__(self, errors: list[Exception]) -> None:
+        self.errors = errors
+
+    async def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
+        raise self.errors.pop(0)
+
+    async def release_gateway(self, gateway_id: str) -> None:
+        raise self.errors.pop(0)
+
+
+def controller(nodes: int = 2) -> Controller:
+    ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1), gateway_id="g")
+    for i in range(nodes):
+        ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}"), cache_blocks=40), 0.0)
+        ctl.on_load_report(NodeId(f"n{i}"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    return ctl
+
+
+def test_any_client_error_is_a_failed_refresh_logged_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    errors: list[Exception] = [
+        aiohttp.ServerDisconnectedError(),
+        RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused."),
+        RedisConnectionError("Connection reset by peer"),
+    ]
+    client = RemoteLeaseClient(BrokenRemote(errors), timeout_s=0.5, warn_every_s=60.0)
+    ctl = controller()
+    now = [0.0]
+
+    async def body() -> None:
+        with caplog.at_level(logging.INFO, logger="kvgate.gateway"):
+            assert ctl.refresh_due(now[0])
+            await client.refresh(ctl, lambda: now[0])
+            assert ctl.admission.stats().refresh_failures == 1
+            now[0] = 0.51  # the periodic schedule, not one ttl later: nothing left in flight
+            assert ctl.refresh_due(now[0])
+            await client.refresh(ctl, lambda: now[0])
+            assert ctl.admission.stats().refresh_failures == 2
+            await client.close("g")  # does not raise either
+
+    run_bounded(body(), 5.0)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2, [r.getMessage() for r in warnings]  # rate-limited + close
+    assert all(r.exc_info is None for r in warnings)  # one line, no traceback
+    assert "ServerDisconnectedError" in warnings[0].getMessage()
+    assert "release" in warnings[1].getMessage()
+    assert ctl.admission.lease_state is LeaseState.NO_ASSIGNMENT
+    assert client.failing == 2
+
+
+def test_a_refresh_after_failures_logs_the_recovery(caplog: pytest.LogCaptureFixture) -> None:
+    ctl = controller()
+    remote = BrokenRemote([RedisConnectionError("down")])
+    inner = InProcessCoordinator(ctl.config.admission)
+
+    async def refresh(req: RefreshRequest, now: float) -> LeaseGrant:
+        if remote.errors:
+            raise remote.errors.pop(0)
+        return inner.refresh(req, now)
+
+    remote.refresh = refresh  # type: ignore[method-assign]
+    client = RemoteLeaseClient(remote, timeout_s=0.5)
+
+    async def body() -> None:
+        with caplog.at_level(logging.INFO, logger="kvgate.gateway"):
+            await client.refresh(ctl, lambda: 0.0)
+            await client.refresh(ctl, lambda: 0.6)
+
+    run_bounded(body(), 5.0)
+    assert ctl.admission.lease_state is LeaseState.ACTIVE and client.failing == 0
+    assert "reachable again after 1 failed" in caplog.records[-1].getMessage()
