@@ -6,18 +6,32 @@ Driver-level tests on a fake clock where time matters to the core, with a fake
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+import time
 
 import aiohttp
 import pytest
 
-from kvgate.core.admission import InProcessCoordinator, LeaseGrant, LeaseState, RefreshRequest
+from kvgate.core.admission import (
+    AdmissionConfig,
+    ClassConfig,
+    InProcessCoordinator,
+    LeaseConfig,
+    LeaseGrant,
+    LeaseState,
+    RefreshRequest,
+    RejectReason,
+)
 from kvgate.core.config import ControllerConfig
 from kvgate.core.controller import Controller
-from kvgate.core.ids import NodeId
+from kvgate.core.decisions import Decision, Reject
+from kvgate.core.events import RequestArrived
+from kvgate.core.ids import NodeId, RequestId
 from kvgate.core.nodes import NodeSpec
-from kvgate.gateway.driver import RemoteLeaseClient
+from kvgate.gateway.driver import Driver, RemoteLeaseClient
+from kvgate.gateway.metrics_text import GatewayMetrics
 from kvgate.testing import run_bounded
 
 
@@ -38,8 +52,9 @@ class BrokenRemote:
         raise self.errors.pop(0)
 
 
-def controller(nodes: int = 2) -> Controller:
-    ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1), gateway_id="g")
+def controller(nodes: int = 2, admission: AdmissionConfig | None = None) -> Controller:
+    cc = ControllerConfig(hasher="trace", admission=admission or AdmissionConfig())
+    ctl = Controller(cc, rng=random.Random(1), gateway_id="g")
     for i in range(nodes):
         ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}"), cache_blocks=40), 0.0)
         ctl.on_load_report(NodeId(f"n{i}"), waiting=0, running=0, kv_util=0.0, now=0.0)
@@ -100,3 +115,69 @@ def test_a_refresh_after_failures_logs_the_recovery(caplog: pytest.LogCaptureFix
     run_bounded(body(), 5.0)
     assert ctl.admission.lease_state is LeaseState.ACTIVE and client.failing == 0
     assert "reachable again after 1 failed" in caplog.records[-1].getMessage()
+
+
+class HangingRemote:
+    """A stalled coordinator: a refresh never answers (until cancelled)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.cancelled = 0
+
+    async def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
+        self.calls += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise AssertionError("unreachable")
+
+    async def release_gateway(self, gateway_id: str) -> None:
+        return None
+
+
+def test_ticks_go_on_while_a_remote_refresh_hangs() -> None:
+    """A queued request's deadline, and the tick itself, keep their time while the
+    coordinator stalls; one refresh in flight at most; stop cancels it cleanly."""
+    short = ClassConfig(share=0.3, lendable=1.0, queue_timeout_s=0.2)
+    cfg = AdmissionConfig(
+        classes=(AdmissionConfig().classes[0], short, AdmissionConfig().classes[2]),
+        lease=LeaseConfig(refresh_s=0.05, ttl_s=0.1, margin_s=0.02, reuse_timeout_s=0.1),
+    )
+    ctl = controller(admission=cfg)
+    ticks: list[float] = []
+    tick = ctl.tick
+
+    def counting_tick(now: float) -> list[Decision]:
+        ticks.append(now)
+        return tick(now)
+
+    ctl.tick = counting_tick  # type: ignore[method-assign]
+    remote = HangingRemote()
+    t0 = time.monotonic()
+    driver = Driver(ctl, RemoteLeaseClient(remote, timeout_s=10.0), GatewayMetrics(),
+                    tick_interval_s=0.01, clock=lambda: time.monotonic() - t0)
+
+    async def body() -> None:
+        loop = asyncio.ensure_future(driver.run())
+        try:
+            # No lease yet (NO_ASSIGNMENT): a P1 request waits for one, until its deadline.
+            start = time.monotonic()
+            d = await driver.admit(RequestArrived(request_id=RequestId("p1"), block_ids=(1, 2),
+                                                  prompt_tokens=32, priority=1))
+            waited = time.monotonic() - start
+            assert isinstance(d, Reject) and d.rejected.reason is RejectReason.QUEUE_TIMEOUT
+            assert waited < 0.6, waited  # 0.2 s + a tick, not the refresh's 10 s timeout
+            await asyncio.sleep(0.2)
+            assert len(ticks) >= 20  # ~every 10 ms all along
+            assert remote.calls == 1  # the core would refresh again (ttl 0.1 s): one at a time
+        finally:
+            loop.cancel()
+            await asyncio.wait({loop})
+            await driver.stop()
+        assert remote.cancelled == 1
+
+    run_bounded(body(), 5.0)
+    assert ctl.admission.lease_state is LeaseState.NO_ASSIGNMENT
+

@@ -89,6 +89,7 @@ class Gateway:
         """Probe the nodes, take a first lease, start the lease loop."""
         await self.watcher.start()
         await self.driver.step()
+        await self.driver.wait_refresh()  # a remote first lease runs in the background
         self._loop_task = asyncio.ensure_future(self.driver.run())
 
     async def stop(self) -> None:
@@ -97,6 +98,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
+        await self.driver.stop()  # a remote refresh still in flight
         await self.watcher.stop()
         await self.lease.close(self.config.server.gateway_id)
         await self.upstream.close()

@@ -19,7 +19,8 @@ Rules:
   ``admission.tick_interval_s`` (queue deadlines, lease transitions, ejection
   expiry) and refreshes the lease when ``refresh_due`` says so, through a
   :class:`LeaseClient`: in process, a synchronous ``refresh_with``; a remote store
-  (Redis, later) is awaited between ``make_refresh`` and ``on_lease``.
+  (Redis) is awaited between ``make_refresh`` and ``on_lease`` in a background
+  task (at most one in flight), so the ticks go on while the coordinator stalls.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ class Driver:
         self._waiters: dict[RequestId, asyncio.Future[Decision]] = {}
         self._guards: dict[RequestId, asyncio.Timeout] = {}
         self.lease_errors = 0
+        self._refreshing: asyncio.Task[None] | None = None  # a remote refresh in flight
         # The index insert of a dispatched chain runs after the request went out (a
         # loop callback), not inside the decision; the core flushes it first whenever
         # the index is used, so the next decision sees the chain all the same.
@@ -292,11 +294,44 @@ class Driver:
             await asyncio.sleep(self.tick_interval_s)
 
     async def step(self) -> None:
+        """One tick; a due refresh runs in process, or in the background when remote."""
         now = self.clock()
         self.apply(self.controller.tick(now))
         self.abort_unanswered()
-        if self.controller.refresh_due(now):
-            t0 = time.perf_counter()
+        if self._refreshing is not None or not self.controller.refresh_due(now):
+            return
+        if self.lease.in_process:
+            await self._refresh()
+        else:
+            # A remote refresh may take up to the client's timeout: the ticks (queue
+            # deadlines, lease transitions, node-down aborts) must not wait for it.
+            self._refreshing = asyncio.ensure_future(self._refresh())
+            self._refreshing.add_done_callback(self._refresh_done)
+
+    async def _refresh(self) -> None:
+        t0 = time.perf_counter()
+        try:
             decisions = await self.lease.refresh(self.controller, self.clock)
-            self.metrics.refresh_latency.observe(time.perf_counter() - t0)
-            self.apply(decisions)
+        except Exception:  # the client's own bug, not the coordinator's: keep ticking
+            self.lease_errors += 1
+            log.exception("lease refresh failed")
+            return
+        self.metrics.refresh_latency.observe(time.perf_counter() - t0)
+        self.apply(decisions)
+
+    def _refresh_done(self, task: asyncio.Task[None]) -> None:
+        if self._refreshing is task:
+            self._refreshing = None
+
+    async def wait_refresh(self) -> None:
+        """Wait for the refresh in flight, if any (start-up: serve with a first lease)."""
+        task = self._refreshing
+        if task is not None:
+            await asyncio.wait({task})
+
+    async def stop(self) -> None:
+        """Cancel the refresh in flight, if any, and wait for it to end."""
+        task, self._refreshing = self._refreshing, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
