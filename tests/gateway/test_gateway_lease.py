@@ -10,6 +10,7 @@ import asyncio
 import logging
 import random
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -30,6 +31,7 @@ from kvgate.core.decisions import Decision, Reject
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
 from kvgate.core.nodes import NodeSpec
+from kvgate.gateway import start_gateway
 from kvgate.gateway.driver import Driver, RemoteLeaseClient
 from kvgate.gateway.metrics_text import GatewayMetrics
 from kvgate.testing import run_bounded
@@ -181,3 +183,40 @@ def test_ticks_go_on_while_a_remote_refresh_hangs() -> None:
     run_bounded(body(), 5.0)
     assert ctl.admission.lease_state is LeaseState.NO_ASSIGNMENT
 
+
+
+class DownRemote:
+    """A coordinator nobody can reach."""
+
+    async def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
+        raise RedisConnectionError("Connection refused")
+
+    async def release_gateway(self, gateway_id: str) -> None:
+        raise RedisConnectionError("Connection refused")
+
+
+def test_without_its_coordinator_a_gateway_is_ready_degraded_and_serves_p0(kit: Any) -> None:
+    """/ready is 200 in every lease state while a node is healthy; the lease state
+    and ``degraded`` are in its body (a blip must not unready the whole fleet)."""
+
+    async def body() -> None:
+        async with kit.cluster(1) as c:
+            srv = await start_gateway(c.gw.gateway.config, lease=RemoteLeaseClient(DownRemote()))
+            try:
+                assert srv.controller.admission.lease_state is LeaseState.NO_ASSIGNMENT
+                async with c.session.get(srv.url + "/ready") as r:
+                    assert r.status == 200
+                    detail = await r.json()
+                assert detail["lease_state"] == "no_assignment" and detail["degraded"] is True
+                async with c.session.post(srv.url + "/v1/completions",
+                                          json={"model": kit.MODEL, "prompt": "x"},
+                                          headers={"X-Kvgate-Priority": "0"}) as r:
+                    assert r.status == 200  # P0 from the start-up allowance
+                c.stubs[0].healthy = False  # unready only when it cannot serve at all
+                await kit.eventually(lambda: srv.gateway.watcher.healthy_count() == 0)
+                async with c.session.get(srv.url + "/ready") as r:
+                    assert r.status == 503
+            finally:
+                await srv.stop()
+
+    kit.run(body())
