@@ -102,6 +102,12 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"auth": {"keys": ["k"]}}, "auth.keys"),
     ({"server": {"admin_token": "short"}}, "admin_token"),
     ({"server": {"header_timeout_s": 0}}, "server.header_timeout_s must be > 0"),
+    ({"admission": {"expected_gateways": 0}}, "admission.expected_gateways must be >= 1"),
+    ({"admission": {"expected_gateways": 2.5}}, "admission.expected_gateways must be an integer"),
+    ({"admission": {"lease_ttl_s": 0.1}}, "admission.lease_ttl_s must be finite and > 0.2"),
+    ({"admission": {"lease_refresh_s": 0}}, "admission.lease_refresh_s must be > 0"),
+    ({"admission": {"lease_refresh_s": 3.0}}, "must be below admission.lease_ttl_s (2.0)"),
+    ({"admission": {"reclaim_grace_s": -1}}, "admission.reclaim_grace_s must be finite and >= 0"),
 ])
 def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
                                              tmp_path: Path) -> None:
@@ -189,3 +195,50 @@ def test_header_timeout_from_yaml_and_env(tmp_path: Path) -> None:
     assert load_config(path, env={}).server.header_timeout_s == 12.0
     env = {"KVGATE_SERVER_HEADER_TIMEOUT_S": "2.5"}
     assert load_config(path, env=env).server.header_timeout_s == 2.5
+
+
+def test_lease_settings_from_yaml_and_env_reach_the_core(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text("admission: {expected_gateways: 3, lease_ttl_s: 4, reclaim_grace_s: 1.5}\n")
+    env = {"KVGATE_ADMISSION_LEASE_REFRESH_S": "1.0", "KVGATE_ADMISSION_EXPECTED_GATEWAYS": "4"}
+    lease = load_config(path, env=env).controller_config().admission.lease
+    assert (lease.expected_gateways, lease.ttl_s, lease.refresh_s, lease.reclaim_grace_s) == (
+        4, 4.0, 1.0, 1.5)
+    default = GatewayConfig().controller_config().admission.lease
+    assert (default.expected_gateways, default.ttl_s, default.refresh_s) == (1, 2.0, 0.5)
+
+
+def test_gateways_that_never_reach_the_coordinator_share_the_budget() -> None:
+    """Three gateways with expected_gateways: 3 and no coordinator: each admits P0 up
+    to K / 3 from its start-up allowance, however long the outage (NO_ASSIGNMENT does
+    not fall to SAFE: with no grant there is no better bound), and says it is degraded."""
+    from kvgate.core.admission import (
+        AdmissionRequest,
+        Admitted,
+        GatewayAdmission,
+        LeaseState,
+        Priority,
+    )
+    from kvgate.gateway.config import AdmissionSection
+
+    cfg = AdmissionSection(budget=103, expected_gateways=3).admission_config()  # K = 100
+    gateways = [GatewayAdmission(cfg, f"g{i}") for i in range(3)]
+    admitted = [0, 0, 0]
+    n = 0
+    for step in range(200):  # 20 s of refreshes failing every 100 ms
+        now = 0.1 * step
+        for i, gw in enumerate(gateways):
+            if gw.refresh_due(now):
+                gw.make_refresh(now)
+                gw.refresh_failed(now)
+            for _ in range(5):
+                n += 1
+                d = gw.admit(AdmissionRequest(request_id=f"r{n}", tenant="t",
+                                              priority=Priority.P0, prompt_tokens=10,
+                                              max_seq_len=None), now)
+                admitted[i] += isinstance(d, Admitted)
+            gw.poll(now)
+            assert gw.lease_state is LeaseState.NO_ASSIGNMENT and gw.degraded
+            assert gw.inuse_total <= 100 // 3
+    assert admitted == [33, 33, 33] and sum(g.inuse_total for g in gateways) <= 100
+    assert all(g.stats().refresh_failures >= 20 for g in gateways)

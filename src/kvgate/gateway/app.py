@@ -11,7 +11,7 @@ Routes (all in :func:`register_routes`)::
     POST /v1/completions, /v1/chat/completions   the proxy (proxy.py, relay.py)
     GET  /v1/models     union of the nodes' models
     GET  /health        liveness; never touches the limiter
-    GET  /ready         200 with a healthy node and a usable lease, else 503
+    GET  /ready         200 while a node is healthy (any lease state), else 503
     GET  /metrics       Prometheus text (metrics_text.py)
     /admin/...          the admin API (admin.py)
     GET  /dashboard     the live dashboard (dashboard.py)
@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvgate.core.admission import InProcessCoordinator, LeaseState
+from kvgate.core.admission import InProcessCoordinator
 from kvgate.core.controller import Controller
 from kvgate.core.nodes import NodeTable
 from kvgate.gateway.admin import register_admin
@@ -110,6 +110,7 @@ class Gateway:
         """Probe the nodes, take a first lease, start the lease loop."""
         await self.watcher.start()
         await self.driver.step()
+        await self.driver.wait_refresh()  # a remote first lease runs in the background
         self._loop_task = asyncio.ensure_future(self.driver.run())
 
     async def stop(self) -> None:
@@ -118,6 +119,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
+        await self.driver.stop()  # a remote refresh still in flight
         await self.watcher.stop()
         await self.lease.close(self.gateway_id)
         if self.redis is not None:
@@ -125,13 +127,17 @@ class Gateway:
         await self.upstream.close()
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
+        """Ready while the gateway can admit. Every lease state admits (ACTIVE and
+        EXPIRED_REUSING from the lease, SAFE from its safe limit, NO_ASSIGNMENT P0
+        from the start-up allowance K / expected_gateways), and a coordinator blip
+        hits every gateway at once: unready then, the load balancer would drop the
+        whole fleet together. So the lease only shows in the body (``degraded``)."""
         healthy = self.watcher.healthy_count()
-        state = self.controller.admission.lease_state
-        lease_ok = self.lease.in_process or state is LeaseState.ACTIVE
-        return healthy > 0 and lease_ok, {
+        adm = self.controller.admission
+        return healthy > 0, {
             "healthy_nodes": healthy,
-            "lease_state": state.value,
-            "degraded": self.controller.admission.degraded,
+            "lease_state": adm.lease_state.value,
+            "degraded": adm.degraded,
         }
 
     # ------------------------------------------------------------------ handlers

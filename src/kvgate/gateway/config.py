@@ -30,12 +30,13 @@ Bad values raise :class:`~kvgate.core.errors.ConfigError` naming the key.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from kvgate.core.admission import AdmissionConfig, ClassConfig, RetryBudget
+from kvgate.core.admission import AdmissionConfig, ClassConfig, LeaseConfig, RetryBudget
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 
@@ -193,6 +194,13 @@ class AdmissionSection:
     queue_limit: int | None = None  # per class; None = 1024
     retry_budget_ratio: float = 0.2
     retry_budget_min: int = 3
+    # Leases (core LeaseConfig). Several gateways: set expected_gateways to the fleet
+    # size, since a gateway that never reached its coordinator admits P0 up to
+    # budget / expected_gateways on its own (N gateways with the default 1: N x budget).
+    expected_gateways: int = 1
+    lease_ttl_s: float = 2.0  # the coordinator keeps a gateway's lease this long
+    lease_refresh_s: float = 0.5  # periodic refresh (several per ttl)
+    reclaim_grace_s: float = 0.0  # the coordinator holds a lost gateway's in-use this long
     tick_interval_s: float = 0.05  # controller.tick and the lease refresh check
     # inprocess: one gateway (the default); redis: a fleet sharing one budget through
     # the lease state under redis_key (every gateway needs its own server.gateway_id)
@@ -202,6 +210,7 @@ class AdmissionSection:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_quotas", _frozen_map(self.tenant_quotas))
+        _check_lease(self)
         _positive("admission", tick_interval_s=self.tick_interval_s)
         if self.coordinator not in ("inprocess", "redis"):
             raise ConfigError(
@@ -236,7 +245,34 @@ class AdmissionSection:
             tenant_quotas=dict(self.tenant_quotas),
             default_tenant_quota=self.default_tenant_quota,
             retry=RetryBudget(ratio=self.retry_budget_ratio, minimum=self.retry_budget_min),
+            lease=LeaseConfig(
+                ttl_s=self.lease_ttl_s,
+                refresh_s=self.lease_refresh_s,
+                expected_gateways=self.expected_gateways,
+                reclaim_grace_s=self.reclaim_grace_s,
+            ),
         )
+
+
+def _check_lease(a: AdmissionSection) -> None:
+    """The lease knobs, named as in the file (the core's own errors name its fields)."""
+    if a.expected_gateways < 1:
+        raise ConfigError(f"admission.expected_gateways must be >= 1 (the number of gateways "
+                          f"sharing the coordinator), got {a.expected_gateways}",
+                          param="expected_gateways")
+    _positive("admission", lease_ttl_s=a.lease_ttl_s, lease_refresh_s=a.lease_refresh_s)
+    margin = LeaseConfig().margin_s
+    if not margin < a.lease_ttl_s < math.inf:
+        raise ConfigError(f"admission.lease_ttl_s must be finite and > {margin:g} (the margin "
+                          f"a gateway stops trusting its lease before it expires), got "
+                          f"{a.lease_ttl_s}", param="lease_ttl_s")
+    if a.lease_refresh_s >= a.lease_ttl_s:
+        raise ConfigError(f"admission.lease_refresh_s ({a.lease_refresh_s}) must be below "
+                          f"admission.lease_ttl_s ({a.lease_ttl_s}): a lease is refreshed "
+                          f"several times before it expires", param="lease_refresh_s")
+    if not 0 <= a.reclaim_grace_s < math.inf:
+        raise ConfigError(f"admission.reclaim_grace_s must be finite and >= 0, got "
+                          f"{a.reclaim_grace_s}", param="reclaim_grace_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,13 +19,15 @@ Rules:
   ``admission.tick_interval_s`` (queue deadlines, lease transitions, ejection
   expiry) and refreshes the lease when ``refresh_due`` says so, through a
   :class:`LeaseClient`: in process, a synchronous ``refresh_with``; a remote store
-  (Redis, later) is awaited between ``make_refresh`` and ``on_lease``.
+  (Redis) is awaited between ``make_refresh`` and ``on_lease`` in a background
+  task (at most one in flight), so the ticks go on while the coordinator stalls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -33,7 +35,6 @@ from typing import Protocol
 
 from kvgate.core.admission import (
     Coordinator,
-    CoordinatorUnavailable,
     FailureKind,
     LeaseGrant,
     RefreshRequest,
@@ -84,29 +85,62 @@ class InProcessLeaseClient:
 
 
 class RemoteLeaseClient:
-    """A coordinator behind the network: report, await the grant, apply it."""
+    """A coordinator behind the network: report, await the grant, apply it.
+
+    Any error of the call (a timeout, a refused or dropped connection, whatever the
+    client library raises: aiohttp's and redis-py's connection errors are not
+    ``OSError``) is a failed refresh: the lease ages toward SAFE and the failure is
+    counted. It is logged as one line, at most every ``warn_every_s`` while the
+    coordinator stays down, since a dead coordinator fails every refresh.
+    """
 
     in_process = False
 
-    def __init__(self, coordinator: AsyncCoordinator, timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, coordinator: AsyncCoordinator, timeout_s: float = 1.0, *, warn_every_s: float = 10.0
+    ) -> None:
         self.coordinator = coordinator
         self.timeout_s = timeout_s
+        self.warn_every_s = warn_every_s
+        self.failing = 0  # failed refreshes in a row
+        self._warned_at = -math.inf
 
     async def refresh(self, controller: Controller, clock: Callable[[], float]) -> list[Decision]:
         req = controller.make_refresh(clock())
         try:
             async with asyncio.timeout(self.timeout_s):
                 grant = await self.coordinator.refresh(req, clock())
-        except (CoordinatorUnavailable, TimeoutError, OSError):
+        except Exception as exc:  # not CancelledError (a BaseException): shutdown goes on
+            self._refresh_failed(exc)
             return controller.on_refresh_failed(clock())
+        if self.failing:
+            log.info("coordinator reachable again after %d failed refreshes", self.failing)
+            self.failing = 0
         return controller.on_lease(grant, clock())
+
+    def _refresh_failed(self, exc: Exception) -> None:
+        self.failing += 1
+        now = time.monotonic()
+        if now - self._warned_at >= self.warn_every_s:
+            self._warned_at = now
+            log.warning("lease refresh failed (%d in a row): %s", self.failing,
+                        _describe(exc, self.timeout_s))
 
     async def close(self, gateway_id: str) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.coordinator.release_gateway(gateway_id)
-        except (CoordinatorUnavailable, TimeoutError, OSError):
-            log.warning("could not release the lease of %s", gateway_id)
+        except Exception as exc:  # its lease expires on the coordinator after ttl anyway
+            log.warning("could not release the lease of %s: %s", gateway_id,
+                        _describe(exc, self.timeout_s))
+
+
+def _describe(exc: Exception, timeout_s: float) -> str:
+    """One line for the log (no traceback: the cause is the coordinator, not us)."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return f"no answer within {timeout_s:g} s"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class Driver:
@@ -127,6 +161,7 @@ class Driver:
         self._waiters: dict[RequestId, asyncio.Future[Decision]] = {}
         self._guards: dict[RequestId, asyncio.Timeout] = {}
         self.lease_errors = 0
+        self._refreshing: asyncio.Task[None] | None = None  # a remote refresh in flight
         # The index insert of a dispatched chain runs after the request went out (a
         # loop callback), not inside the decision; the core flushes it first whenever
         # the index is used, so the next decision sees the chain all the same.
@@ -259,11 +294,44 @@ class Driver:
             await asyncio.sleep(self.tick_interval_s)
 
     async def step(self) -> None:
+        """One tick; a due refresh runs in process, or in the background when remote."""
         now = self.clock()
         self.apply(self.controller.tick(now))
         self.abort_unanswered()
-        if self.controller.refresh_due(now):
-            t0 = time.perf_counter()
+        if self._refreshing is not None or not self.controller.refresh_due(now):
+            return
+        if self.lease.in_process:
+            await self._refresh()
+        else:
+            # A remote refresh may take up to the client's timeout: the ticks (queue
+            # deadlines, lease transitions, node-down aborts) must not wait for it.
+            self._refreshing = asyncio.ensure_future(self._refresh())
+            self._refreshing.add_done_callback(self._refresh_done)
+
+    async def _refresh(self) -> None:
+        t0 = time.perf_counter()
+        try:
             decisions = await self.lease.refresh(self.controller, self.clock)
-            self.metrics.refresh_latency.observe(time.perf_counter() - t0)
-            self.apply(decisions)
+        except Exception:  # the client's own bug, not the coordinator's: keep ticking
+            self.lease_errors += 1
+            log.exception("lease refresh failed")
+            return
+        self.metrics.refresh_latency.observe(time.perf_counter() - t0)
+        self.apply(decisions)
+
+    def _refresh_done(self, task: asyncio.Task[None]) -> None:
+        if self._refreshing is task:
+            self._refreshing = None
+
+    async def wait_refresh(self) -> None:
+        """Wait for the refresh in flight, if any (start-up: serve with a first lease)."""
+        task = self._refreshing
+        if task is not None:
+            await asyncio.wait({task})
+
+    async def stop(self) -> None:
+        """Cancel the refresh in flight, if any, and wait for it to end."""
+        task, self._refreshing = self._refreshing, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})

@@ -8,7 +8,11 @@ States (Envoy RLQS names)::
       (start)                  +--------------grant---------- SAFE
 
 - NO_ASSIGNMENT (start-up, no grant yet): P0 only, class capacity K / expected
-  gateways, degraded. P1 and P2 wait in their queues for the first grant.
+  gateways, degraded. P1 and P2 wait in their queues for the first grant. Failed
+  refreshes do not move it to SAFE: SAFE's bound comes from a grant (the last lease,
+  the gateways it counted), and with none, K / expected_gateways is the only bound
+  there is. So a fleet of N gateways must set expected_gateways = N, or, started
+  while the coordinator is unreachable, it admits up to N x K.
 - ACTIVE: the last grant, until ``local_deadline = t_sent + ttl - margin`` where
   t_sent is taken *before* the refresh is sent (monotonic clock), so the gateway
   stops trusting a lease before the coordinator can hand it to anyone else.
