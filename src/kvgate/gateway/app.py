@@ -85,6 +85,12 @@ class Gateway:
                 cc.admission, config.admission.redis_url, key=config.admission.redis_key
             )
             lease = RemoteLeaseClient(self.redis)
+            if config.admission.expected_gateways == 1:
+                log.warning(
+                    "admission.coordinator is redis but admission.expected_gateways is 1: "
+                    "if Redis is down when the fleet starts, every gateway may admit the "
+                    "whole budget; set it to the number of gateways"
+                )
         self.lease: LeaseClient = lease or InProcessLeaseClient(self.coordinator)
         self.metrics = GatewayMetrics()
         self.auth = Authenticator(config.auth)
