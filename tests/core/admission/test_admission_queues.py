@@ -160,3 +160,22 @@ def test_fair_queue_unit() -> None:
 def test_kind_helper() -> None:
     assert kind(Queued(request_id="x", deadline=1.0)) == "Queued"
     assert not isinstance(Queued(request_id="x", deadline=1.0), Admitted)
+
+
+def test_a_queue_nobody_serves_keeps_only_its_live_entries() -> None:
+    # P2 under sustained load is never popped: requests that time out or whose client
+    # gives up must not stay behind in the tenant's FIFO or the rotation.
+    q = FairQueue(limit=1000)
+    for i in range(20_000):
+        q.push(req(2, "t", rid=f"r{i}"), now=float(i), deadline=float(i) + 50.0)
+        if i % 2:
+            q.remove(f"r{i}")  # the client went away
+        q.expire(float(i))  # the others time out 50 s later
+    assert len(q) == 25  # live: even ids of the last 50 s
+    assert len(q._tenants["t"]) <= 2 * len(q) + 32
+    for i in range(5_000):  # tenants that come and go, one request each
+        q.push(req(2, f"u{i}", rid=f"u{i}"), now=0.0, deadline=1.0)
+        q.remove(f"u{i}")
+    assert len(q._rr) <= 2 * len(q.tenant_depths()) + 64
+    # and the rotation still serves what is live, in order
+    assert [q.pop_next().request.request_id for _ in range(2)] == ["r19950", "r19952"]

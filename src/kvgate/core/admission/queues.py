@@ -106,7 +106,7 @@ class FairQueue:
                     continue
                 self._take(entry)
                 if tenant in self._count:
-                    rr.append(tenant)
+                    self._rr.append(tenant)  # (_take may have rebuilt the rotation)
                 else:
                     self._in_rr.discard(tenant)
                 return entry
@@ -155,8 +155,25 @@ class FairQueue:
         n = self._count[tenant] - 1
         if n:
             self._count[tenant] = n
+            # Entries that expire or are cancelled are skipped lazily by pop_next, but
+            # a class nobody serves (P2 under load) never pops: drop them here so the
+            # deque holds O(live) entries, not every request that ever gave up.
+            dq = self._tenants[tenant]
+            while dq[0].done:
+                dq.popleft()
+            if len(dq) > 2 * n + 32:
+                self._tenants[tenant] = deque(e for e in dq if not e.done)
         else:  # no live entry left: what remains in its deque is done
             del self._count[tenant]
             self._tenants.pop(tenant, None)
+            if len(self._rr) > 2 * len(self._count) + 64:
+                self._compact_rr()
         self._by_id.pop(entry.request.request_id, None)
         self.size -= 1
+
+    def _compact_rr(self) -> None:
+        """Drop the turns of tenants with nothing queued (kept in order otherwise), so
+        tenants that come and go while no one is served do not pile up in the rotation."""
+        live = self._count
+        self._rr = deque(t for t in self._rr if t in live)
+        self._in_rr = set(self._rr)
