@@ -145,6 +145,7 @@ class Controller:
     def remove_node(self, node_id: NodeId, now: float) -> None:
         if self.nodes.remove(node_id) is not None:
             self.index.remove_node(node_id)
+            self.policy.on_node_removed(node_id)
         self._ejected_until.pop(node_id, None)
         self._capacity_changed(now)
 

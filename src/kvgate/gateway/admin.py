@@ -293,6 +293,9 @@ class AdminApi:
             if NodeId(node_id) not in self.gw.controller.nodes:
                 raise NotFound(f"no node {node_id!r}", param="id", code="node_not_found")
             self.gw.controller.remove_node(NodeId(node_id), self.gw.clock())
+        # its per-node series go (Prometheus marks them stale), or node-id churn would
+        # grow the metrics page without bound
+        self.gw.metrics.attempts.pop(node_id, None)
         return json_response(200, {"id": node_id, "deleted": True})
 
     async def drain_node(self, request: web.Request) -> web.StreamResponse:

@@ -89,3 +89,8 @@ class RoutingPolicy(Protocol):
     def on_finished(self, node_id: NodeId, now: float) -> None:
         """A request routed by this policy left ``node_id``; most policies ignore it."""
         ...
+
+    def on_node_removed(self, node_id: NodeId) -> None:
+        """``node_id`` left the cluster: forget what is kept about it (node ids come and
+        go, e.g. a new pod name per restart, so per-node state must not pile up)."""
+        ...

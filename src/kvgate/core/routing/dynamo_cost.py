@@ -133,6 +133,10 @@ class DynamoCostPolicy:
         if q:
             self._blocks[node_id] -= q.popleft().blocks
 
+    def on_node_removed(self, node_id: NodeId) -> None:
+        self._active.pop(node_id, None)
+        self._blocks.pop(node_id, None)
+
     # --- selection ------------------------------------------------------------------
     def select(
         self,

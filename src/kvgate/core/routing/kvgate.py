@@ -337,6 +337,9 @@ class _CacheValue:
         entry = self._saved.get(node_id)
         return self._decayed(entry, now) / self.tau_s if entry is not None else 0.0
 
+    def forget(self, node_id: NodeId) -> None:
+        self._saved.pop(node_id, None)
+
     def add(self, node_id: NodeId, seconds: float, now: float) -> None:
         saved = self._saved
         entry = saved.get(node_id)
@@ -430,6 +433,10 @@ class KvgatePolicy:
 
     def on_finished(self, node_id: NodeId, now: float) -> None:
         return None
+
+    def on_node_removed(self, node_id: NodeId) -> None:
+        self._tripped.discard(node_id)
+        self._cache_value.forget(node_id)
 
     def _breaker_open(self, node_id: NodeId, queue: int) -> bool:
         tripped = self._tripped

@@ -69,3 +69,6 @@ class LeastLoadedPolicy:
 
     def on_finished(self, node_id: NodeId, now: float) -> None:
         return None
+
+    def on_node_removed(self, node_id: NodeId) -> None:
+        return None

@@ -89,3 +89,6 @@ class PowerOfTwoPolicy:
 
     def on_finished(self, node_id: NodeId, now: float) -> None:
         return None
+
+    def on_node_removed(self, node_id: NodeId) -> None:
+        return None

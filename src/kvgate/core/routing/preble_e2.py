@@ -101,8 +101,11 @@ class PrebleE2Policy:
     def _drop_oldest(self) -> None:
         _, node_id, cost = self._window.popleft()
         left = self._count[node_id] - 1
-        self._count[node_id] = left
-        self._load[node_id] = self._load[node_id] - cost if left > 0 else 0.0
+        if left > 0:
+            self._count[node_id] = left
+            self._load[node_id] -= cost
+        else:  # nothing of it in the window: forget it (removed nodes too)
+            del self._count[node_id], self._load[node_id]
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_s
@@ -188,3 +191,6 @@ class PrebleE2Policy:
 
     def on_finished(self, node_id: NodeId, now: float) -> None:
         return None  # Preble's load is a time window of routed work, not in-flight
+
+    def on_node_removed(self, node_id: NodeId) -> None:
+        return None  # its window entries expire; _drop_oldest forgets it then

@@ -158,3 +158,7 @@ class SglangCacheAwarePolicy:
 
     def on_finished(self, node_id: NodeId, now: float) -> None:
         return None  # load is the NodeTable's in-flight count; `processed` never decreases
+
+    def on_node_removed(self, node_id: NodeId) -> None:
+        self._processed.pop(node_id, None)
+        self._tree_tokens.pop(node_id, None)
