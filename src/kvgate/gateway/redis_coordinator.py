@@ -23,7 +23,9 @@ lease and, past ``reuse_s``, runs in SAFE mode (``core/admission/quota_book.py``
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -66,6 +68,7 @@ class RedisCoordinator:
             60.0, 30 * config.lease.ttl_s
         )
         self.conflicts = 0  # optimistic retries (a metric of contention)
+        self._rng = random.Random()
         self._redis: aioredis.Redis = aioredis.Redis.from_url(
             url,
             socket_timeout=socket_timeout_s,
@@ -85,6 +88,7 @@ class RedisCoordinator:
         await self._redis.aclose()
 
     async def _transact(self, step: Callable[[InProcessCoordinator, float], T]) -> T:
+        first = self.conflicts
         try:
             for _ in range(MAX_ATTEMPTS):
                 async with self._redis.pipeline(transaction=True) as pipe:
@@ -102,6 +106,10 @@ class RedisCoordinator:
                         return out
                     except WatchError:
                         self.conflicts += 1
+                conflicts = self.conflicts - first
+                # back off a random few ms, growing: refreshes that collided do not
+                # collide again in lock step
+                await asyncio.sleep(self._rng.uniform(0.0, 0.002 * conflicts))
         except RedisError as exc:
             raise CoordinatorUnavailable(f"redis coordinator at {self.url}: {exc}") from exc
         raise CoordinatorUnavailable(
