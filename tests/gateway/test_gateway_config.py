@@ -108,6 +108,8 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"admission": {"lease_refresh_s": 0}}, "admission.lease_refresh_s must be > 0"),
     ({"admission": {"lease_refresh_s": 3.0}}, "must be below admission.lease_ttl_s (2.0)"),
     ({"admission": {"reclaim_grace_s": -1}}, "admission.reclaim_grace_s must be finite and >= 0"),
+    ({"admission": {"early_refresh_min_interval_s": 1.0}},
+     "admission.early_refresh_min_interval_s must be in"),
 ])
 def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
                                              tmp_path: Path) -> None:

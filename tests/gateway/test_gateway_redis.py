@@ -135,6 +135,12 @@ def test_lost_state_starts_a_new_epoch_in_learning_mode(kit: Any, redis_url: str
                 await raw.aclose()
                 second = await coord.refresh(gw.make_refresh(0.5), 0.5)
                 assert second.epoch != first.epoch and second.learning
+                # a gateway leaving when there is no state writes none
+                raw = aioredis.Redis.from_url(redis_url)
+                await raw.delete(key)
+                await coord.release_gateway("g0")
+                assert await raw.exists(key) == 0
+                await raw.aclose()
             finally:
                 await coord.close()
 

@@ -26,6 +26,7 @@ import os
 import random
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -52,11 +53,12 @@ log = logging.getLogger("kvgate.gateway")
 
 def fleet_gateway_id(config: GatewayConfig) -> str:
     """``server.gateway_id``; with a shared (Redis) coordinator, the default "gw0" becomes
-    host-pid: two gateways under one id would share one lease record and so, together,
-    admit twice their share."""
+    host-pid-random: two gateways under one id would share one lease record and so,
+    together, admit twice their share."""
     gid = config.server.gateway_id
     if config.admission.coordinator == "redis" and gid == DEFAULT_GATEWAY_ID:
-        return f"{socket.gethostname()}-{os.getpid()}"
+        # plus a random part: in containers the pid is often 1 and hosts may share names
+        return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return gid
 
 
@@ -265,8 +267,9 @@ async def start_gateway(
             await runner.cleanup()
         await gw.stop()
         raise
-    log.info("kvgate gateway listening on %s:%d with %d node(s)", srv.host, port,
-             len(gw.watcher.nodes))
+    log.info("kvgate gateway %s listening on %s:%d with %d node(s), %s coordinator",
+             gw.gateway_id, srv.host, port, len(gw.watcher.nodes),
+             gw.config.admission.coordinator)
     return GatewayServer(gw, app, runner, srv.host, port)
 
 

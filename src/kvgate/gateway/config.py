@@ -54,7 +54,7 @@ def _positive(section: str, **values: float) -> None:
             raise ConfigError(f"{section}.{key} must be > 0, got {value}", param=key)
 
 
-DEFAULT_GATEWAY_ID = "gw0"  # with a redis coordinator, replaced by host-pid (app.py)
+DEFAULT_GATEWAY_ID = "gw0"  # with a redis coordinator, replaced by host-pid-random (app.py)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -201,6 +201,9 @@ class AdmissionSection:
     lease_ttl_s: float = 2.0  # the coordinator keeps a gateway's lease this long
     lease_refresh_s: float = 0.5  # periodic refresh (several per ttl)
     reclaim_grace_s: float = 0.0  # the coordinator holds a lost gateway's in-use this long
+    # early refreshes (credits low, requests waiting) at most this often; a large Redis
+    # fleet under load may raise it, since every refresh serialises on one key
+    early_refresh_min_interval_s: float = 0.05
     tick_interval_s: float = 0.05  # controller.tick and the lease refresh check
     # inprocess: one gateway (the default); redis: a fleet sharing one budget through
     # the lease state under redis_key (every gateway needs its own server.gateway_id)
@@ -250,6 +253,7 @@ class AdmissionSection:
                 refresh_s=self.lease_refresh_s,
                 expected_gateways=self.expected_gateways,
                 reclaim_grace_s=self.reclaim_grace_s,
+                early_refresh_min_interval_s=self.early_refresh_min_interval_s,
             ),
         )
 
@@ -273,6 +277,11 @@ def _check_lease(a: AdmissionSection) -> None:
     if not 0 <= a.reclaim_grace_s < math.inf:
         raise ConfigError(f"admission.reclaim_grace_s must be finite and >= 0, got "
                           f"{a.reclaim_grace_s}", param="reclaim_grace_s")
+    if not 0 <= a.early_refresh_min_interval_s <= a.lease_refresh_s:
+        raise ConfigError(f"admission.early_refresh_min_interval_s must be in [0, "
+                          f"lease_refresh_s = {a.lease_refresh_s}], got "
+                          f"{a.early_refresh_min_interval_s}",
+                          param="early_refresh_min_interval_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,7 +31,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvgate.core.admission import AdmissionConfig, CoordinatorUnavailable, InProcessCoordinator
 from kvgate.core.admission.coordinator_state import dump_state, load_state
@@ -67,7 +69,7 @@ class RedisCoordinator:
         self.state_ttl_s = state_ttl_s if state_ttl_s is not None else max(
             60.0, 30 * config.lease.ttl_s
         )
-        self.conflicts = 0  # optimistic retries (a metric of contention)
+        self.conflicts = 0  # optimistic retries: how contended the key is
         self._rng = random.Random()
         self._redis: aioredis.Redis = aioredis.Redis.from_url(
             url,
@@ -79,22 +81,29 @@ class RedisCoordinator:
     async def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
         """One gateway's report in, its lease out (``now``, the gateway's clock, is not
         used: the fleet's records run on Redis's)."""
-        return await self._transact(lambda coord, t: coord.refresh(req, t))
+        grant = await self._transact(lambda coord, t: coord.refresh(req, t))
+        assert grant is not None  # created when missing
+        return grant
 
     async def release_gateway(self, gateway_id: str) -> None:
-        await self._transact(lambda coord, t: coord.release_gateway(gateway_id))
+        await self._transact(lambda coord, t: coord.release_gateway(gateway_id), create=False)
 
     async def close(self) -> None:
         await self._redis.aclose()
 
-    async def _transact(self, step: Callable[[InProcessCoordinator, float], T]) -> T:
-        first = self.conflicts
+    async def _transact(
+        self, step: Callable[[InProcessCoordinator, float], T], *, create: bool = True
+    ) -> T | None:
+        """``step`` on the stored state at Redis's clock, written back atomically; None
+        (nothing run, nothing written) when there is no state and ``create`` is off."""
         try:
-            for _ in range(MAX_ATTEMPTS):
+            for attempt in range(1, MAX_ATTEMPTS + 1):
                 async with self._redis.pipeline(transaction=True) as pipe:
                     try:
                         await pipe.watch(self.key)
                         raw = await pipe.get(self.key)
+                        if raw is None and not create:
+                            return None
                         seconds, micros = await pipe.time()
                         now = seconds + micros / 1e6
                         coord = self._load(raw)
@@ -104,12 +113,18 @@ class RedisCoordinator:
                                  px=int(self.state_ttl_s * 1000))
                         await pipe.execute()
                         return out
-                    except WatchError:
+                    except WatchError as exc:
+                        # redis-py reports a connection lost while watching as a
+                        # WatchError too: that is an outage, not a conflict
+                        if isinstance(exc.__cause__, (RedisConnectionError, RedisTimeoutError)):
+                            raise CoordinatorUnavailable(
+                                f"redis coordinator at {self.url}: {exc.__cause__}"
+                            ) from exc
                         self.conflicts += 1
-                conflicts = self.conflicts - first
-                # back off a random few ms, growing: refreshes that collided do not
-                # collide again in lock step
-                await asyncio.sleep(self._rng.uniform(0.0, 0.002 * conflicts))
+                if attempt < MAX_ATTEMPTS:
+                    # back off a random few ms, growing: refreshes that collided do not
+                    # collide again in lock step
+                    await asyncio.sleep(self._rng.uniform(0.0, 0.002 * attempt))
         except RedisError as exc:
             raise CoordinatorUnavailable(f"redis coordinator at {self.url}: {exc}") from exc
         raise CoordinatorUnavailable(

@@ -98,12 +98,16 @@ def _sampler(probe: Probe, start: float, end: float, every: float = 0.05) -> Hoo
         if now >= start:
             probe.max_inflight_in_window = max(probe.max_inflight_in_window, total)
             probe.run_max_inflight_in_window = max(probe.run_max_inflight_in_window, total)
+        # a tenant's quota is fleet-wide: sum its in-flight over the gateways
+        fleet: dict[str, int] = {}
         for g in c.gateways:
             for t, n in g.admission.stats().tenant_inflight.items():
-                if n > probe.max_tenant_inflight.get(t, 0):
-                    probe.max_tenant_inflight[t] = n
-                if n > probe.run_max_tenant_inflight.get(t, 0):
-                    probe.run_max_tenant_inflight[t] = n
+                fleet[t] = fleet.get(t, 0) + n
+        for t, n in fleet.items():
+            if n > probe.max_tenant_inflight.get(t, 0):
+                probe.max_tenant_inflight[t] = n
+            if n > probe.run_max_tenant_inflight.get(t, 0):
+                probe.run_max_tenant_inflight[t] = n
         c.loop.after(every, lambda: sample(c))
 
     return sample

@@ -9,6 +9,7 @@ from admission_testlib import FlakyCoordinator, fill, kind, lease, leased_gatewa
 
 from kvgate.core.admission import (
     AdmissionConfig,
+    Admitted,
     GatewayAdmission,
     InProcessCoordinator,
     LeaseConfig,
@@ -178,3 +179,14 @@ def test_a_waiting_request_asks_early_on_an_idle_gateway() -> None:
     admitted = sync_refresh(gw, coord, 0.1)
     assert [a.ticket.request_id for a in admitted] == ["bulk"]
     assert not gw.refresh_due(0.12)  # nothing waits any more
+
+
+def test_p2_held_off_by_the_slo_does_not_ask_early() -> None:
+    # While the SLO controller holds P2 off (ceiling 0) no refresh can admit a waiting
+    # P2 request, so it must not make every refresh early (50 ms instead of 0.5 s).
+    cfg = AdmissionConfig(budget=100)
+    gw = leased_gateway(lease((10, 10, 0), ceilings=(1.0, 1.0, 0.0)), cfg, now=0.0)
+    assert isinstance(gw.admit(req(2, rid="bulk"), 0.1), Queued)
+    assert not gw.refresh_due(0.1)
+    assert isinstance(gw.admit(req(1, rid="p1"), 0.1), Admitted)
+    assert gw.refresh_due(0.5)  # the periodic one still comes

@@ -1,8 +1,8 @@
 """The coordinator: hands out leases so that the gateways together never exceed C.
 
-:class:`Coordinator` is the contract (the Redis Lua script will implement it too);
-:class:`InProcessCoordinator` is the reference implementation of admission-anchors
-8.2, one call per gateway refresh:
+:class:`Coordinator` is the contract; :class:`InProcessCoordinator` implements
+admission-anchors 8.2, one call per gateway refresh (a Redis fleet runs this very
+code on state it loads and stores per refresh: ``gateway/redis_coordinator.py``):
 
 1. Expire gateway records past their TTL (with ``reclaim_grace_s`` > 0 an expired
    record's last reported in-use stays counted as held for that long).

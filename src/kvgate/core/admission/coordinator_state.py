@@ -8,7 +8,7 @@ of the lease rules therefore serves one gateway, the simulator and a fleet.
 Pure: dicts, lists, numbers and strings in and out; no I/O. ``load_state(config,
 dump_state(c))`` behaves exactly like ``c`` from then on (a test checks refresh by
 refresh). The configuration is not stored: every gateway of a fleet is expected to
-run the same admission settings, and the refreshing gateway's apply.
+run the same admission settings; each refresh applies those of the gateway making it.
 """
 
 from __future__ import annotations

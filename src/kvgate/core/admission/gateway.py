@@ -69,8 +69,13 @@ class GatewayAdmission(Stage1Limiter):
         # Early when credits run low, or when anything waits: a queued request needs
         # credits this lease does not hold (P2 is granted only the demand a report
         # showed, so on an idle cluster the first P2 request would otherwise wait a
-        # whole period for credits nobody is using).
-        pressure = self._queued_total > 0 or (free < watermark and self._inuse_total > 0)
+        # whole period for credits nobody is using). Not for P2 while the SLO
+        # controller holds it off (ceiling 0): no refresh can admit it then.
+        waiting = self._queued_total
+        grant = self._book.grant
+        if waiting and grant is not None and grant.ceilings[2] <= 0.0:
+            waiting -= self._queues[Priority.P2].size
+        pressure = waiting > 0 or (free < watermark and self._inuse_total > 0)
         urgent = self._book.state is LeaseState.NO_ASSIGNMENT or self._tenant_unseen
         return self._book.due(now, pressure=pressure, urgent=urgent)
 

@@ -11,7 +11,9 @@
   tenant's youngest entry is evicted to make room, so a flood cannot lock out a
   quiet tenant.
 
-Removals are lazy: an entry is marked done and skipped when it reaches a head.
+Removals mark an entry done; done entries leave a tenant's FIFO when they reach its
+head, and a FIFO or the rotation holding more than about twice its live entries is
+rebuilt, so a class nobody serves stays O(live) however many requests give up.
 """
 
 from __future__ import annotations
