@@ -228,3 +228,17 @@ def test_two_gateways_on_redis_serve_within_one_budget(kit: Any, redis_url: str)
                     await s.stop()
 
     kit.run(body(), timeout=60)
+
+
+def test_the_redis_benchmark_measures_real_refreshes(redis_url: str) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_redis_coordinator.py"
+    spec = importlib.util.spec_from_file_location("bench_redis_coordinator", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.measure(redis_url, 2, 0.1, 0.5)
+    assert row["gateways"] == 2 and row["refreshes"] >= 6 and row["failed"] == 0
+    assert 0 < row["latency_p50_ms"] <= row["latency_p99_ms"]
