@@ -221,6 +221,12 @@ def test_two_gateways_on_redis_serve_within_one_budget(kit: Any, redis_url: str)
                     await watcher
                 assert peak <= 7, peak
                 assert statuses.count(200) >= 20, statuses  # served, not only refused
+                async with aiohttp.ClientSession() as session, session.get(
+                    gws[0].url + "/metrics"
+                ) as r:
+                    page = await r.text()
+                assert "kvgate_coordinator_refresh_conflicts_total " in page
+                assert "kvgate_lease_loop_errors_total 0" in page
             finally:
                 for gw in gws:
                     await gw.stop()

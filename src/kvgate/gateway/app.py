@@ -95,6 +95,9 @@ class Gateway:
                 )
         self.lease: LeaseClient = lease or InProcessLeaseClient(self.coordinator)
         self.metrics = GatewayMetrics()
+        if self.redis is not None:
+            redis = self.redis
+            self.metrics.coordinator_conflicts = lambda: redis.conflicts
         self.auth = Authenticator(config.auth)
         self.upstream = Upstream(config.upstream, config.nodes)
         self.driver = Driver(

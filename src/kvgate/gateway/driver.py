@@ -160,7 +160,6 @@ class Driver:
         self.tick_interval_s = tick_interval_s
         self._waiters: dict[RequestId, asyncio.Future[Decision]] = {}
         self._guards: dict[RequestId, asyncio.Timeout] = {}
-        self.lease_errors = 0
         self._refreshing: asyncio.Task[None] | None = None  # a remote refresh in flight
         # The index insert of a dispatched chain runs after the request went out (a
         # loop callback), not inside the decision; the core flushes it first whenever
@@ -289,7 +288,7 @@ class Driver:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                self.lease_errors += 1
+                self.metrics.lease_loop_errors += 1
                 log.exception("lease loop step failed")
             await asyncio.sleep(self.tick_interval_s)
 
@@ -313,7 +312,7 @@ class Driver:
         try:
             decisions = await self.lease.refresh(self.controller, self.clock)
         except Exception:  # the client's own bug, not the coordinator's: keep ticking
-            self.lease_errors += 1
+            self.metrics.lease_loop_errors += 1
             log.exception("lease refresh failed")
             return
         self.metrics.refresh_latency.observe(time.perf_counter() - t0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvgate.core.admission import BreakerState, LeaseState, Priority
@@ -74,6 +74,11 @@ FAMILIES: dict[str, Family] = {
         Family("kvgate_coordinator_refreshes_total", "counter", "Lease refreshes attempted."),
         Family("kvgate_coordinator_refresh_errors_total", "counter", "Lease refreshes failed."),
         Family("kvgate_coordinator_refresh_seconds", "histogram", "Lease refresh latency."),
+        Family("kvgate_coordinator_refresh_conflicts_total", "counter",
+               "Lease refreshes re-run because another gateway's refresh committed first "
+               "(Redis coordinator)."),
+        Family("kvgate_lease_loop_errors_total", "counter",
+               "Unexpected errors in the gateway's lease loop (bugs; see the log)."),
         Family("kvgate_node_healthy", "gauge", "1 when the node takes traffic."),
         Family("kvgate_node_report_age_seconds", "gauge",
                "Age of the node's last load report (-1 = never reported)."),
@@ -122,6 +127,10 @@ class GatewayMetrics:
         self.responses: Counter[tuple[str, int]] = Counter()
         self.attempts: Counter[str] = Counter()
         self.client_disconnects = 0
+        # the lease loop's own failures (a bug, not the coordinator's: that is a failed
+        # refresh), and a shared coordinator's optimistic retries (set by the gateway)
+        self.lease_loop_errors = 0
+        self.coordinator_conflicts: Callable[[], int] = lambda: 0
 
 
 def _fmt(value: float) -> str:
@@ -210,6 +219,8 @@ def render(controller: Controller, watcher: NodeWatcher, own: GatewayMetrics, no
     page.add("kvgate_coordinator_refresh_errors_total",
              controller.admission.stats().refresh_failures)
     page.histogram("kvgate_coordinator_refresh_seconds", own.refresh_latency)
+    page.add("kvgate_coordinator_refresh_conflicts_total", own.coordinator_conflicts())
+    page.add("kvgate_lease_loop_errors_total", own.lease_loop_errors)
     _nodes(page, controller, watcher, now)
     page.declare("kvgate_http_responses_total")
     for (endpoint, code), n in sorted(own.responses.items()):
