@@ -53,6 +53,36 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
     return out
 
 
+async def raw_exchange(
+    url: str, *parts: bytes, pause: float = 0.0, timeout: float = 5.0
+) -> tuple[bytes, float]:
+    """Send ``parts`` (``pause`` s apart) over one raw connection to ``url``
+    (``http://host:port``) and read until the server closes it: the bytes and the
+    seconds from connect to close. For what a client library will not send (broken
+    framing, a head or body that never completes)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    start = time.monotonic()
+
+    async def send() -> None:  # alongside the read: the server may close mid-way
+        for i, part in enumerate(parts):
+            if i and pause:
+                await asyncio.sleep(pause)
+            writer.write(part)
+            await writer.drain()
+
+    sender = asyncio.ensure_future(send())
+    try:
+        data = await asyncio.wait_for(reader.read(), timeout)
+        return data, time.monotonic() - start
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
 def run_bounded(coro: Awaitable[T], timeout: float = 20.0) -> T:
     """Run ``coro`` in a fresh event loop, failing after ``timeout`` seconds."""
 

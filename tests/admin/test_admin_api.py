@@ -3,10 +3,11 @@ decisions; against a gateway in front of real engine servers on 127.0.0.1."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 from typing import Any
+
+from kvgate.testing import raw_exchange
 
 PATHS = [
     ("GET", "/admin/nodes"), ("POST", "/admin/nodes"), ("GET", "/admin/nodes/e0"),
@@ -312,18 +313,14 @@ def test_admin_body_badly_encoded_is_400_and_slow_is_408(admin_kit: Any) -> None
                                            headers={"Content-Encoding": "gzip"})
             assert status == 400 and _is_openai_error(data), data
             assert data["error"]["code"] == "invalid_body"
-            host, port = s.url.removeprefix("http://").split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            try:
-                writer.write(b"POST /admin/nodes HTTP/1.1\r\nHost: x\r\n"
-                             b"Authorization: Bearer " + admin_kit.TOKEN.encode() +
-                             b"\r\nContent-Length: 100\r\n\r\n{")
-                await writer.drain()
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
-                assert head.startswith(b"HTTP/1.1 408")
-            finally:
-                writer.close()
-                await writer.wait_closed()
+            # a body that never completes: 408 at body_timeout_s, then the close
+            data, _ = await raw_exchange(
+                s.url,
+                b"POST /admin/nodes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + admin_kit.TOKEN.encode() + b"\r\nContent-Length: 100\r\n\r\n{",
+                timeout=3,
+            )
+            assert data.startswith(b"HTTP/1.1 408"), data[:60]
             assert len(s.gw.nodes) == 1
 
     admin_kit.run(body())

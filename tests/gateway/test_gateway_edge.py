@@ -8,7 +8,6 @@ client costs one log line, not a traceback.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import json
 import logging
@@ -18,38 +17,17 @@ from typing import Any
 import pytest
 from aiohttp import http_parser
 
+from kvgate.testing import raw_exchange
+
 CHAT = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}]}'
+
+
+exchange = raw_exchange
 
 
 def _addr(url: str) -> tuple[str, int]:
     host, port = url.removeprefix("http://").split(":")
     return host, int(port)
-
-
-async def exchange(url: str, *parts: bytes, pause: float = 0.0,
-                   timeout: float = 5.0) -> tuple[bytes, float]:
-    """Send ``parts`` (``pause`` s apart) on one connection; read until the server
-    closes it. Returns the bytes and the seconds from connect to close."""
-    reader, writer = await asyncio.open_connection(*_addr(url))
-    start = time.monotonic()
-
-    async def send() -> None:  # alongside the read: the server may close mid-way
-        for i, part in enumerate(parts):
-            if i and pause:
-                await asyncio.sleep(pause)
-            writer.write(part)
-            await writer.drain()
-
-    sender = asyncio.ensure_future(send())
-    try:
-        data = await asyncio.wait_for(reader.read(), timeout)
-        return data, time.monotonic() - start
-    finally:
-        sender.cancel()
-        await asyncio.gather(sender, return_exceptions=True)
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
 
 
 def parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:

@@ -8,6 +8,8 @@ from typing import Any
 
 import aiohttp
 
+from kvgate.testing import raw_exchange
+
 M = "stub-model"
 C, CH = "/v1/completions", "/v1/chat/completions"
 
@@ -201,17 +203,13 @@ def test_no_healthy_node_503_with_retry_after_and_not_ready(kit: Any) -> None:
 def test_slow_request_body_gets_408_and_nothing_hangs(kit: Any) -> None:
     async def body() -> None:
         async with kit.cluster(1, server={"body_timeout_s": 0.2}) as c:
-            host, port = c.url.removeprefix("http://").split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            try:
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                             b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
-                await writer.drain()
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
-                assert head.startswith(b"HTTP/1.1 408")
-            finally:
-                writer.close()
-                await writer.wait_closed()
+            data, _ = await raw_exchange(
+                c.url,
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
+                timeout=3,
+            )
+            assert data.startswith(b"HTTP/1.1 408"), data[:60]
             status, _, _ = await c.get("/health")
             assert status == 200
 

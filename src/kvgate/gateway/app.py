@@ -32,7 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvgate.core.admission import InProcessCoordinator
+from kvgate.core.admission import AdmissionConfig, InProcessCoordinator
 from kvgate.core.controller import Controller
 from kvgate.core.nodes import NodeTable
 from kvgate.gateway.admin import register_admin
@@ -62,6 +62,22 @@ def fleet_gateway_id(config: GatewayConfig) -> str:
     return gid
 
 
+def _redis_coordinator(
+    config: GatewayConfig, admission: AdmissionConfig
+) -> RedisCoordinator | None:
+    """The fleet's coordinator when ``admission.coordinator`` is redis, else None."""
+    a = config.admission
+    if a.coordinator != "redis":
+        return None
+    if a.expected_gateways == 1:
+        log.warning(
+            "admission.coordinator is redis but admission.expected_gateways is 1: if Redis "
+            "is down when the fleet starts, every gateway may admit the whole budget; set "
+            "it to the number of gateways"
+        )
+    return RedisCoordinator(admission, a.redis_url, key=a.redis_key)
+
+
 class Gateway:
     """Every part of one gateway. Construct inside the running event loop."""
 
@@ -79,21 +95,12 @@ class Gateway:
         self.controller = Controller(
             cc, rng=random.Random(config.server.seed), gateway_id=self.gateway_id
         )
-        self.coordinator = InProcessCoordinator(cc.admission)
         # a fleet shares one budget through Redis; one gateway keeps it in process
-        self.redis: RedisCoordinator | None = None
-        if lease is None and config.admission.coordinator == "redis":
-            self.redis = RedisCoordinator(
-                cc.admission, config.admission.redis_url, key=config.admission.redis_key
-            )
-            lease = RemoteLeaseClient(self.redis)
-            if config.admission.expected_gateways == 1:
-                log.warning(
-                    "admission.coordinator is redis but admission.expected_gateways is 1: "
-                    "if Redis is down when the fleet starts, every gateway may admit the "
-                    "whole budget; set it to the number of gateways"
-                )
-        self.lease: LeaseClient = lease or InProcessLeaseClient(self.coordinator)
+        self.redis = _redis_coordinator(config, cc.admission) if lease is None else None
+        if lease is None:
+            lease = (RemoteLeaseClient(self.redis) if self.redis is not None
+                     else InProcessLeaseClient(InProcessCoordinator(cc.admission)))
+        self.lease: LeaseClient = lease
         self.metrics = GatewayMetrics()
         if self.redis is not None:
             redis = self.redis

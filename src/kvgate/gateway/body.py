@@ -32,9 +32,11 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except TimeoutError as exc:
-        raise RequestTimeoutError(
-            "Timed out reading the request body.", code="request_timeout"
-        ) from exc
+        error = RequestTimeoutError("Timed out reading the request body.", code="request_timeout")
+        # the rest of the body may still come: its bytes must not be read as the next
+        # request, so the body is failed and the edge closes the connection after the 408
+        request.content.set_exception(error)
+        raise error from exc
     except web.RequestPayloadError as exc:
         # aiohttp's text can quote the client's bytes: say what failed in our words
         if "Content-Encoding" in request.headers:

@@ -19,8 +19,9 @@ protocol factory overridden) fixes all three:
   request is handled, so long streams are untouched; it is also the idle
   keep-alive timeout;
 * a parse error while a request's body is still being read fails that body
-  (``RequestPayloadError``: the handler answers 400 at once) and the connection is
-  closed after the answer.
+  (``RequestPayloadError``: the handler answers 400 at once); after the answer to a
+  request whose body failed (that, a bad encoding, or a body timeout: see
+  ``body.py``) the connection is closed, its framing being lost.
 """
 
 from __future__ import annotations
