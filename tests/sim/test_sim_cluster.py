@@ -12,7 +12,7 @@ import pytest
 
 from kvgate.core.admission import AdmissionConfig
 from kvgate.core.config import ControllerConfig
-from kvgate.sim.cluster import ClusterConfig
+from kvgate.sim.cluster import STALL_S, ClusterConfig, SimCluster
 from kvgate.sim.loop import EventLoop
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
 from kvgate.sim.synthetic import multi_turn_chat, shared_prefix_groups
@@ -112,7 +112,7 @@ DETERMINISM_SCRIPT = """
 import json, sys
 from kvgate.sim.runner import SeededRng, compare
 from kvgate.sim.synthetic import multi_turn_chat
-from kvgate.sim.cluster import ClusterConfig
+from kvgate.sim.cluster import STALL_S, ClusterConfig, SimCluster
 from kvgate.core.config import ControllerConfig
 from kvgate.core.admission import AdmissionConfig
 w = multi_turn_chat(rng=SeededRng(5), arrivals=1.5, num_sessions=25)
@@ -177,3 +177,42 @@ def test_closed_loop_request_arrives_its_think_time_after_the_answer() -> None:
     alone = Workload(name="w", block_tokens=512, requests=(req("b", 0.1, 9, after="a"),))
     cluster, _ = run_policy(alone, small_config(nodes=1), "kvgate")
     assert cluster.outcomes["b"].arrived_s == pytest.approx(0.1)
+
+
+def test_a_crash_at_any_moment_loses_no_request() -> None:
+    """A node crashing while a step is running: the requests that step finishes or
+    refuses have already left the engine, so the crash does not fail them, and their
+    answers never leave the node. They must fail (and be retried or answered), not
+    vanish; a vanished request stalls the run, which stops and says so."""
+    # one output token: every step that prefills a request also finishes it
+    w = shared_prefix_groups(
+        rng=SeededRng(1), arrivals=40.0, num_groups=4, prompts_per_group=10, output_tokens=1
+    )
+    for k in range(20):
+        at = w.requests[5 + k].arrival_s + 0.03  # while the node is busy
+
+        def crash(c: SimCluster, at: float = at) -> None:
+            c.crash_node(0)
+            c.loop.at(at + 1.0, lambda: c.recover_node(0))
+
+        cluster = SimCluster(small_config(nodes=2), w, rng=SeededRng(3))
+        cluster.hooks.append((at, crash))
+        cluster.run()
+        cluster.check_outcomes()  # raises if one never ended
+    assert STALL_S >= 600  # a generous bound: queue timeouts are seconds
+
+
+def test_a_lost_request_stops_the_run_and_is_named() -> None:
+    w = gsp(n=10, rate=8.0)
+    cluster = SimCluster(small_config(nodes=2), w, rng=SeededRng(3))
+    lost = w.requests[3].request_id
+
+    def drop(c: SimCluster) -> None:  # a simulator bug, made on purpose
+        for eid, att in c._attempts.items():
+            if eid.startswith(lost + "#"):
+                att.done = True  # its answer will be ignored
+
+    cluster.hooks.append((w.requests[3].arrival_s + 0.001, drop))
+    cluster.run()  # returns: the housekeeping stops once nothing moves for STALL_S
+    with pytest.raises(AssertionError, match="1 requests never ended"):
+        cluster.check_outcomes()

@@ -57,6 +57,10 @@ from kvgate.engine.node_admission import NodeAdmissionConfig
 from kvgate.sim.loop import EventLoop
 from kvgate.sim.workload import SimRequest, Workload
 
+# Virtual seconds with no arrival, no end and no engine step while requests are open:
+# one was lost (a simulator bug), and the run stops instead of ticking forever.
+STALL_S = 3600.0
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterConfig:
@@ -170,6 +174,7 @@ class SimCluster:
         self._attempts: dict[str, _Attempt] = {}  # engine request id -> attempt
         self._open = 0
         self._arrivals_left = len(workload.requests)
+        self._progress_s = 0.0  # the last arrival, end or engine step: see busy()
         self.hooks: list[tuple[float, Callable[[SimCluster], None]]] = []
         self.max_inflight_total = 0
         # cache-loss funnel (blocks): why each prompt block was or was not a hit
@@ -200,7 +205,13 @@ class SimCluster:
         loop.run()
 
     def busy(self) -> bool:
-        return self._open > 0 or self._arrivals_left > 0
+        """Requests still to come or open, and not stalled: with nothing but
+        housekeeping left for STALL_S of virtual time a request was lost, so the
+        housekeeping stops and :meth:`check_outcomes` names it instead of the run
+        going on forever."""
+        if self._open == 0 and self._arrivals_left == 0:
+            return False
+        return self.loop.now - self._progress_s < STALL_S
 
     # ------------------------------------------------------------------ gateways
     def _arrive(self, req: SimRequest, g: int) -> None:
@@ -216,6 +227,7 @@ class SimCluster:
         self._ideal[req.request_id] = ideal
         seen.update(req.block_ids)
         self._open += 1
+        self._progress_s = self.loop.now
         ctl = self.gateways[g]
         event = RequestArrived(
             request_id=RequestId(req.request_id),
@@ -246,6 +258,7 @@ class SimCluster:
             raise AssertionError(f"request {request_id} ended twice ({out.status}, {status})")
         out.status, out.reason, out.ended_s = status, reason, now
         self._open -= 1
+        self._progress_s = now
         for req, g in self._followers.pop(request_id, ()):  # the session's next step
             self.loop.after(req.think_s, partial(self._arrive, req, g))
 
@@ -363,7 +376,17 @@ class SimCluster:
 
     def _step_done(self, node: SimNode, out: StepOutput) -> None:
         node.stepping = False
+        self._progress_s = self.loop.now
         if node.crashed:
+            # The crash came mid-step: what this step retired (finished or refused) had
+            # already left the engine, so the crash did not fail it; its answer never
+            # leaves the node either, so it fails here.
+            retired = [f.request_id for f in out.finished] + [r.request_id for r in out.rejected]
+            for eid in retired:
+                self.loop.after(
+                    self.config.network_delay_s,
+                    partial(self._attempt_failed, eid, FailureKind.UPSTREAM_ERROR),
+                )
             return
         node.prefill_tokens += out.num_prefill_tokens
         node.decode_tokens += out.num_decode_seqs
