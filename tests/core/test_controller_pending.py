@@ -15,7 +15,9 @@ from kvgate.core.nodes import NodeSpec
 
 def cluster() -> Controller:
     ctl = Controller(
-        ControllerConfig(hasher="trace", policy_params={"epsilon": 0}), rng=random.Random(1)
+        # the score alone: no exploration, no affinity slack
+        ControllerConfig(hasher="trace", policy_params={"epsilon": 0, "affinity_slack_s": 0}),
+        rng=random.Random(1),
     )
     for i in range(2):
         ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}")), 0.0)

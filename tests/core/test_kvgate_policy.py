@@ -167,9 +167,9 @@ def test_bad_config() -> None:
         KvgatePolicy(form="brief", epsilon=2.0)
     for bad in (
         {"blocking_cost": -1.0},
-        {"keep_hit_within_s": -1.0},
+        {"affinity_slack_s": -1.0},
         {"cache_value_tau_s": 0.0},
-        {"keep_hit_share": 1.5},
+        {"explore_max_loss_s": -0.5},
         {"decode_s_per_context_token": -1e-5},
     ):
         with pytest.raises(ConfigError):
@@ -187,7 +187,7 @@ def test_ttft_form_weighs_saved_prefill_against_queued_prefill() -> None:
         cache_gain=2.0,
         decode_s=0.0,
         attention_s_per_pair=0.0,
-        keep_hit_within_s=0.0,  # the score alone
+        affinity_slack_s=0.0,  # the score alone
     )
     m = {NodeId("holder"): 10}  # 10 blocks x 64 tokens = 640 tokens = 0.64 s saved
     # 1.0 s of queued prefill on the holder: 2 x 0.64 - 1.0 > 0 -> still the holder
@@ -213,7 +213,7 @@ def test_ttft_form_counts_the_queued_prefill_already_done() -> None:
     p = KvgatePolicy(
         epsilon=0, prefill_tokens_per_s=1000.0, cache_gain=2.0, decode_s=0.0,
         attention_s_per_pair=0.0, kv_pressure_s=0.0,  # (reports go stale by NOW + 10)
-        keep_hit_within_s=0.0,  # the score alone
+        affinity_slack_s=0.0,  # the score alone
     )
     m = {NodeId("holder"): 10}
     t.on_sent(c[0], now=NOW, key="a", prefill_tokens=1500)
@@ -285,40 +285,84 @@ def test_ttft_form_decode_load_from_kv_utilisation() -> None:
     assert busy is not None and busy.parts["penalty"] == pytest.approx(5.2)
 
 
-def test_ttft_form_keeps_a_hit_that_still_answers_in_time() -> None:
+def test_ttft_form_affinity_slack_keeps_the_deeper_holder() -> None:
     """The score alone sends the request to the idle node (2 x 0.64 s saved < 1.5 s
-    queued), but the holder would still answer within keep_hit_within_s, and the idle
-    node saves nothing of it: the holder keeps the request."""
+    queued on the holder); the holder's predicted TTFT is 1.5 + 0.64 = 2.14 s against
+    the idle node's 1.28 s, so a slack of at least 0.86 s keeps it on the holder."""
     t, c = table({"holder": (0, 0.0), "idle": (0, 0.0), "short": (0, 0.0)})
     kw: dict[str, float] = {
         "epsilon": 0, "prefill_tokens_per_s": 1000.0, "cache_gain": 2.0, "decode_s": 0.0,
-        "attention_s_per_pair": 0.0, "blocking_cost": 0.0,
+        "attention_s_per_pair": 0.0, "blocking_cost": 0.0, "kv_pressure_s": 0.0,
+        "decode_s_per_context_token": 0.0,
     }
     m = {NodeId("holder"): 10}  # 0.64 s saved of a 1.28 s prompt
     t.on_sent(c[0], now=NOW, key=1, prefill_tokens=1500)  # 1.5 s queued on the holder
-    # predicted TTFT on the holder: 1.5 + 0.64 (the uncached half) = 2.14 s
-    for within, want in ((0.0, "idle"), (2.0, "idle"), (2.2, "holder"), (8.0, "holder")):
-        p = KvgatePolicy(keep_hit_within_s=within, **kw)
+    for slack, want in ((0.0, "idle"), (0.85, "idle"), (0.87, "holder"), (10.0, "holder")):
+        p = KvgatePolicy(affinity_slack_s=slack, **kw)
         d = p.select(ctx(blocks=20), c[:2], m, t, FixedRng(0.9), NOW)
-        assert d is not None and d.node_id == want, within
-    kept = KvgatePolicy(keep_hit_within_s=8.0, **kw).select(
+        assert d is not None and d.node_id == want, slack
+    kept = KvgatePolicy(affinity_slack_s=10.0, **kw).select(
         ctx(blocks=20), c[:2], m, t, FixedRng(0.9), NOW
     )
     assert kept is not None and kept.reason is RouteReason.CACHE_HIT and kept.matched_blocks == 10
-    # behind a queue (two prefills of ours), not one long prefill: no tolerance
-    t.on_sent(c[0], now=NOW, key=2, prefill_tokens=1)
-    d = KvgatePolicy(keep_hit_within_s=8.0, **kw).select(
-        ctx(blocks=20), c[:2], m, t, FixedRng(0.9), NOW
-    )
-    assert d is not None and d.node_id == "idle"
-    t.on_prefilled(c[0], 2, now=NOW)
-    # a winner that saves more than keep_hit_share of it is left alone: another holder of
-    # 6 blocks, idle, wins on load
+    assert kept.parts["bonus"] == pytest.approx(0.64) and kept.parts["penalty"] == 1.5
+    assert kept.score == pytest.approx(2 * 0.64 - 1.5)
+    # the winner is a shallower holder ("short", 6 blocks, idle: 0.9 s predicted): the
+    # deeper one is kept only within the slack of *its* predicted TTFT
     m2 = {NodeId("holder"): 10, NodeId("short"): 6}
-    for share, want in ((0.5, "short"), (0.6, "holder")):
-        p = KvgatePolicy(keep_hit_within_s=8.0, keep_hit_share=share, **kw)
+    for slack, want in ((1.2, "short"), (1.3, "holder")):
+        p = KvgatePolicy(affinity_slack_s=slack, **kw)
         d = p.select(ctx(blocks=20), c, m2, t, FixedRng(0.9), NOW)
-        assert d is not None and d.node_id == want, share
+        assert d is not None and d.node_id == want, slack
+    # a holder that saves only as much as the winner is not a reason to wait
+    m3 = {NodeId("holder"): 10, NodeId("short"): 10}
+    d = KvgatePolicy(affinity_slack_s=1e9, **kw).select(
+        ctx(blocks=20), c, m3, t, FixedRng(0.9), NOW
+    )
+    assert d is not None and d.node_id == "short"
+
+
+def test_ttft_form_affinity_slack_takes_the_deepest_holder_within_it() -> None:
+    """Of two deeper holders within the slack the one that saves the most wins, even
+    if it would answer later; a holder above 80 % KV utilisation is not held to."""
+    t, c = table({"mid": (0, 0.0), "deep": (0, 0.0), "idle": (0, 0.0), "full": (0, 0.9)})
+    kw: dict[str, float] = {
+        "epsilon": 0, "prefill_tokens_per_s": 1000.0, "cache_gain": 1.0, "decode_s": 0.0,
+        "attention_s_per_pair": 0.0, "blocking_cost": 0.0, "kv_pressure_s": 0.0,
+        "decode_s_per_context_token": 0.0, "affinity_slack_s": 5.0,
+    }
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=1000)  # mid: 1 s queued
+    t.on_sent(c[1], now=NOW, key=2, prefill_tokens=3000)  # deep: 3 s queued
+    m = {NodeId("mid"): 8, NodeId("deep"): 12}
+    d = KvgatePolicy(**kw).select(ctx(blocks=20), c[:3], m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "deep" and d.matched_blocks == 12
+    # with a slack of 1 s only "mid" (1 + 0.768 s against the idle node's 1.28 s) fits
+    d = KvgatePolicy(**{**kw, "affinity_slack_s": 1.0}).select(
+        ctx(blocks=20), c[:3], m, t, FixedRng(0.9), NOW
+    )
+    assert d is not None and d.node_id == "mid"
+    # the deepest holder of all (2 s queued, 2 s predicted) is nearly full: passed
+    # over, "deep" keeps it
+    t.on_sent(c[3], now=NOW, key=3, prefill_tokens=2000)
+    m_full = {**m, NodeId("full"): 20}
+    d = KvgatePolicy(**kw).select(ctx(blocks=20), c, m_full, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "deep"
+
+
+def test_ttft_form_exploration_gives_up_only_small_hits() -> None:
+    """Exploration sends a hit to an idle node only if it saves at most
+    explore_max_loss_s of prefill: a shared prefix, not a session's long context."""
+    t, c = table({"holder": (0, 0.5), "idle": (0, 0.0)})
+    p = KvgatePolicy(
+        epsilon=1.0, prefill_tokens_per_s=1000.0, attention_s_per_pair=0.0,
+        explore_max_loss_s=1.0,
+    )
+    small = p.select(ctx(blocks=40), c, {NodeId("holder"): 15}, t, FixedRng(0.0), NOW)
+    assert small is not None and small.node_id == "idle"  # 0.96 s saved
+    assert small.reason is RouteReason.EXPLORATION
+    big = p.select(ctx(blocks=40), c, {NodeId("holder"): 16}, t, FixedRng(0.0), NOW)
+    assert big is not None and big.node_id == "holder"  # 1.024 s saved
+    assert big.reason is RouteReason.CACHE_HIT
 
 
 def test_ttft_form_puts_a_long_prefill_where_it_blocks_the_least_used_cache() -> None:
@@ -350,12 +394,12 @@ def test_ttft_form_puts_a_long_prefill_where_it_blocks_the_least_used_cache() ->
 
 def test_ttft_form_can_weigh_the_decode_batch_contexts() -> None:
     """With decode_s_per_context_token, the prompt tokens of our requests in flight on a
-    node count against it (each decode step attends over them); off by default."""
+    node count against it (each decode step attends over them); 0 turns it off."""
     t, c = table({"a": (0, 0.0), "b": (0, 0.0)})
     t.on_sent(c[0], now=NOW, context_tokens=100_000)  # in flight, past its prefill
     t.on_sent(c[1], now=NOW, context_tokens=0)  # the same queue on both
     assert c[0].inflight_context_tokens == 100_000
-    off = KvgatePolicy(epsilon=0, decode_s=0.0, kv_pressure_s=0.0)
+    off = KvgatePolicy(epsilon=0, decode_s=0.0, kv_pressure_s=0.0, decode_s_per_context_token=0)
     on = KvgatePolicy(epsilon=0, decode_s=0.0, kv_pressure_s=0.0, decode_s_per_context_token=1e-5)
     m = {NodeId("a"): 20, NodeId("b"): 20}  # both hold the prefix
     d = off.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)

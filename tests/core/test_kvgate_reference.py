@@ -89,7 +89,7 @@ class Reference:
         idle: NodeState | None = None
         idle_util = float("inf")
         scored: list[tuple[NodeState, int, float, int, float]] = []  # state, q, penalty, m, bonus
-        keep: tuple[tuple[int, float, int], NodeState, float, int, float] | None = None
+        open_holders: list[tuple[NodeState, int, float, float]] = []  # state, q, penalty, bonus
         for s in candidates:
             q = nodes.queue(s, now)
             u = nodes.utilisation(s, now)
@@ -142,10 +142,8 @@ class Reference:
                     least, least_key = s, (penalty, s.slot)
                 if q <= p.idle_queue and u <= p.idle_util and s.inflight == 0 and u < idle_util:
                     idle, idle_util = s, u
-            if m and s.node_id not in self.tripped:
-                k = (m, -penalty, -s.slot)
-                if keep is None or k > keep[0]:
-                    keep = (k, s, bonus, q, penalty)
+            if bonus > 0:
+                open_holders.append((s, q, penalty, bonus))
             scored.append((s, q, penalty, m, bonus))
             if ttft:
                 score = p.cache_gain * bonus - penalty
@@ -170,16 +168,23 @@ class Reference:
                     if key > best_key:
                         best, best_key = s, key
                         best_bonus, best_penalty, best_queue = bonus, penalty, q
-            # keep the hit: the longest open holder, if it answers in time
-            if keep is not None and keep[1] is not best and p.keep_hit_within_s > 0:
-                (km, _, _), ks, kbonus, kq, kpenalty = keep
-                if (
-                    len(ks.prefills) <= 1
-                    and matches.get(best.node_id, 0) <= p.keep_hit_share * km
-                    and kpenalty + self.uncached_s(prompt, km * tpb) <= p.keep_hit_within_s
-                ):
-                    best, best_key = ks, (p.cache_gain * kbonus - kpenalty, -kq, -ks.slot)
-                    best_bonus, best_penalty, best_queue = kbonus, kpenalty, kq
+            # affinity slack: of the open holders that save more than the winner and
+            # would answer within the slack of it (predicted TTFT: penalty + prefill -
+            # bonus) and are not under KV pressure, the one that saves the most
+            if p.affinity_slack_s > 0:
+                full = self.uncached_s(prompt, 0)
+                limit = best_penalty + full - best_bonus + p.affinity_slack_s
+                kept = None
+                for s, q, penalty, bonus in open_holders:
+                    u = nodes.utilisation(s, now)
+                    if bonus > best_bonus and penalty + full - bonus <= limit and u <= 0.8:
+                        k = (bonus, bonus - penalty, -s.slot)
+                        if kept is None or k > kept[0]:
+                            kept = (k, s, q, penalty, bonus)
+                if kept is not None:
+                    _, s, q, penalty, bonus = kept
+                    best, best_key = s, (p.cache_gain * bonus - penalty, -q, -s.slot)
+                    best_bonus, best_penalty, best_queue = bonus, penalty, q
         chosen, chosen_match = best, matches.get(best.node_id, 0)
         if chosen_match and best_bonus > 0:
             single = chosen_match >= best_match and holders_at_best == 1
@@ -196,12 +201,18 @@ class Reference:
             and ctx.hot_rate > p.replica_rps * hot_holders
         ):
             chosen, reason, chosen_match = least, RouteReason.REPLICATION, 0
-        elif idle is not None and chosen_match and draw < p.epsilon:
+        elif (
+            idle is not None
+            and chosen_match
+            and draw < p.epsilon
+            and self.uncached_s(prompt, 0) - self.uncached_s(prompt, chosen_match * tpb)
+            <= p.explore_max_loss_s
+        ):
             chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
         if p.form == "ttft" and p.blocking_cost > 0 and chosen is best and best_bonus > 0:
             seconds = self.value_now(best.node_id, now)
             saved = min(chosen_match * tpb, prompt)
-            self.value[best.node_id] = (seconds + saved / p.prefill_tokens_per_s, now)
+            self.value[best.node_id] = (seconds + saved * (1.0 / p.prefill_tokens_per_s), now)
         return RouteDecision(
             node_id=chosen.node_id,
             reason=reason,
@@ -271,8 +282,8 @@ policy_st = st.builds(
     blocking_cost=st.sampled_from([0.0, 3.0, 50.0]),
     blocking_min_s=st.sampled_from([0.0, 1.0]),
     cache_value_tau_s=st.sampled_from([0.5, 30.0]),
-    keep_hit_within_s=st.sampled_from([0.0, 1.0, 8.0, 1e9]),
-    keep_hit_share=st.sampled_from([0.5, 1.0]),
+    affinity_slack_s=st.sampled_from([0.0, 1.0, 10.0, 1e9]),
+    explore_max_loss_s=st.sampled_from([0.0, 0.05, 1.0, 1e9]),
     decode_s_per_context_token=st.sampled_from([0.0, 1.74e-5, 1e-3]),
 )
 

@@ -22,7 +22,10 @@ from kvgate.gateway.metrics_text import GatewayMetrics
 
 
 def cluster(defer: bool, mode: str = "approximate") -> Controller:
-    ctl = Controller(ControllerConfig(hasher="trace", index_mode=mode), rng=random.Random(7))
+    ctl = Controller(  # no exploration: decisions follow the index alone
+        ControllerConfig(hasher="trace", index_mode=mode, policy_params={"epsilon": 0.0}),
+        rng=random.Random(7),
+    )
     ctl.defer_index_inserts = defer
     for i in range(3):
         ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}"), cache_blocks=40), 0.0)

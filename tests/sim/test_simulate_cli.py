@@ -116,14 +116,19 @@ def test_policy_params_reach_only_their_policy(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--policy-param sets one policy's knob; the report records it, and it changes that
-    policy's run (here: kvgate with its cache bonus off spreads load like least-loaded)."""
+    policy's run (here: kvgate with its cache bonus and affinity slack off spreads load
+    like least-loaded)."""
     base = ["simulate", "--workload", "gsp", "--limit", "200", "--nodes", "4", "--no-progress"]
     runs = {}
     for label, extra in (
         ("default", []),
         (
             "no_cache",
-            ["--policy-param", "kvgate.cache_gain=0", "--policy-param", "kvgate.form=ttft"],
+            [
+                *("--policy-param", "kvgate.cache_gain=0"),
+                *("--policy-param", "kvgate.affinity_slack_s=0"),
+                *("--policy-param", "kvgate.form=ttft"),
+            ],
         ),
     ):
         out = tmp_path / f"{label}.json"
@@ -131,7 +136,9 @@ def test_policy_params_reach_only_their_policy(
         assert code == 0
         runs[label] = json.loads(out.read_text())
     assert "policy_params" not in runs["default"]
-    assert runs["no_cache"]["policy_params"] == {"kvgate": {"cache_gain": 0, "form": "ttft"}}
+    assert runs["no_cache"]["policy_params"] == {
+        "kvgate": {"affinity_slack_s": 0, "cache_gain": 0, "form": "ttft"}
+    }
     k0, k1 = runs["default"]["policies"]["kvgate"], runs["no_cache"]["policies"]["kvgate"]
     assert k1["hit_ratio"] < k0["hit_ratio"]
     rr0, rr1 = (

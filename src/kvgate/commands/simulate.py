@@ -167,7 +167,7 @@ def add_simulate_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="POLICY.NAME=VALUE",
-        help="a routing policy's parameter, e.g. kvgate.decode_s_per_context_token=1.74e-5 "
+        help="a routing policy's parameter, e.g. kvgate.affinity_slack_s=0 "
         "(repeatable; the other policies keep their defaults)",
     )
     r.add_argument(

@@ -21,8 +21,8 @@ Two forms of the score, both "cache benefit minus load", chosen by ``form``:
               prefill - 2 * head + e   otherwise                   or its overrun)
             + decode_s * utilisation                             (decode batch)
             + kv_pressure_s * max(0, (utilisation - 0.8) / 0.2)   (preemption risk)
-            + decode_s_per_context_token * in-flight context tokens  (decode batch;
-                                                                 off by default)
+            + decode_s_per_context_token * in-flight context tokens  (the decode
+                                                                 batch's contexts)
     score   = cache_gain * bonus - penalty
 
 In both the bonus grows with the prefill actually saved, not with the matched
@@ -46,15 +46,15 @@ nodes are rescored at most 100 times a second.
 the node work that later requests would queue behind. ``cache_weight`` drops below
 1 while a node has announced a bulk eviction.
 
-``decode_s_per_context_token`` (0, off) weighs the prompt tokens of the requests we
-have in flight on the node: each decode step attends over all of them (``k`` per
+``decode_s_per_context_token`` (1.74e-5) weighs the prompt tokens of the requests
+we have in flight on the node: each decode step attends over all of them (``k`` per
 token per step in the timing model), so a newcomer's ~200 decode steps slow by
 about ``200 * k`` per in-flight token, 1.74e-5 s on the A100-8B profile. That is
 Dynamo's decode-blocks term. It keeps long-context sessions from piling onto their
-holders (on the simulator's agent workload it cuts requests over the 100 ms TPOT
-target from 70-100 to 1-5 and lets kvgate's goodput pass dynamo_cost's), but it
-also moves conversations off their holders: the conversation trace's hit ratio
-falls by up to 0.007, so it is not on by default.
+holders (on the simulator's agent workload the decode batches of a few holders
+otherwise push requests over the 100 ms TPOT target). Alone it also moves
+conversations off their holders (the conversation trace's hit ratio falls by up to
+0.007); the affinity slack below more than wins that back.
 
 Two more rules of the ttft form look past the request itself:
 
@@ -66,20 +66,26 @@ Two more rules of the ttft form look past the request itself:
   the rate being the prefill seconds per second our hits on that node have saved
   lately (decayed over ``cache_value_tau_s``). Long prompts land where they block
   the least-used cache; short ones never pay the extra pass.
-* **Keep the hit** (off unless ``keep_hit_within_s`` > 0). When the winner would
-  save at most ``keep_hit_share`` of what the longest-matching open holder saves,
-  that holder has at most one prefill of ours queued (it is stalled by one long
-  prompt it is already working on, not behind a queue), and its predicted TTFT (its
-  penalty plus the request's uncached prefill there) is within
-  ``keep_hit_within_s``, the holder keeps the request: a hit that still answers in
-  time is not traded for an earlier first token elsewhere, which would also leave a
-  second copy of the prefix to crowd the cache. Without the one-prefill condition
-  the rule also held agent sessions on holders behind a queue, and the agent
-  workload's TTFT p99 near saturation doubled; with it, agent, gsp and chat
-  decisions do not change. On the conversation trace 8 s raised the hit ratio
-  (0.1779/0.1713/0.1680 against 0.1730/0.1671/0.1635 at 0.6/0.8/0.95 of
-  saturation) but also the TTFT p99 at 0.95 (18.02 s against 17.19 s), so it is
-  not on by default.
+* **Affinity slack.** When an open holder would save more prefill than the winner
+  and its predicted TTFT (penalty plus the request's prefill less what its cache
+  saves) is within ``affinity_slack_s`` (10 s) of the winner's, the holder that
+  saves the most keeps the request (ties: the sooner first token, then the lower
+  slot); a holder above 80 % KV utilisation is not held to (a request kept there
+  risks preemptions). The score trades TTFT seconds for saved prefill seconds one
+  request at a time; it does not see that sending a request away from its holder
+  copies the prefix onto a second node, where it pushes other sessions' caches out,
+  and that the next turn of the session then misses wherever the copy is not. On
+  the conversation trace most requests the score sent away waited a few seconds
+  less and took a second copy of their context; within the slack the tail does not
+  move (what makes TTFT p99 is the long queues, and beyond the slack the request
+  still leaves). On the simulator (conversation trace, 0.8 / 0.95 of round robin's
+  saturation, the other settings at their defaults) a slack of 0 gives kvgate a hit
+  ratio of 0.1638 / 0.1586 at a TTFT p99 of 17.53 / 17.36 s, 10 s 0.1736 / 0.1682
+  at 16.94 / 17.10 s. It is not sharp: the hit ratio moves by 0.002 with the seed
+  (0.1717-0.1736 / 0.1667-0.1682 over seeds 0-2), and by as much between slacks of
+  7 and 14 s. Beyond that the tail grows (measured before the decode-batch term and
+  the exploration bound were on, at 0.8: 20 s gave 0.1758 at 18.37 s, an unbounded
+  slack, always the deepest holder, 0.1766 at 20.74 s).
 
 On top of the score, in this order:
 
@@ -92,10 +98,19 @@ On top of the score, in this order:
 3. **Hot-prefix replication.** When the request's hot prefix arrives faster than
    ``replica_rps`` per current holder, and it has fewer than ``max_replicas``
    holders, the request goes to the least-loaded non-holder: one more replica.
-4. **Exploration.** With probability ``epsilon``, when the winner is a cache hit,
-   an idle node that misses gets the request instead, so idle nodes warm up. Idle
-   means idle: nothing queued, nothing of ours in flight, KV utilisation at most
-   ``idle_util``.
+4. **Exploration.** With probability ``epsilon`` (0.2), when the winner is a cache
+   hit, an idle node that misses gets the request instead, so idle nodes warm up.
+   Idle means idle: nothing queued, nothing of ours in flight, KV utilisation at most
+   ``idle_util``. Only a hit saving at most ``explore_max_loss_s`` (1 s) of
+   predicted prefill is given up this way: that warms a node with a shared prefix (a
+   system prompt, an agent's tool prefix) and spreads new sessions, while a
+   session's own long context sent to an idle node is not a warm-up but a second
+   copy and a slow first token (on the agent workload, 5 % of all hits explored made
+   most of the TTFT tail and all of the hit ratio kvgate lost to preble_e2). Each
+   exploration being that cheap, the rate is 0.2 rather than the 0.05 it was while
+   it was not bounded: at 0.05 the bounded form left closed-loop agent sessions on a
+   few nodes (load max/mean 1.58 / 1.93 at 0.8 / 0.95 of saturation, 1.10 / 1.19 at
+   0.2).
 
 Exactly one ``rng.random()`` is drawn per decision, so a seeded driver replays
 the same decisions whatever the cluster state.
@@ -139,6 +154,9 @@ _MAX_INCREMENTAL = 16
 # The prefill a node has already done is counted on a clock of this resolution, so the
 # scores of busy nodes move at most this often however many requests arrive.
 DRAIN_TICK_S = 0.01
+# KV utilisation above which a node risks preemptions: the KV-pressure term grows from
+# here, and the affinity slack does not hold requests on such a holder.
+PRESSURE_UTIL = 0.8
 
 
 def drain_clock(now: float) -> float:
@@ -181,7 +199,7 @@ class _Load:
             self.penalty = (
                 prefill
                 + decode_s * util
-                + kv_pressure_s * max(0.0, (util - 0.8) * 5.0)
+                + kv_pressure_s * max(0.0, (util - PRESSURE_UTIL) * 5.0)  # 0 at 80 %, 1 full
                 + ctx_s * state.inflight_context_tokens  # the decode batch's contexts
             )
         else:
@@ -363,7 +381,7 @@ class KvgatePolicy:
         util_weight: float = 0.3,
         breaker_open_queue: int = 24,
         breaker_close_queue: int = 12,
-        epsilon: float = 0.05,
+        epsilon: float = 0.2,
         idle_queue: int = 0,
         idle_util: float = 0.2,
         replica_rps: float | None = None,
@@ -377,9 +395,9 @@ class KvgatePolicy:
         blocking_cost: float = 3.0,
         blocking_min_s: float = 1.0,
         cache_value_tau_s: float = 30.0,
-        keep_hit_within_s: float = 0.0,
-        keep_hit_share: float = 0.5,
-        decode_s_per_context_token: float = 0.0,
+        affinity_slack_s: float = 10.0,
+        explore_max_loss_s: float = 1.0,
+        decode_s_per_context_token: float = 1.74e-5,
     ) -> None:
         if form not in ("ttft", "brief"):
             raise ConfigError("kvgate policy: form must be 'ttft' or 'brief'")
@@ -391,15 +409,22 @@ class KvgatePolicy:
             raise ConfigError("kvgate policy: breaker_close_queue must be <= breaker_open_queue")
         if not 0.0 <= epsilon <= 1.0:
             raise ConfigError("kvgate policy: epsilon must be in [0, 1]")
-        if min(blocking_cost, blocking_min_s, keep_hit_within_s, decode_s_per_context_token) < 0:
+        if (
+            min(
+                blocking_cost,
+                blocking_min_s,
+                affinity_slack_s,
+                explore_max_loss_s,
+                decode_s_per_context_token,
+            )
+            < 0
+        ):
             raise ConfigError(
-                "kvgate policy: blocking_cost, blocking_min_s, keep_hit_within_s and "
-                "decode_s_per_context_token must be >= 0"
+                "kvgate policy: blocking_cost, blocking_min_s, affinity_slack_s, "
+                "explore_max_loss_s and decode_s_per_context_token must be >= 0"
             )
         if cache_value_tau_s <= 0:
             raise ConfigError("kvgate policy: cache_value_tau_s must be > 0")
-        if not 0.0 <= keep_hit_share <= 1.0:
-            raise ConfigError("kvgate policy: keep_hit_share must be in [0, 1]")
         self.w_cache = w_cache
         self.w_load = w_load
         self.max_prefix_len = max_prefix_len
@@ -420,8 +445,8 @@ class KvgatePolicy:
         self.attention_s_per_pair = attention_s_per_pair
         self.blocking_cost = blocking_cost
         self.blocking_min_s = blocking_min_s
-        self.keep_hit_within_s = keep_hit_within_s
-        self.keep_hit_share = keep_hit_share
+        self.affinity_slack_s = affinity_slack_s
+        self.explore_max_loss_s = explore_max_loss_s
         self.decode_s_per_context_token = decode_s_per_context_token
         self._cache_value = _CacheValue(cache_value_tau_s)
         self._tripped: set[NodeId] = set()  # holders whose breaker is open
@@ -511,12 +536,9 @@ class KvgatePolicy:
         holders_at_best = 0
         best_match_tripped = False
         hot_holders = 0
-        # the open holder with the longest match (then the lowest penalty): the one
-        # the keep-the-hit rule may give the request back to (tracked only if it is on)
-        track_keep = ttft and self.keep_hit_within_s > 0.0
-        keep: _Load | None = None
-        keep_key = (0, 0.0, 0)
-        keep_bonus = 0.0
+        # the open holders and their bonus, for the affinity slack (only if it is on)
+        track_open = ttft and self.affinity_slack_s > 0.0
+        open_holders: list[tuple[_Load, float]] = []
         # The holders: the only candidates whose score depends on the request.
         for nid, m in matches.items():
             load = by_id.get(nid)
@@ -545,8 +567,8 @@ class KvgatePolicy:
                     bonus = cap
                 bonus *= load.state.cache_weight
                 score = w_cache * bonus - w_load * load.penalty
-                if track_keep and (k := (m, -load.penalty, -load.slot)) > keep_key:
-                    keep, keep_key, keep_bonus = load, k, bonus
+                if track_open and bonus > 0.0:
+                    open_holders.append((load, bonus))
             if score >= best_score:
                 key = (score, -q, -load.slot)
                 if key > best_key:
@@ -567,16 +589,11 @@ class KvgatePolicy:
                 best, best_key, best_bonus = self._rescore_blocking(
                     loads, cands, matches, prompt, tpb, w_cache, now
                 )
-            if keep is not None and keep is not best:
-                keep_m = keep_key[0]
-                if (
-                    len(keep.state.prefills) <= 1  # stalled by one prefill, not a queue
-                    and matches.get(best.node_id, 0) <= self.keep_hit_share * keep_m
-                    and keep.penalty + self._uncached_s(prompt, keep_m * tpb)
-                    <= self.keep_hit_within_s
-                ):
-                    best, best_bonus = keep, keep_bonus
-                    best_key = (w_cache * keep_bonus - keep.penalty, -keep.queue, -keep.slot)
+            if open_holders:
+                kept = self._within_slack(best, best_bonus, open_holders)
+                if kept is not None:
+                    best, best_bonus = kept
+                    best_key = (w_cache * best_bonus - best.penalty, -best.queue, -best.slot)
         chosen = best.state
         chosen_match = matches.get(best.node_id, 0)
         reason = self._reason(
@@ -595,7 +612,11 @@ class KvgatePolicy:
         if least is not None:
             chosen, reason, chosen_match = least, RouteReason.REPLICATION, 0
         # Exploration: a small share of cache hits goes to an idle node that misses.
-        elif chosen_match and draw < self.epsilon:
+        elif (
+            chosen_match
+            and draw < self.epsilon
+            and self._saved_s(prompt, chosen_match * tpb) <= self.explore_max_loss_s
+        ):
             idle = _most_idle(candidates, matches, by_id, self.idle_queue, self.idle_util)
             if idle is not None:
                 chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
@@ -620,6 +641,29 @@ class KvgatePolicy:
             score=best_key[0],
             parts=parts,
         )
+
+    def _within_slack(
+        self, best: _Load, best_bonus: float, open_holders: list[tuple[_Load, float]]
+    ) -> tuple[_Load, float] | None:
+        """The open holder that saves the most prefill (then the sooner first token,
+        then the lower slot) among those saving more than the winner whose predicted TTFT
+        is within ``affinity_slack_s`` of the winner's, and its bonus; None if none.
+
+        A predicted TTFT is the penalty plus the request's whole prefill less the bonus
+        (the prefill the node's cache saves), so the prefill itself cancels out."""
+        limit = best.penalty - best_bonus + self.affinity_slack_s
+        kept: tuple[_Load, float] | None = None
+        kept_key = (best_bonus, -_INF, 0)
+        for load, bonus in open_holders:
+            if bonus > best_bonus and load.penalty - bonus <= limit and load.util <= PRESSURE_UTIL:
+                key = (bonus, bonus - load.penalty, -load.slot)
+                if key > kept_key:
+                    kept, kept_key = (load, bonus), key
+        return kept
+
+    def _saved_s(self, prompt: int, cached: int) -> float:
+        """Predicted prefill seconds that ``cached`` cached tokens of ``prompt`` save."""
+        return self._uncached_s(prompt, 0) - self._uncached_s(prompt, cached)
 
     def _uncached_s(self, prompt: int, cached: int) -> float:
         """Predicted prefill seconds of ``prompt`` tokens of which ``cached`` are cached."""
