@@ -170,6 +170,10 @@ def test_bad_config() -> None:
         {"affinity_slack_s": -1.0},
         {"cache_value_tau_s": 0.0},
         {"explore_max_loss_s": -0.5},
+        {"affinity_min_gain_s": -0.1},
+        {"affinity_slack_s": float("nan")},
+        {"decode_s_per_context_token": float("inf")},
+        {"blocking_cost": float("nan")},
         {"decode_s_per_context_token": -1e-5},
     ):
         with pytest.raises(ConfigError):
@@ -347,6 +351,49 @@ def test_ttft_form_affinity_slack_takes_the_deepest_holder_within_it() -> None:
     m_full = {**m, NodeId("full"): 20}
     d = KvgatePolicy(**kw).select(ctx(blocks=20), c, m_full, t, FixedRng(0.9), NOW)
     assert d is not None and d.node_id == "deep"
+
+
+def test_ttft_form_affinity_slack_needs_a_real_gain() -> None:
+    """A holder that saves less than affinity_min_gain_s more than the winner (a block of
+    a shared prefix) is not worth waiting for: one block (0.064 s) of a 20-block prompt
+    behind 9 s of queue loses to the idle node; three blocks (0.192 s) keep it."""
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
+    kw: dict[str, float] = {
+        "epsilon": 0, "prefill_tokens_per_s": 1000.0, "cache_gain": 2.0, "decode_s": 0.0,
+        "attention_s_per_pair": 0.0, "blocking_cost": 0.0, "kv_pressure_s": 0.0,
+        "decode_s_per_context_token": 0.0, "affinity_slack_s": 10.0,
+        "affinity_min_gain_s": 0.1,
+    }
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=9000)  # 9 s queued on the holder
+    for blocks, want in ((1, "idle"), (3, "holder")):
+        d = KvgatePolicy(**kw).select(
+            ctx(blocks=20), c, {NodeId("holder"): blocks}, t, FixedRng(0.9), NOW
+        )
+        assert d is not None and d.node_id == want, blocks
+
+
+def test_ttft_form_affinity_slack_counts_the_blocking_cost() -> None:
+    """A long uncached prefill rescored by the blocking rule: the slack compares
+    predicted TTFTs with each node's blocking cost in them, so it does not undo the
+    rule by sending the prompt back to the busy cache for one block of it."""
+    t, c = table({"busy_cache": (0, 0.0), "quiet": (0, 0.0)})
+    kw: dict[str, float] = {
+        "epsilon": 0, "prefill_tokens_per_s": 1000.0, "cache_gain": 1.0, "decode_s": 0.0,
+        "attention_s_per_pair": 0.0, "kv_pressure_s": 0.0, "decode_s_per_context_token": 0.0,
+        "blocking_cost": 3.0, "blocking_min_s": 1.0, "cache_value_tau_s": 30.0,
+        "affinity_min_gain_s": 0.0,
+    }
+    m = {NodeId("busy_cache"): 1}  # 64 of 2560 tokens: 0.064 s saved
+    # blocking on busy_cache comes to 1.19 s, more than the 1 s slack
+    for slack in (0.0, 1.0):
+        p = KvgatePolicy(affinity_slack_s=slack, **kw)
+        for i in range(30):  # hits on busy_cache: its cache value rate grows
+            p.select(ctx(blocks=4), c[:1], {NodeId("busy_cache"): 4}, t, FixedRng(0.9), NOW + i)
+        for node in ("busy_cache", "quiet"):  # fresh reports (a stale node counts as full)
+            t.report(NodeId(node), waiting=0, running=4, kv_util=0.0, now=NOW + 30)
+        # blocking on busy_cache: 3 x 2.496 s x its rate; quiet has none
+        d = p.select(ctx(blocks=40), c, m, t, FixedRng(0.9), NOW + 30)
+        assert d is not None and d.node_id == "quiet", slack
 
 
 def test_ttft_form_exploration_gives_up_only_small_hits() -> None:

@@ -157,33 +157,43 @@ class Reference:
         tpb, prompt = ctx.tokens_per_block, ctx.prompt_tokens
         if p.form == "ttft":
             # a long prefill: every candidate again, less its blocking cost there
-            if p.blocking_cost > 0 and (
+            rescored = p.blocking_cost > 0 and (
                 self.uncached_s(prompt, matches.get(best.node_id, 0) * tpb) >= p.blocking_min_s
-            ):
+            )
+
+            def blocking(s: NodeState) -> float:
+                if not rescored:
+                    return 0.0
+                cost = p.blocking_cost * self.uncached_s(prompt, matches.get(s.node_id, 0) * tpb)
+                cost *= self.value_now(s.node_id, now) / p._cache_value.tau_s
+                return cost
+
+            if rescored:
                 best_key = (float("-inf"), 0, 0)
-                for s, q, penalty, m, bonus in scored:
-                    cost = p.blocking_cost * self.uncached_s(prompt, m * tpb)
-                    cost *= self.value_now(s.node_id, now) / p._cache_value.tau_s
+                for s, q, penalty, _m, bonus in scored:
+                    cost = blocking(s)
                     key = (p.cache_gain * bonus - penalty - cost, -q, -s.slot)
                     if key > best_key:
                         best, best_key = s, key
                         best_bonus, best_penalty, best_queue = bonus, penalty, q
-            # affinity slack: of the open holders that save more than the winner and
-            # would answer within the slack of it (predicted TTFT: penalty + prefill -
-            # bonus) and are not under KV pressure, the one that saves the most
+            # affinity slack: of the open holders that save at least the minimum gain
+            # more than the winner and would answer within the slack of it (predicted
+            # TTFT: penalty - bonus + the blocking cost if rescored; the prefill cancels)
+            # and are not under KV pressure, the one that saves the most
             if p.affinity_slack_s > 0:
-                full = self.uncached_s(prompt, 0)
-                limit = best_penalty + full - best_bonus + p.affinity_slack_s
+                limit = (best_penalty - best_bonus + blocking(best)) + p.affinity_slack_s
                 kept = None
                 for s, q, penalty, bonus in open_holders:
                     u = nodes.utilisation(s, now)
-                    if bonus > best_bonus and penalty + full - bonus <= limit and u <= 0.8:
-                        k = (bonus, bonus - penalty, -s.slot)
-                        if kept is None or k > kept[0]:
-                            kept = (k, s, q, penalty, bonus)
+                    if bonus <= best_bonus + p.affinity_min_gain_s or u > 0.8:
+                        continue
+                    cost = blocking(s)
+                    ttft = penalty - bonus + cost
+                    if ttft <= limit and (kept is None or (bonus, -ttft, -s.slot) > kept[0]):
+                        kept = ((bonus, -ttft, -s.slot), s, q, penalty, bonus, cost)
                 if kept is not None:
-                    _, s, q, penalty, bonus = kept
-                    best, best_key = s, (p.cache_gain * bonus - penalty, -q, -s.slot)
+                    _, s, q, penalty, bonus, cost = kept
+                    best, best_key = s, (p.cache_gain * bonus - penalty - cost, -q, -s.slot)
                     best_bonus, best_penalty, best_queue = bonus, penalty, q
         chosen, chosen_match = best, matches.get(best.node_id, 0)
         if chosen_match and best_bonus > 0:
@@ -283,6 +293,7 @@ policy_st = st.builds(
     blocking_min_s=st.sampled_from([0.0, 1.0]),
     cache_value_tau_s=st.sampled_from([0.5, 30.0]),
     affinity_slack_s=st.sampled_from([0.0, 1.0, 10.0, 1e9]),
+    affinity_min_gain_s=st.sampled_from([0.0, 0.1, 1.0]),
     explore_max_loss_s=st.sampled_from([0.0, 0.05, 1.0, 1e9]),
     decode_s_per_context_token=st.sampled_from([0.0, 1.74e-5, 1e-3]),
 )

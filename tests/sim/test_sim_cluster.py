@@ -216,3 +216,15 @@ def test_a_lost_request_stops_the_run_and_is_named() -> None:
     cluster.run()  # returns: the housekeeping stops once nothing moves for STALL_S
     with pytest.raises(AssertionError, match="1 requests never ended"):
         cluster.check_outcomes()
+
+
+def test_an_idle_gap_longer_than_the_stall_bound_is_not_a_stall() -> None:
+    """With nothing open the cluster is idle, not stalled: a request arriving more
+    than STALL_S after the previous one ended still finds leases and load reports."""
+    w = gsp(n=10, rate=8.0)
+    late = replace(w.requests[-1], arrival_s=w.requests[-1].arrival_s + STALL_S + 400.0)
+    w2 = replace(w, requests=(*w.requests[:-1], late))
+    cluster = SimCluster(small_config(nodes=2), w2, rng=SeededRng(3))
+    cluster.run()
+    cluster.check_outcomes()
+    assert cluster.outcomes[late.request_id].status == "completed"

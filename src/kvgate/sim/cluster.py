@@ -209,8 +209,8 @@ class SimCluster:
         housekeeping left for STALL_S of virtual time a request was lost, so the
         housekeeping stops and :meth:`check_outcomes` names it instead of the run
         going on forever."""
-        if self._open == 0 and self._arrivals_left == 0:
-            return False
+        if self._open == 0:  # idle: every request still to come has its event queued
+            return self._arrivals_left > 0
         return self.loop.now - self._progress_s < STALL_S
 
     # ------------------------------------------------------------------ gateways

@@ -66,26 +66,30 @@ Two more rules of the ttft form look past the request itself:
   the rate being the prefill seconds per second our hits on that node have saved
   lately (decayed over ``cache_value_tau_s``). Long prompts land where they block
   the least-used cache; short ones never pay the extra pass.
-* **Affinity slack.** When an open holder would save more prefill than the winner
-  and its predicted TTFT (penalty plus the request's prefill less what its cache
-  saves) is within ``affinity_slack_s`` (10 s) of the winner's, the holder that
-  saves the most keeps the request (ties: the sooner first token, then the lower
-  slot); a holder above 80 % KV utilisation is not held to (a request kept there
-  risks preemptions). The score trades TTFT seconds for saved prefill seconds one
-  request at a time; it does not see that sending a request away from its holder
-  copies the prefix onto a second node, where it pushes other sessions' caches out,
-  and that the next turn of the session then misses wherever the copy is not. On
-  the conversation trace most requests the score sent away waited a few seconds
-  less and took a second copy of their context; within the slack the tail does not
-  move (what makes TTFT p99 is the long queues, and beyond the slack the request
-  still leaves). On the simulator (conversation trace, 0.8 / 0.95 of round robin's
-  saturation, the other settings at their defaults) a slack of 0 gives kvgate a hit
-  ratio of 0.1638 / 0.1586 at a TTFT p99 of 17.53 / 17.36 s, 10 s 0.1736 / 0.1682
-  at 16.94 / 17.10 s. It is not sharp: the hit ratio moves by 0.002 with the seed
-  (0.1717-0.1736 / 0.1667-0.1682 over seeds 0-2), and by as much between slacks of
-  7 and 14 s. Beyond that the tail grows (measured before the decode-batch term and
-  the exploration bound were on, at 0.8: 20 s gave 0.1758 at 18.37 s, an unbounded
-  slack, always the deepest holder, 0.1766 at 20.74 s).
+* **Affinity slack.** When an open holder would save at least ``affinity_min_gain_s``
+  (0.1 s, ~1 200 tokens on the A100-8B profile) more prefill than the winner and its
+  predicted TTFT (penalty plus the request's prefill less what its cache saves, plus
+  its blocking cost when the blocking rule rescored the request) is within
+  ``affinity_slack_s`` (10 s) of the winner's, the holder that saves the most keeps
+  the request (ties: the sooner first token, then the lower slot); a holder above 80 %
+  KV utilisation is not held to (a request kept there risks preemptions). A block or
+  two of a shared prefix is not a context worth waiting for, and a long prompt placed
+  by the blocking rule is not sent back to a busy cache for a sliver of it. The score
+  trades TTFT seconds for saved prefill seconds one request at a time; it does not see
+  that sending a request away from its holder copies the prefix onto a second node,
+  where it pushes other sessions' caches out, and that the next turn of the session
+  then misses wherever the copy is not. On the conversation trace most requests the
+  score sent away waited a few seconds less and took a second copy of their context;
+  within the slack the tail does not move (what makes TTFT p99 is the long queues, and
+  beyond the slack the request still leaves). On the simulator (conversation trace,
+  0.8 / 0.95 of round robin's saturation, the other settings at their defaults) a
+  slack of 0 gives kvgate a hit ratio of 0.1638 / 0.1586 at a TTFT p99 of 17.53 /
+  17.36 s, 10 s 0.1731 / 0.1694 at 17.14 / 17.22 s. It is not sharp: the hit ratio
+  moves by 0.002-0.003 with the seed (0.1707-0.1731 / 0.1678-0.1694 over seeds 0-2),
+  and by as much between slacks of 7 and 14 s. Beyond that the tail grows (measured
+  before the decode-batch term and the exploration bound were on, at 0.8: 20 s gave
+  0.1758 at 18.37 s, an unbounded slack, always the deepest holder, 0.1766 at 20.74
+  s).
 
 On top of the score, in this order:
 
@@ -109,8 +113,8 @@ On top of the score, in this order:
    most of the TTFT tail and all of the hit ratio kvgate lost to preble_e2). Each
    exploration being that cheap, the rate is 0.2 rather than the 0.05 it was while
    it was not bounded: at 0.05 the bounded form left closed-loop agent sessions on a
-   few nodes (load max/mean 1.58 / 1.93 at 0.8 / 0.95 of saturation, 1.10 / 1.19 at
-   0.2).
+   few nodes (load max/mean 1.58 / 1.93 at 0.8 / 0.95 of saturation, where 0.2 gave
+   1.10 / 1.19; 1.12 / 1.46 with the affinity slack's minimum gain).
 
 Exactly one ``rng.random()`` is drawn per decision, so a seeded driver replays
 the same decisions whatever the cluster state.
@@ -133,7 +137,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import ClassVar
 
 from kvgate.core.errors import ConfigError
@@ -396,6 +400,7 @@ class KvgatePolicy:
         blocking_min_s: float = 1.0,
         cache_value_tau_s: float = 30.0,
         affinity_slack_s: float = 10.0,
+        affinity_min_gain_s: float = 0.1,
         explore_max_loss_s: float = 1.0,
         decode_s_per_context_token: float = 1.74e-5,
     ) -> None:
@@ -409,19 +414,20 @@ class KvgatePolicy:
             raise ConfigError("kvgate policy: breaker_close_queue must be <= breaker_open_queue")
         if not 0.0 <= epsilon <= 1.0:
             raise ConfigError("kvgate policy: epsilon must be in [0, 1]")
-        if (
-            min(
-                blocking_cost,
-                blocking_min_s,
-                affinity_slack_s,
-                explore_max_loss_s,
-                decode_s_per_context_token,
-            )
-            < 0
-        ):
+        nonnegative = {
+            "blocking_cost": blocking_cost,
+            "blocking_min_s": blocking_min_s,
+            "affinity_slack_s": affinity_slack_s,
+            "affinity_min_gain_s": affinity_min_gain_s,
+            "explore_max_loss_s": explore_max_loss_s,
+            "decode_s_per_context_token": decode_s_per_context_token,
+        }
+        for key, value in nonnegative.items():
+            if math.isnan(value) or value < 0:
+                raise ConfigError(f"kvgate policy: {key} must be >= 0")
+        if math.isinf(decode_s_per_context_token) or math.isinf(blocking_cost):
             raise ConfigError(
-                "kvgate policy: blocking_cost, blocking_min_s, affinity_slack_s, "
-                "explore_max_loss_s and decode_s_per_context_token must be >= 0"
+                "kvgate policy: decode_s_per_context_token and blocking_cost must be finite"
             )
         if cache_value_tau_s <= 0:
             raise ConfigError("kvgate policy: cache_value_tau_s must be > 0")
@@ -446,6 +452,7 @@ class KvgatePolicy:
         self.blocking_cost = blocking_cost
         self.blocking_min_s = blocking_min_s
         self.affinity_slack_s = affinity_slack_s
+        self.affinity_min_gain_s = affinity_min_gain_s
         self.explore_max_loss_s = explore_max_loss_s
         self.decode_s_per_context_token = decode_s_per_context_token
         self._cache_value = _CacheValue(cache_value_tau_s)
@@ -583,17 +590,27 @@ class KvgatePolicy:
                 break
         assert best is not None
         if ttft:
+            rescored = False  # by the blocking rule: the slack then counts blocking costs
             if self.blocking_cost > 0.0 and (
                 self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) >= self.blocking_min_s
             ):
                 best, best_key, best_bonus = self._rescore_blocking(
                     loads, cands, matches, prompt, tpb, w_cache, now
                 )
+                rescored = True
             if open_holders:
-                kept = self._within_slack(best, best_bonus, open_holders)
+
+                def blocking(load: _Load) -> float:
+                    if not rescored:
+                        return 0.0
+                    cached = matches.get(load.node_id, 0) * tpb
+                    return self._blocking_s(prompt, cached, load.node_id, now)
+
+                kept = self._within_slack(best, best_bonus, open_holders, blocking)
                 if kept is not None:
-                    best, best_bonus = kept
-                    best_key = (w_cache * best_bonus - best.penalty, -best.queue, -best.slot)
+                    best, best_bonus, cost = kept
+                    score = w_cache * best_bonus - best.penalty - cost
+                    best_key = (score, -best.queue, -best.slot)
         chosen = best.state
         chosen_match = matches.get(best.node_id, 0)
         reason = self._reason(
@@ -643,23 +660,39 @@ class KvgatePolicy:
         )
 
     def _within_slack(
-        self, best: _Load, best_bonus: float, open_holders: list[tuple[_Load, float]]
-    ) -> tuple[_Load, float] | None:
+        self,
+        best: _Load,
+        best_bonus: float,
+        open_holders: list[tuple[_Load, float]],
+        blocking: Callable[[_Load], float],
+    ) -> tuple[_Load, float, float] | None:
         """The open holder that saves the most prefill (then the sooner first token,
-        then the lower slot) among those saving more than the winner whose predicted TTFT
-        is within ``affinity_slack_s`` of the winner's, and its bonus; None if none.
+        then the lower slot) among those saving at least ``affinity_min_gain_s`` more
+        than the winner whose predicted TTFT is within ``affinity_slack_s`` of the
+        winner's: it, its bonus and its blocking cost; None if none.
 
         A predicted TTFT is the penalty plus the request's whole prefill less the bonus
-        (the prefill the node's cache saves), so the prefill itself cancels out."""
-        limit = best.penalty - best_bonus + self.affinity_slack_s
-        kept: tuple[_Load, float] | None = None
-        kept_key = (best_bonus, -_INF, 0)
+        (the prefill the node's cache saves), so the prefill itself cancels out; a long
+        prefill the blocking rule rescored also carries its blocking cost there."""
+        limit = (best.penalty - best_bonus + blocking(best)) + self.affinity_slack_s
+        floor = best_bonus + self.affinity_min_gain_s
+        kept: tuple[_Load, float, float] | None = None
+        kept_key = (-_INF, -_INF, 0)
         for load, bonus in open_holders:
-            if bonus > best_bonus and load.penalty - bonus <= limit and load.util <= PRESSURE_UTIL:
-                key = (bonus, bonus - load.penalty, -load.slot)
-                if key > kept_key:
-                    kept, kept_key = (load, bonus), key
+            if bonus <= floor or load.util > PRESSURE_UTIL:
+                continue
+            cost = blocking(load)
+            ttft = load.penalty - bonus + cost
+            if ttft <= limit and (key := (bonus, -ttft, -load.slot)) > kept_key:
+                kept, kept_key = (load, bonus, cost), key
         return kept
+
+    def _blocking_s(self, prompt: int, cached: int, node_id: NodeId, now: float) -> float:
+        """The blocking cost of ``prompt``'s uncached prefill on a node: its prefill
+        seconds there times ``blocking_cost`` times the node's cache value rate."""
+        blocking = self.blocking_cost * self._uncached_s(prompt, cached)
+        blocking *= self._cache_value.rate(node_id, now)
+        return blocking
 
     def _saved_s(self, prompt: int, cached: int) -> float:
         """Predicted prefill seconds that ``cached`` cached tokens of ``prompt`` save."""
@@ -687,7 +720,6 @@ class KvgatePolicy:
         the winner, its key and its bonus."""
         inv_rate = 1.0 / self.prefill_tokens_per_s
         attn_half = self.attention_s_per_pair / 2
-        rate = self._cache_value.rate
         top: _Load | None = None
         top_key = (-_INF, 0, 0)
         top_bonus = 0.0
@@ -699,8 +731,7 @@ class KvgatePolicy:
             if m and load.node_id not in self._tripped:
                 saved = min(m * tpb, prompt)
                 bonus = (saved * inv_rate + attn_half * saved * saved) * load.state.cache_weight
-            blocking = self.blocking_cost * self._uncached_s(prompt, m * tpb)
-            blocking *= rate(load.node_id, now)
+            blocking = self._blocking_s(prompt, m * tpb, load.node_id, now)
             key = (w_cache * bonus - load.penalty - blocking, -load.queue, -load.slot)
             if key > top_key:
                 top, top_key, top_bonus = load, key, bonus
