@@ -199,7 +199,6 @@ def test_a_crash_at_any_moment_loses_no_request() -> None:
         cluster.hooks.append((at, crash))
         cluster.run()
         cluster.check_outcomes()  # raises if one never ended
-    assert STALL_S >= 600  # a generous bound: queue timeouts are seconds
 
 
 def test_a_lost_request_stops_the_run_and_is_named() -> None:

@@ -51,6 +51,7 @@ from kvgate.gateway.upstream import Upstream
 
 log = logging.getLogger("kvgate.gateway")
 
+
 def fleet_gateway_id(config: GatewayConfig) -> str:
     """``server.gateway_id``; with a shared (Redis) coordinator, the default "gw0" becomes
     host-pid-random: two gateways under one id would share one lease record and so,

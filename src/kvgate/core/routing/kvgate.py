@@ -137,7 +137,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
 from kvgate.core.errors import ConfigError
@@ -590,23 +590,16 @@ class KvgatePolicy:
                 break
         assert best is not None
         if ttft:
-            rescored = False  # by the blocking rule: the slack then counts blocking costs
+            # each node's blocking cost, when the blocking rule rescored the request
+            costs: Mapping[NodeId, float] = {}
             if self.blocking_cost > 0.0 and (
                 self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) >= self.blocking_min_s
             ):
-                best, best_key, best_bonus = self._rescore_blocking(
+                best, best_key, best_bonus, costs = self._rescore_blocking(
                     loads, cands, matches, prompt, tpb, w_cache, now
                 )
-                rescored = True
             if open_holders:
-
-                def blocking(load: _Load) -> float:
-                    if not rescored:
-                        return 0.0
-                    cached = matches.get(load.node_id, 0) * tpb
-                    return self._blocking_s(prompt, cached, load.node_id, now)
-
-                kept = self._within_slack(best, best_bonus, open_holders, blocking)
+                kept = self._within_slack(best, best_bonus, open_holders, costs)
                 if kept is not None:
                     best, best_bonus, cost = kept
                     score = w_cache * best_bonus - best.penalty - cost
@@ -664,7 +657,7 @@ class KvgatePolicy:
         best: _Load,
         best_bonus: float,
         open_holders: list[tuple[_Load, float]],
-        blocking: Callable[[_Load], float],
+        costs: Mapping[NodeId, float],
     ) -> tuple[_Load, float, float] | None:
         """The open holder that saves the most prefill (then the sooner first token,
         then the lower slot) among those saving at least ``affinity_min_gain_s`` more
@@ -674,25 +667,18 @@ class KvgatePolicy:
         A predicted TTFT is the penalty plus the request's whole prefill less the bonus
         (the prefill the node's cache saves), so the prefill itself cancels out; a long
         prefill the blocking rule rescored also carries its blocking cost there."""
-        limit = (best.penalty - best_bonus + blocking(best)) + self.affinity_slack_s
+        limit = (best.penalty - best_bonus + costs.get(best.node_id, 0.0)) + self.affinity_slack_s
         floor = best_bonus + self.affinity_min_gain_s
         kept: tuple[_Load, float, float] | None = None
         kept_key = (-_INF, -_INF, 0)
         for load, bonus in open_holders:
             if bonus <= floor or load.util > PRESSURE_UTIL:
                 continue
-            cost = blocking(load)
+            cost = costs.get(load.node_id, 0.0)
             ttft = load.penalty - bonus + cost
             if ttft <= limit and (key := (bonus, -ttft, -load.slot)) > kept_key:
                 kept, kept_key = (load, bonus, cost), key
         return kept
-
-    def _blocking_s(self, prompt: int, cached: int, node_id: NodeId, now: float) -> float:
-        """The blocking cost of ``prompt``'s uncached prefill on a node: its prefill
-        seconds there times ``blocking_cost`` times the node's cache value rate."""
-        blocking = self.blocking_cost * self._uncached_s(prompt, cached)
-        blocking *= self._cache_value.rate(node_id, now)
-        return blocking
 
     def _saved_s(self, prompt: int, cached: int) -> float:
         """Predicted prefill seconds that ``cached`` cached tokens of ``prompt`` save."""
@@ -715,14 +701,16 @@ class KvgatePolicy:
         tpb: int,
         w_cache: float,
         now: float,
-    ) -> tuple[_Load, tuple[float, int, int], float]:
+    ) -> tuple[_Load, tuple[float, int, int], float, dict[NodeId, float]]:
         """Every candidate scored with the blocking cost of this request's prefill there:
-        the winner, its key and its bonus."""
+        the winner, its key, its bonus and every candidate's blocking cost."""
         inv_rate = 1.0 / self.prefill_tokens_per_s
         attn_half = self.attention_s_per_pair / 2
+        rate = self._cache_value.rate
         top: _Load | None = None
         top_key = (-_INF, 0, 0)
         top_bonus = 0.0
+        costs: dict[NodeId, float] = {}
         for load in loads.by_id.values():
             if load.state not in cands:
                 continue
@@ -731,12 +719,14 @@ class KvgatePolicy:
             if m and load.node_id not in self._tripped:
                 saved = min(m * tpb, prompt)
                 bonus = (saved * inv_rate + attn_half * saved * saved) * load.state.cache_weight
-            blocking = self._blocking_s(prompt, m * tpb, load.node_id, now)
+            blocking = self.blocking_cost * self._uncached_s(prompt, m * tpb)
+            blocking *= rate(load.node_id, now)
+            costs[load.node_id] = blocking
             key = (w_cache * bonus - load.penalty - blocking, -load.queue, -load.slot)
             if key > top_key:
                 top, top_key, top_bonus = load, key, bonus
         assert top is not None
-        return top, top_key, top_bonus
+        return top, top_key, top_bonus, costs
 
     @staticmethod
     def _reason(
