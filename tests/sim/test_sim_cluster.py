@@ -63,7 +63,7 @@ def test_cache_hit_cuts_ttft_and_kvgate_beats_round_robin_on_hits() -> None:
 def test_report_has_the_documented_keys() -> None:
     rep = compare(gsp(60), small_config(), ["kvgate"], seed=1)
     assert {"requests", "wall_s", "bounds", "policies"} <= rep.keys()
-    assert {"ideal_hit_ratio", "pooled_lru_hit_ratio"} <= rep["bounds"].keys()  # type: ignore[union-attr]
+    assert {"ideal_hit_ratio", "pooled_lru_hit_ratio", "balanced_hit_ratio"} <= rep["bounds"].keys()  # type: ignore[union-attr]
     keys = {
         "ttft_p50_s",
         "ttft_p99_s",

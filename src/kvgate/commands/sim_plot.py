@@ -42,6 +42,10 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
         b = rep["bounds"]
         ax_h.axhline(b["ideal_hit_ratio"], linestyle="--", color="k", label="ideal")
         ax_h.axhline(b["pooled_lru_hit_ratio"], linestyle=":", color="r", label="pooled LRU")
+        if b.get("balanced_hit_ratio") is not None:
+            ax_h.axhline(
+                b["balanced_hit_ratio"], linestyle="-.", color="g", label="balanced bound"
+            )
         ax_h.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
         ax_h.set_ylabel("block hit ratio")
         ax_h.legend(fontsize=7)

@@ -370,6 +370,12 @@ def format_table(report: dict[str, Any]) -> str:
         f"({b['pooled_lru_capacity_blocks']} blocks) {b['pooled_lru_hit_ratio']:.4f}; "
         f"{report['requests']} requests, wall {report['wall_s']} s"
     )
+    if b.get("balanced_hit_ratio") is not None:
+        lines.append(
+            f"balanced bound: the most any policy with load max/mean <= "
+            f"{b['balanced_load_limit']} ({b['balanced_busy_nodes']} or more of "
+            f"{report['nodes']} nodes busy) can hit: {b['balanced_hit_ratio']:.4f}"
+        )
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@ like the trace bounds: cached blocks / prompt blocks (the trace's partial last
 block counts in the denominator, as in the pooled-LRU bound).
 
 Stable JSON keys (documented in the README): ``requests``, ``wall_s``,
-``bounds.ideal_hit_ratio``, ``bounds.pooled_lru_hit_ratio`` and, per policy,
+``bounds.ideal_hit_ratio``, ``bounds.pooled_lru_hit_ratio`` (and, from the runner,
+``bounds.balanced_hit_ratio``) and, per policy,
 ``ttft_p50_s``, ``ttft_p99_s``, ``ttft_mean_s``, ``hit_ratio``,
 ``load_max_over_mean``, ``goodput_rps``, ``completed``, ``rejected``, ``failed``
 plus the other fields built below.

@@ -10,7 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from kvgate.core.routing import POLICIES
+from kvgate.sim.balanced_bound import balanced_hit_ratio, busy_nodes_needed
 from kvgate.sim.cluster import ClusterConfig, SimCluster
+from kvgate.sim.ordering import LOAD_MAX_OVER_MEAN_LIMIT
 from kvgate.sim.report import Slo, policy_report
 from kvgate.sim.workload import Workload, ideal_hit_ratio, pooled_lru_hit_ratio
 
@@ -106,6 +108,12 @@ def compare(
             "ideal_hit_ratio": round(ideal_hit_ratio(workload), 4),
             "pooled_lru_hit_ratio": round(pooled_lru_hit_ratio(workload, capacity), 4),
             "pooled_lru_capacity_blocks": capacity,
+            # the most any policy keeping load max/mean <= the quality bar's limit can hit
+            "balanced_hit_ratio": _round(
+                balanced_hit_ratio(workload, config.nodes, LOAD_MAX_OVER_MEAN_LIMIT)
+            ),
+            "balanced_load_limit": LOAD_MAX_OVER_MEAN_LIMIT,
+            "balanced_busy_nodes": busy_nodes_needed(config.nodes, LOAD_MAX_OVER_MEAN_LIMIT),
         },
     }
     results: dict[str, object] = {}
@@ -132,3 +140,7 @@ def compare(
     report["policies"] = results
     report["wall_s"] = round(wall, 2)
     return report
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
