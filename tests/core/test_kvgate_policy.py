@@ -412,6 +412,39 @@ def test_ttft_form_exploration_gives_up_only_small_hits() -> None:
     assert big.reason is RouteReason.CACHE_HIT
 
 
+def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() -> None:
+    """A cheap hit is explored if it is shared: no other candidate holds any of it, or
+    what the winner holds beyond the longest other match saves at most
+    affinity_min_gain_s. A session's own context on top of a shared prefix leaves its
+    holder only for a first token no later at the idle node."""
+    t, c = table({"holder": (0, 0.2), "other": (0, 0.2), "idle": (0, 0.0)})
+    p = KvgatePolicy(
+        epsilon=1.0, prefill_tokens_per_s=1000.0, attention_s_per_pair=0.0,
+        explore_max_loss_s=1.0, affinity_min_gain_s=0.1,
+    )
+
+    def pick(other: int) -> tuple[str, RouteReason]:
+        m = {NodeId("holder"): 15, NodeId("other"): other}
+        d = p.select(ctx(blocks=40), c, m, t, FixedRng(0.0), NOW)
+        assert d is not None
+        return d.node_id, d.reason
+
+    assert pick(0) == ("idle", RouteReason.EXPLORATION)  # nobody else holds any of it
+    assert pick(15) == ("idle", RouteReason.EXPLORATION)  # another holder of all of it
+    assert pick(14) == ("idle", RouteReason.EXPLORATION)  # one block beyond: 0.064 s
+    # two blocks beyond (0.128 s), 5 blocks (0.32 s): a context of its own, and the idle
+    # node would answer later (loss 0.96 s > the holder's penalty, decode_s x 0.2 = 0.6 s)
+    assert pick(13) == ("holder", RouteReason.CACHE_HIT)
+    assert pick(10) == ("holder", RouteReason.CACHE_HIT)
+    # the holder's penalty 1.5 s (KV 0.5) >= the loss plus the idle node's (0 or 0.3 s)
+    t.report(NodeId("holder"), waiting=0, running=4, kv_util=0.5, now=NOW)
+    assert pick(10) == ("idle", RouteReason.EXPLORATION)
+    t.report(NodeId("idle"), waiting=0, running=4, kv_util=0.1, now=NOW)
+    assert pick(10) == ("idle", RouteReason.EXPLORATION)
+    t.report(NodeId("idle"), waiting=0, running=4, kv_util=0.2, now=NOW)  # 0.96 + 0.6 > 1.5
+    assert pick(10) == ("holder", RouteReason.CACHE_HIT)
+
+
 def test_ttft_form_puts_a_long_prefill_where_it_blocks_the_least_used_cache() -> None:
     """Two equal idle nodes, but "busy" has been serving hits and "quiet" has not: a
     prompt nobody holds whose prefill takes >= blocking_min_s goes to "quiet" (the lower

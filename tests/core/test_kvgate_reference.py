@@ -56,6 +56,25 @@ class Reference:
         p = self.p
         return rest / p.prefill_tokens_per_s + p.attention_s_per_pair * rest * (saved + rest / 2)
 
+    def shared(
+        self,
+        ctx: RouteContext,
+        candidates: Sequence[NodeState],
+        matches: Mapping[NodeId, int],
+        best: NodeState,
+        chosen_match: int,
+    ) -> bool:
+        """No other candidate holds any of the winner's hit, or what the hit holds beyond
+        the longest other candidate's match saves at most affinity_min_gain_s."""
+        other = max((matches.get(s.node_id, 0) for s in candidates if s is not best), default=0)
+        if not other:
+            return True
+        tpb, prompt = ctx.tokens_per_block, ctx.prompt_tokens
+        beyond = self.uncached_s(prompt, min(other, chosen_match) * tpb) - self.uncached_s(
+            prompt, chosen_match * tpb
+        )
+        return beyond <= self.p.affinity_min_gain_s
+
     def breaker_open(self, nid: NodeId, queue: int) -> bool:
         if nid in self.tripped:
             if queue <= self.p.breaker_close_queue:
@@ -217,6 +236,17 @@ class Reference:
             and draw < p.epsilon
             and self.uncached_s(prompt, 0) - self.uncached_s(prompt, chosen_match * tpb)
             <= p.explore_max_loss_s
+            and (
+                self.shared(ctx, candidates, matches, best, chosen_match)
+                # a context of its own: only for a first token no later at the idle node
+                or (
+                    p.form == "ttft"
+                    and next(pen for s, _q, pen, _m, _b in scored if s is idle)
+                    + self.uncached_s(prompt, 0)
+                    - self.uncached_s(prompt, chosen_match * tpb)
+                    <= best_penalty
+                )
+            )
         ):
             chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
         if p.form == "ttft" and p.blocking_cost > 0 and chosen is best and best_bonus > 0:

@@ -114,7 +114,21 @@ On top of the score, in this order:
    exploration being that cheap, the rate is 0.2 rather than the 0.05 it was while
    it was not bounded: at 0.05 the bounded form left closed-loop agent sessions on a
    few nodes (load max/mean 1.58 / 1.93 at 0.8 / 0.95 of saturation, where 0.2 gave
-   1.10 / 1.19; 1.12 / 1.46 with the affinity slack's minimum gain).
+   1.10 / 1.19; 1.12 / 1.46 with the affinity slack's minimum gain). The bound alone
+   still let a session's own context under 1 s go (an agent task's second to fifth
+   steps, 8k-11k tokens), so the hit must also be shared: no other candidate holds any
+   of it (a shared prefix cannot be told from a private one yet, and a first copy is
+   how exploration starts), or what the winner holds beyond the longest match of
+   another candidate saves at most ``affinity_min_gain_s`` (a block or two). A hit with
+   a context of its own is explored only if the idle node's penalty plus the lost
+   prefill is at most the winner's penalty (ttft form): its first token comes no
+   later. On the closed-loop agent workload at 0.8 / 0.95 of saturation, explored
+   second to fifth steps (0.85-1.34 s to first token, the whole prefill at the idle
+   node) and the idle node's own sessions, back from their tool calls and queued
+   behind that prefill, were most of the 24 slowest requests: TTFT p99 0.881 / 0.935 s
+   against preble_e2's 0.833 / 0.848; the sharing rule gives 0.652 / 0.689 s. Without
+   the no-later clause open-loop agent sessions piled onto their holders (TPOT p99
+   0.106 -> 0.135 s at 0.95, goodput 7.62 -> 7.46 requests/s); with it 0.100 s, 7.64.
 
 Exactly one ``rng.random()`` is drawn per decision, so a seeded driver replays
 the same decisions whatever the cluster state.
@@ -542,6 +556,7 @@ class KvgatePolicy:
         best_match = 0  # longest match among candidates
         holders_at_best = 0
         best_match_tripped = False
+        second_match = 0  # the longest match among candidates shorter than best_match
         hot_holders = 0
         # the open holders and their bonus, for the affinity slack (only if it is on)
         track_open = ttft and self.affinity_slack_s > 0.0
@@ -556,10 +571,13 @@ class KvgatePolicy:
                 hot_holders += 1
             tripped = (q >= open_queue or nid in tripped_set) and self._breaker_open(nid, q)
             if m > best_match:
+                second_match = best_match
                 best_match, best_match_tripped, holders_at_best = m, tripped, 1
             elif m == best_match:
                 holders_at_best += 1
                 best_match_tripped = best_match_tripped and tripped
+            elif m > second_match:
+                second_match = m
             if tripped:
                 bonus = 0.0
                 score = -w_load * load.penalty
@@ -625,9 +643,17 @@ class KvgatePolicy:
         elif (
             chosen_match
             and draw < self.epsilon
-            and self._saved_s(prompt, chosen_match * tpb) <= self.explore_max_loss_s
+            and (loss := self._saved_s(prompt, chosen_match * tpb)) <= self.explore_max_loss_s
         ):
             idle = _most_idle(candidates, matches, by_id, self.idle_queue, self.idle_util)
+            # the longest match of any other candidate
+            other = best_match if chosen_match < best_match or holders_at_best > 1 else second_match
+            if idle is not None and not (
+                self._shared(prompt, tpb, chosen_match, other)
+                # a context of its own leaves only for a first token no later than there
+                or (ttft and by_id[idle.spec.node_id].penalty + loss <= best.penalty)
+            ):
+                idle = None
             if idle is not None:
                 chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
 
@@ -679,6 +705,19 @@ class KvgatePolicy:
             if ttft <= limit and (key := (bonus, -ttft, -load.slot)) > kept_key:
                 kept, kept_key = (load, bonus, cost), key
         return kept
+
+    def _shared(self, prompt: int, tpb: int, chosen_match: int, other: int) -> bool:
+        """Whether the winner's hit of ``chosen_match`` blocks is a prefix exploration may
+        copy: no other candidate holds any of it (nothing tells a shared prefix from a
+        private one yet, and a first copy is how exploration starts), or what it holds
+        beyond the longest match of another candidate, ``other`` blocks, saves at most
+        ``affinity_min_gain_s`` of prefill (a block or two: no context of its own)."""
+        if not other:
+            return True
+        beyond = self._uncached_s(prompt, min(other, chosen_match) * tpb) - self._uncached_s(
+            prompt, chosen_match * tpb
+        )
+        return beyond <= self.affinity_min_gain_s
 
     def _saved_s(self, prompt: int, cached: int) -> float:
         """Predicted prefill seconds that ``cached`` cached tokens of ``prompt`` save."""
