@@ -445,6 +445,32 @@ def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() ->
     assert pick(10) == ("holder", RouteReason.CACHE_HIT)
 
 
+def test_ttft_form_exploration_of_a_context_counts_the_idle_nodes_own_cache() -> None:
+    """The no-later clause charges the blocking cost of the whole prefill at the idle
+    node: an idle node whose cache has been serving hits (its sessions come back to it)
+    does not take a session's context, one whose cache serves nothing does."""
+    t, c = table({"holder": (0, 0.2), "other": (0, 0.2), "idle": (0, 0.0)})
+    t.report(NodeId("holder"), waiting=0, running=4, kv_util=0.5, now=NOW)  # penalty 1.5 s
+    p = KvgatePolicy(
+        epsilon=1.0, prefill_tokens_per_s=1000.0, attention_s_per_pair=0.0,
+        explore_max_loss_s=1.0, affinity_min_gain_s=0.1,
+        blocking_cost=3.0, blocking_min_s=100.0, cache_value_tau_s=30.0,
+    )
+    m = {NodeId("holder"): 15, NodeId("other"): 10}  # 5 blocks of its own: a context
+    d = p.select(ctx(blocks=40), c, m, t, FixedRng(0.0), NOW)
+    assert d is not None and (d.node_id, d.reason) == ("idle", RouteReason.EXPLORATION)
+    for i in range(5):  # the idle node's cache serves hits (no exploration: draw 0.9)
+        hit = p.select(ctx(blocks=40), c, {NodeId("idle"): 40}, t, FixedRng(0.9), NOW + i)
+        assert hit is not None and hit.node_id == "idle"
+    assert p._cache_value.rate(NodeId("idle"), NOW + 5) > 0
+    d = p.select(ctx(blocks=40), c, m, t, FixedRng(0.0), NOW + 5)
+    assert d is not None and (d.node_id, d.reason) == ("holder", RouteReason.CACHE_HIT)
+    # without the blocking cost the clause lets it go
+    p.blocking_cost = 0.0
+    d = p.select(ctx(blocks=40), c, m, t, FixedRng(0.0), NOW + 5)
+    assert d is not None and (d.node_id, d.reason) == ("idle", RouteReason.EXPLORATION)
+
+
 def test_ttft_form_puts_a_long_prefill_where_it_blocks_the_least_used_cache() -> None:
     """Two equal idle nodes, but "busy" has been serving hits and "quiet" has not: a
     prompt nobody holds whose prefill takes >= blocking_min_s goes to "quiet" (the lower

@@ -75,6 +75,25 @@ class Reference:
         )
         return beyond <= self.p.affinity_min_gain_s
 
+    def no_later_at(
+        self,
+        idle: NodeState,
+        scored: Sequence[tuple[NodeState, int, float, int, float]],
+        best_penalty: float,
+        ctx: RouteContext,
+        chosen_match: int,
+        now: float,
+    ) -> bool:
+        """The idle node's penalty + the lost prefill + the blocking cost of the whole
+        prefill there <= the winner's penalty."""
+        p, prompt = self.p, ctx.prompt_tokens
+        penalty = next(pen for s, _q, pen, _m, _b in scored if s is idle)
+        cached = chosen_match * ctx.tokens_per_block
+        loss = self.uncached_s(prompt, 0) - self.uncached_s(prompt, cached)
+        cost = p.blocking_cost * self.uncached_s(prompt, 0)
+        cost *= self.value_now(idle.node_id, now) / p._cache_value.tau_s
+        return penalty + loss + cost <= best_penalty
+
     def breaker_open(self, nid: NodeId, queue: int) -> bool:
         if nid in self.tripped:
             if queue <= self.p.breaker_close_queue:
@@ -241,10 +260,7 @@ class Reference:
                 # a context of its own: only for a first token no later at the idle node
                 or (
                     p.form == "ttft"
-                    and next(pen for s, _q, pen, _m, _b in scored if s is idle)
-                    + self.uncached_s(prompt, 0)
-                    - self.uncached_s(prompt, chosen_match * tpb)
-                    <= best_penalty
+                    and self.no_later_at(idle, scored, best_penalty, ctx, chosen_match, now)
                 )
             )
         ):

@@ -121,14 +121,19 @@ On top of the score, in this order:
    how exploration starts), or what the winner holds beyond the longest match of
    another candidate saves at most ``affinity_min_gain_s`` (a block or two). A hit with
    a context of its own is explored only if the idle node's penalty plus the lost
-   prefill is at most the winner's penalty (ttft form): its first token comes no
-   later. On the closed-loop agent workload at 0.8 / 0.95 of saturation, explored
-   second to fifth steps (0.85-1.34 s to first token, the whole prefill at the idle
-   node) and the idle node's own sessions, back from their tool calls and queued
-   behind that prefill, were most of the 24 slowest requests: TTFT p99 0.881 / 0.935 s
-   against preble_e2's 0.833 / 0.848; the sharing rule gives 0.652 / 0.689 s. Without
-   the no-later clause open-loop agent sessions piled onto their holders (TPOT p99
-   0.106 -> 0.135 s at 0.95, goodput 7.62 -> 7.46 requests/s); with it 0.100 s, 7.64.
+   prefill plus the blocking cost of the whole prefill there is at most the winner's
+   penalty (ttft form): its first token comes no later, and the idle node's own
+   sessions, coming back to its cache, are not stuck behind it. On the closed-loop
+   agent workload at 0.8 / 0.95 of saturation, explored second to fifth steps
+   (0.85-1.34 s to first token, the whole prefill at the idle node) and the idle
+   node's own sessions, back from their tool calls and queued behind that prefill,
+   were most of the 24 slowest requests: TTFT p99 0.881 / 0.935 s against
+   preble_e2's 0.833 / 0.848; the sharing rule gives 0.652 / 0.689 s. Without the
+   no-later clause open-loop agent sessions piled onto their holders (TPOT p99 0.106
+   -> 0.135 s at 0.95, goodput 7.62 -> 7.46 requests/s); with it 0.100 s, 7.64.
+   Without the blocking cost in that clause, on the seed-2 workload at 0.95 a task
+   explored to a node whose own sessions then waited ~1.45 s behind it (p99 0.979 s
+   against preble_e2's 0.973); with it 0.741 s, and 0.625 / 0.701 s at seed 0.
 
 Exactly one ``rng.random()`` is drawn per decision, so a seeded driver replays
 the same decisions whatever the cluster state.
@@ -651,7 +656,7 @@ class KvgatePolicy:
             if idle is not None and not (
                 self._shared(prompt, tpb, chosen_match, other)
                 # a context of its own leaves only for a first token no later than there
-                or (ttft and by_id[idle.spec.node_id].penalty + loss <= best.penalty)
+                or (ttft and self._no_later_at(by_id[idle.spec.node_id], best, loss, prompt, now))
             ):
                 idle = None
             if idle is not None:
@@ -705,6 +710,15 @@ class KvgatePolicy:
             if ttft <= limit and (key := (bonus, -ttft, -load.slot)) > kept_key:
                 kept, kept_key = (load, bonus, cost), key
         return kept
+
+    def _no_later_at(self, idle: _Load, best: _Load, loss: float, prompt: int, now: float) -> bool:
+        """Whether the idle node would answer no later than the winner: its penalty, plus
+        the prefill the lost hit would have saved, plus the blocking cost of the whole
+        prefill there (the idle node's own sessions come back to its cache and queue
+        behind it) is at most the winner's penalty."""
+        blocking = self.blocking_cost * self._uncached_s(prompt, 0)
+        blocking *= self._cache_value.rate(idle.node_id, now)
+        return idle.penalty + loss + blocking <= best.penalty
 
     def _shared(self, prompt: int, tpb: int, chosen_match: int, other: int) -> bool:
         """Whether the winner's hit of ``chosen_match`` blocks is a prefix exploration may
