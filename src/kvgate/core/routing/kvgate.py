@@ -561,7 +561,6 @@ class KvgatePolicy:
         best_match = 0  # longest match among candidates
         holders_at_best = 0
         best_match_tripped = False
-        second_match = 0  # the longest match among candidates shorter than best_match
         hot_holders = 0
         # the open holders and their bonus, for the affinity slack (only if it is on)
         track_open = ttft and self.affinity_slack_s > 0.0
@@ -576,13 +575,10 @@ class KvgatePolicy:
                 hot_holders += 1
             tripped = (q >= open_queue or nid in tripped_set) and self._breaker_open(nid, q)
             if m > best_match:
-                second_match = best_match
                 best_match, best_match_tripped, holders_at_best = m, tripped, 1
             elif m == best_match:
                 holders_at_best += 1
                 best_match_tripped = best_match_tripped and tripped
-            elif m > second_match:
-                second_match = m
             if tripped:
                 bonus = 0.0
                 score = -w_load * load.penalty
@@ -651,8 +647,17 @@ class KvgatePolicy:
             and (loss := self._saved_s(prompt, chosen_match * tpb)) <= self.explore_max_loss_s
         ):
             idle = _most_idle(candidates, matches, by_id, self.idle_queue, self.idle_util)
-            # the longest match of any other candidate
-            other = best_match if chosen_match < best_match or holders_at_best > 1 else second_match
+            # the longest match of any other candidate (only here: exploration is rare)
+            other = max(
+                (
+                    m
+                    for nid, m in matches.items()
+                    if nid != best.node_id
+                    and (o := by_id.get(nid)) is not None
+                    and o.state in cands
+                ),
+                default=0,
+            )
             if idle is not None and not (
                 self._shared(prompt, tpb, chosen_match, other)
                 # a context of its own leaves only for a first token no later than there
