@@ -224,6 +224,47 @@ def test_bad_profile_is_a_usage_error_before_simulating(
     assert "argument --profile: invalid choice: 'b200-8b'" in err and "simulating" not in err
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--nodes", "0", "argument --nodes: must be >= 1, got 0"),
+        ("--gateways", "0", "argument --gateways: must be >= 1, got 0"),
+        ("--limit", "0", "argument --limit: must be >= 1, got 0"),
+        ("--cache-blocks", "0", "argument --cache-blocks: must be >= 1, got 0"),
+        ("--budget", "0", "argument --budget: must be >= 1, got 0"),
+        ("--speedup", "0", "argument --speedup: must be a finite number > 0, got 0"),
+        ("--rate", "nan", "argument --rate: must be a finite number > 0, got nan"),
+        ("--slo-ttft", "0", "argument --slo-ttft: must be a finite number > 0, got 0"),
+        ("--at-saturation", "0.8,x", "argument --at-saturation: 'x' is not a number"),
+        ("--at-saturation", ",", "argument --at-saturation: expected comma-separated numbers"),
+    ],
+)
+def test_bad_numbers_are_usage_errors_before_simulating(
+    option: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--workload", "gsp", "--limit", "5", option, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "simulating" not in err and "Traceback" not in err
+
+
+def test_unwritable_outputs_fail_before_simulating(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", "--workload", "gsp", "--limit", "5", "--no-progress"]
+    cases = [
+        (["--json", str(tmp_path / "missing" / "r.json")], "does not exist"),
+        (["--json", str(tmp_path)], "is a folder, not a file"),
+        (["--plot", str(tmp_path / "r.txt")], "must end in .png or .svg or .pdf"),
+    ]
+    for extra, message in cases:
+        assert main([*argv, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "simulating" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
 def test_unknown_policy_fails_before_the_saturation_search(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -40,3 +41,26 @@ def check_closed_loop(args: argparse.Namespace) -> None:
             f"--closed-loop applies to the session workloads ({', '.join(SESSION_WORKLOADS)}); "
             "a trace or another workload has no sessions to close"
         )
+
+
+def positive_floats(text: str) -> list[float]:
+    """A comma-separated list of finite numbers > 0 (at least one)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}")
+    return [positive_float(t) for t in items]
+
+
+def check_output_file(path: Path | None, option: str, suffixes: tuple[str, ...] = ()) -> None:
+    """Fail before a long run, not after it, when ``path`` cannot be written: its folder
+    is missing, it is a folder, or (``suffixes``) its format is not one we write.
+    Raises ValueError."""
+    if path is None:
+        return
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise ValueError(f"{option} {path}: the file name must end in {' or '.join(suffixes)}")
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a folder, not a file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: the folder {parent} does not exist")

@@ -18,7 +18,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvgate.commands.argtypes import check_closed_loop
+from kvgate.commands.argtypes import (
+    check_closed_loop,
+    check_output_file,
+    positive_float,
+    positive_floats,
+    positive_int,
+)
 from kvgate.core.admission import AdmissionConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
@@ -34,6 +40,7 @@ from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_gro
 from kvgate.sim.workload import Workload, load_mooncake_trace, scale_rate
 
 SYNTHETIC = ("gsp", "chat", "agent", "zipf")
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # formats matplotlib writes that we document
 
 
 def _scenarios_epilog() -> str:
@@ -72,10 +79,12 @@ def add_simulate_parser(sub: Any) -> None:
         help="synthetic workload when no --trace is given (default chat)",
     )
     w.add_argument(
-        "--limit", type=int, help="use only the first N requests of the workload (default: all)"
+        "--limit",
+        type=positive_int,
+        help="use only the first N requests of the workload (default: all)",
     )
     w.add_argument(
-        "--speedup", type=float, default=1.0, help="arrival speed-up factor (default 1.0)"
+        "--speedup", type=positive_float, default=1.0, help="arrival speed-up factor (default 1.0)"
     )
     w.add_argument(
         "--bucket",
@@ -85,7 +94,7 @@ def add_simulate_parser(sub: Any) -> None:
     )
     w.add_argument(
         "--rate",
-        type=float,
+        type=positive_float,
         default=None,
         help="synthetic arrivals per second: requests (gsp, zipf), sessions (chat) or "
         "tasks (agent) (default gsp 16, chat 0.5, agent 0.2, zipf 4)",
@@ -99,10 +108,12 @@ def add_simulate_parser(sub: Any) -> None:
         "--find-saturation then searches on the open-loop arrivals)",
     )
     c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, default=8, help="simulated inference nodes (default 8)")
+    c.add_argument(
+        "--nodes", type=positive_int, default=8, help="simulated inference nodes (default 8)"
+    )
     c.add_argument(
         "--gateways",
-        type=int,
+        type=positive_int,
         default=1,
         help="gateways, each with its own core and a delayed view, sharing one "
         "coordinator (default 1)",
@@ -115,14 +126,16 @@ def add_simulate_parser(sub: Any) -> None:
     )
     c.add_argument(
         "--cache-blocks",
-        type=int,
+        type=positive_int,
         default=1000,
         help="KV cache per node in blocks of the workload's block size (default 1000)",
     )
     c.add_argument(
-        "--node-capacity", type=int, default=64, help="requests per node in C (default 64)"
+        "--node-capacity", type=positive_int, default=64, help="requests per node in C (default 64)"
     )
-    c.add_argument("--budget", type=int, help="admission budget C (default: nodes x capacity)")
+    c.add_argument(
+        "--budget", type=positive_int, help="admission budget C (default: nodes x capacity)"
+    )
     c.add_argument(
         "--index-mode",
         choices=("approximate", "precise"),
@@ -143,8 +156,12 @@ def add_simulate_parser(sub: Any) -> None:
     r.add_argument(
         "--seed", type=int, default=0, help="seed of the workload and the policies (default 0)"
     )
-    r.add_argument("--slo-ttft", type=float, default=5.0, help="goodput SLO TTFT, s (default 5)")
-    r.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO TPOT, s (default 0.1)")
+    r.add_argument(
+        "--slo-ttft", type=positive_float, default=5.0, help="goodput SLO TTFT, s (default 5)"
+    )
+    r.add_argument(
+        "--slo-tpot", type=positive_float, default=0.1, help="goodput SLO TPOT, s (default 0.1)"
+    )
     r.add_argument(
         "--find-saturation",
         action="store_true",
@@ -152,12 +169,13 @@ def add_simulate_parser(sub: Any) -> None:
     )
     r.add_argument(
         "--saturation",
-        type=float,
+        type=positive_float,
         default=None,
         help="round robin's saturation speed-up if already known (skips the search; default: none)",
     )
     r.add_argument(
         "--at-saturation",
+        type=positive_floats,
         default=None,
         help="comma-separated fractions of round robin's saturation speed-up to run at "
         "(default: none, one run at --speedup)",
@@ -176,7 +194,8 @@ def add_simulate_parser(sub: Any) -> None:
     r.add_argument(
         "--plot",
         type=Path,
-        help="draw TTFT distributions and hit ratios to this PNG (default: none)",
+        help="draw TTFT distributions and hit ratios to this file: .png, .svg or .pdf "
+        "(default: none)",
     )
     r.add_argument(
         "--no-progress",
@@ -446,11 +465,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         params = parse_policy_params(args.policy_param)  # bad ones fail before any run
         resolve_policies(_policy_names(args))  # so do unknown policies
         check_closed_loop(args)
+        check_output_file(args.json, "--json")  # before the run, not after it
+        check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
         report: dict[str, Any]
         if args.find_saturation or args.at_saturation:
             sat = args.saturation or find_saturation(args, progress)
             report = {"round_robin_saturation_speedup": sat, "runs": {}}
-            fractions = [float(f) for f in (args.at_saturation or "").split(",") if f]
+            fractions: list[float] = args.at_saturation or []
             for f in fractions:
                 report["runs"][f"{f:g}"] = _run_once(args, f * sat, progress, params)
             checked = [r["ordering"] for r in report["runs"].values() if "ordering" in r]
@@ -458,18 +479,22 @@ def run_simulate(args: argparse.Namespace) -> int:
                 report["ordering_tally"] = tally(checked)
         else:
             report = _run_once(args, args.speedup, progress, params)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ConfigError) as exc:
         progress.done()
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
     progress.done()
     _print(report)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    if args.plot:
-        from kvgate.commands.sim_plot import plot_report
+    try:
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        if args.plot:
+            from kvgate.commands.sim_plot import plot_report
 
-        plot_report(report, args.plot)
+            plot_report(report, args.plot)
+    except OSError as exc:  # e.g. the disk filled up during the run
+        print(f"kvgate simulate: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
