@@ -112,6 +112,16 @@ def test_simulate_scenario_and_bad_input(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["simulate", "--trace", "/nonexistent.jsonl", "--no-progress"]) == 2
 
 
+def test_an_empty_trace_is_an_error_not_an_empty_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(["simulate", "--trace", str(empty), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert "the trace holds no requests" in captured.err and "policy" not in captured.out
+
+
 def test_policy_params_reach_only_their_policy(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -109,7 +109,14 @@ def test_unsorted_file_is_sorted_stably(tmp_path: Path) -> None:
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
-        (json.dumps({"input_length": 10, "output_length": 1, "hash_ids": [1]}), "timestamp"),
+        (
+            json.dumps({"input_length": 10, "output_length": 1, "hash_ids": [1]}),
+            "'timestamp' is missing",
+        ),
+        (
+            json.dumps({"timestamp": 0, "output_length": 1, "hash_ids": [1]}),
+            "'input_length' is missing",
+        ),
         (_line(0, -5, 1, []), "input_length"),
         (
             json.dumps({"timestamp": 0, "input_length": 1.5, "output_length": 1, "hash_ids": [1]}),
@@ -125,7 +132,7 @@ def test_unsorted_file_is_sorted_stably(tmp_path: Path) -> None:
             json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}),
             "hash_ids",
         ),
-        (_line(0, 1025, 1, [1, 2]), "ceil"),
+        (_line(0, 1025, 1, [1, 2]), r"ceil.*one hash id per 512-token block"),
     ],
 )
 def test_malformed_line_names_its_line(tmp_path: Path, bad: str, msg: str) -> None:

@@ -212,9 +212,12 @@ def _load_workload(
     rng = SeededRng(args.seed)
     closed = args.closed_loop and not open_loop
     if args.trace is not None:
-        return load_mooncake_trace(
+        trace = load_mooncake_trace(
             args.trace, speedup=speedup, bucket_mode=args.bucket, limit=args.limit
         )
+        if not trace.requests:
+            raise ValueError(f"{args.trace}: the trace holds no requests")
+        return trace
     kind = args.workload
     if kind == "gsp":
         w = shared_prefix_groups(rng=rng, arrivals=args.rate or 16.0)

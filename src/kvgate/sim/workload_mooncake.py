@@ -40,7 +40,9 @@ def _fail(path: object, lineno: int, msg: str) -> ValueError:
 
 
 def _int_field(obj: dict[str, object], key: str, path: object, lineno: int) -> int:
-    v = obj.get(key)
+    if key not in obj:
+        raise _fail(path, lineno, f"{key!r} is missing")
+    v = obj[key]
     if isinstance(v, bool) or not isinstance(v, int):
         raise _fail(path, lineno, f"{key!r} must be an integer, got {v!r}")
     if v < 0:
@@ -57,7 +59,9 @@ def _parse_line(
         raise _fail(path, lineno, f"not valid JSON ({e.msg})") from None
     if not isinstance(obj, dict):
         raise _fail(path, lineno, "expected a JSON object")
-    ts = obj.get("timestamp")
+    if "timestamp" not in obj:
+        raise _fail(path, lineno, "'timestamp' is missing")
+    ts = obj["timestamp"]
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
         raise _fail(path, lineno, f"'timestamp' must be a number >= 0, got {ts!r}")
     inp = _int_field(obj, "input_length", path, lineno)
@@ -71,7 +75,7 @@ def _parse_line(
             path,
             lineno,
             f"len(hash_ids) = {len(raw)} but ceil(input_length / {block_tokens}) = {want}"
-            " (pass strict=False to accept)",
+            f" (one hash id per {block_tokens}-token block of the prompt)",
         )
     return float(ts), inp, out, tuple(raw)
 
