@@ -172,6 +172,62 @@ def test_unreachable_or_unreadable_redis_is_coordinator_unavailable(
     kit.run(body())
 
 
+@asynccontextmanager
+async def cut_at_exec(url: str) -> AsyncIterator[str]:
+    """A TCP proxy to the Redis at ``url`` that drops every connection when the client
+    sends EXEC (nothing of it reaches Redis): a connection lost mid-transaction."""
+    target = aioredis.Redis.from_url(url).connection_pool.connection_kwargs
+
+    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter,
+                   other: asyncio.StreamWriter, cut: bool) -> None:
+        try:
+            while data := await src.read(65536):
+                if cut and b"EXEC" in data:
+                    break
+                dst.write(data)
+                await dst.drain()
+        except ConnectionError:
+            pass
+        finally:
+            dst.close()
+            other.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        r_reader, r_writer = await asyncio.open_connection(target["host"], target["port"])
+        await asyncio.gather(pipe(reader, r_writer, writer, True),
+                             pipe(r_reader, writer, r_writer, False))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"redis://127.0.0.1:{port}/{target.get('db', 0)}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_connection_lost_while_watching_is_an_outage_not_a_conflict(
+    kit: Any, redis_url: str
+) -> None:
+    # redis-py raises a WatchError for a connection lost inside WATCH..EXEC, chained
+    # to the ConnectionError implicitly: it must fail the refresh at once, not be
+    # retried as MAX_ATTEMPTS conflicts (nor counted in the conflicts metric).
+    cfg = AdmissionConfig(budget=10)
+
+    async def body() -> None:
+        async with fleet_key(redis_url) as key, cut_at_exec(redis_url) as proxied:
+            coord = RedisCoordinator(cfg, proxied, key=key, socket_timeout_s=0.5)
+            try:
+                with pytest.raises(CoordinatorUnavailable) as info:
+                    await coord.refresh(GatewayAdmission(cfg, "g").make_refresh(0.0), 0.0)
+                assert "conflicting" not in str(info.value)
+                assert coord.conflicts == 0
+            finally:
+                await coord.close()
+
+    kit.run(body())
+
+
 def test_redis_coordinator_config() -> None:
     assert AdmissionSection(coordinator="redis").redis_url == "redis://127.0.0.1:6379/0"
     with pytest.raises(ConfigError, match="redis_url"):

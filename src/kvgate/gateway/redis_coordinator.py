@@ -116,9 +116,10 @@ class RedisCoordinator:
                     except WatchError as exc:
                         # redis-py reports a connection lost while watching as a
                         # WatchError too: that is an outage, not a conflict
-                        if isinstance(exc.__cause__, (RedisConnectionError, RedisTimeoutError)):
+                        lost = _lost_connection(exc)
+                        if lost is not None:
                             raise CoordinatorUnavailable(
-                                f"redis coordinator at {self.url}: {exc.__cause__}"
+                                f"redis coordinator at {self.url}: {lost}"
                             ) from exc
                         self.conflicts += 1
                 if attempt < MAX_ATTEMPTS:
@@ -143,6 +144,15 @@ class RedisCoordinator:
             raise CoordinatorUnavailable(
                 f"redis coordinator at {self.url}: unreadable state under {self.key!r}: {exc}"
             ) from exc
+
+
+def _lost_connection(exc: WatchError) -> BaseException | None:
+    """The connection error behind a WatchError, if any. redis-py raises it inside its
+    retry handler without ``from``, so the error is the implicit ``__context__``."""
+    for cause in (exc.__cause__, exc.__context__):
+        if isinstance(cause, (RedisConnectionError, RedisTimeoutError, TimeoutError)):
+            return cause
+    return None
 
 
 def _encode(state: dict[str, Any]) -> bytes:
