@@ -118,8 +118,11 @@ def test_gateway_expiry_frees_its_lease_and_release_is_immediate() -> None:
 def test_reclaim_grace_keeps_inuse_held_after_expiry() -> None:
     coord = InProcessCoordinator(_one_class(100, lease=LeaseConfig(reclaim_grace_s=10.0)))
     coord.refresh(report("a", 100, inuse0=70, has=100), 0.0)
+    coord.refresh(report("b", 100), 1.0)  # b refreshes on: only a's record lapses
     g = coord.refresh(report("b", 100), 2.5)  # a expired: its lease is free, its in-use not
     assert g.total == 30 and g.gateways_live == 1
+    for t in (4.0, 6.0, 8.0, 10.0, 12.0):  # a's in-use held until 2.5 + 10
+        assert coord.refresh(report("b", 100, has=30), t).total == 30
     assert coord.refresh(report("b", 100, has=30), 12.6).total == 100
 
 
@@ -170,8 +173,22 @@ def test_a_gateway_reporting_an_old_epoch_is_echoed_for_one_ttl() -> None:
     coord = InProcessCoordinator(_one_class(100), epoch="epoch-7")
     g = coord.refresh(report("a", 100, has=30, epoch="epoch-6"), 0.0)
     assert g.learning and g.total == 30
+    assert coord.refresh(report("a", 100, has=30, epoch="epoch-6"), 1.0).learning
     g = coord.refresh(report("a", 100, has=30, epoch="epoch-7"), 2.5)
     assert not g.learning and g.total == 100
+
+
+def test_every_record_lapsed_means_an_outage_learnt_for_one_ttl() -> None:
+    coord = InProcessCoordinator(_one_class(30))
+    for gid in ("a", "b", "c"):
+        coord.refresh(report(gid, 10, has=10, inuse0=10), 0.0)
+    # nobody reached the coordinator for 10 s; a comes back first, with a queue
+    g = coord.refresh(report("a", 100, has=10, inuse0=10), 10.0)
+    assert g.learning and g.total == 10  # not 30: b and c still run their 10
+    assert coord.refresh(report("b", 10, has=10, inuse0=10), 10.1).total == 10
+    assert coord.refresh(report("c", 10, has=10, inuse0=10), 10.2).total == 10
+    g = coord.refresh(report("a", 100, has=10, inuse0=10), 12.1)
+    assert not g.learning and g.total == 10  # one ttl later: fair shares again
 
 
 def test_c_eff_is_the_latest_reported_and_clamped_to_the_budget() -> None:

@@ -41,6 +41,10 @@ gets nothing. It runs
   coordinator cannot know what gateways admitted in NO_ASSIGNMENT, and without
   learning the first gateway to report is lent all idle capacity while the others
   still run on their start-up allowance.
+- after an outage: when every gateway's record has lapsed unrefreshed (nobody reached
+  the coordinator for a whole TTL), for one TTL from the first refresh after it. The
+  gateways kept running what they admitted (on their last lease, then in SAFE), and
+  without learning the first one back is lent all of it.
 
 Start-up bounds. With ``learn_on_start`` and ``expected_gateways`` at least the real
 gateway count, the sum of in-flight never exceeds C from the first request on. Without
@@ -140,7 +144,7 @@ class InProcessCoordinator:
 
     # ----------------------------------------------------------------- public
     def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
-        if self.learn_on_start:
+        if self.learn_on_start or self._lapsed(now):
             self.learn_on_start = False
             self.learning_until = now + self.config.lease.ttl_s
         self.refreshes += 1
@@ -183,6 +187,12 @@ class InProcessCoordinator:
         return rec.held_total()
 
     # ----------------------------------------------------------------- steps
+    def _lapsed(self, now: float) -> bool:
+        """Every live record is past its TTL: no gateway has refreshed for a whole TTL
+        (the coordinator was unreachable), yet their gateways may still be admitting."""
+        live = self.live()
+        return bool(live) and all(r.expires_at < now for r in live)
+
     def _expire(self, now: float) -> None:
         grace = self.config.lease.reclaim_grace_s
         for gid in list(self.records):
