@@ -41,7 +41,8 @@ class StubEngine:
 
     modes: ok, 503, retry-elsewhere, pool-overloaded, 400, 500, die-mid-stream,
     slow (a long stream / a long wait), hang (never answers), stall (a stream's
-    headers, then nothing), burst (a long stream written at once, then no end).
+    headers, then nothing), burst (a long stream written at once, then no end),
+    firehose (a stream that never ends, written as fast as it is taken).
     """
 
     name: str
@@ -194,6 +195,10 @@ class StubEngine:
         await resp.prepare(request)
         if self.mode == "stall":
             await asyncio.sleep(30)
+        if self.mode == "firehose":
+            event = b'data: {"choices": [{"index": 0, "text": "%s"}]}\n\n' % (b"x" * 1000)
+            while True:
+                await resp.write(event)
         n = {"slow": 200, "burst": 3000}.get(self.mode, 3)
         for i in range(n):
             choice: dict[str, Any] = {"index": 0, "finish_reason": None}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import aiohttp
@@ -173,6 +174,36 @@ def test_client_disconnect_cancels_upstream_and_frees_the_credit(kit: Any) -> No
             await kit.eventually(lambda: ctl.num_requests() == 0)
             assert ctl.admission.inuse_total == 0
             assert ctl.nodes.get(stub.name).inflight == 0  # type: ignore[union-attr]
+
+    kit.run(body())
+
+
+def test_a_client_that_stops_reading_a_stream_is_gone_after_the_idle_timeout(kit: Any) -> None:
+    """A client that keeps its connection open but reads nothing must not hold its
+    credit, the node's work and the connection forever."""
+
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "firehose"},
+                               upstream={"stream_idle_timeout_s": 0.5}) as c:
+            ctl = c.gw.controller
+            loop = asyncio.get_running_loop()
+            req = json.dumps({"model": kit.MODEL, "prompt": "p", "stream": True}).encode()
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.setblocking(False)
+                await loop.sock_connect(sock, ("127.0.0.1", int(c.url.rsplit(":", 1)[1])))
+                await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
+                                        b"Content-Type: application/json\r\n"
+                                        b"Content-Length: %d\r\n\r\n%s" % (len(req), req))
+                assert (await loop.sock_recv(sock, 64)).startswith(b"HTTP/1.1 200")
+                assert ctl.num_requests() == 1
+                # ... and reads nothing more: the gateway's writes stall
+                await kit.eventually(lambda: ctl.num_requests() == 0, 5.0)
+                assert ctl.admission.inuse_total == 0
+                await kit.eventually(lambda: c.stubs[0].disconnects == 1)  # upstream aborted
+                metrics = c.gw.gateway.metrics
+                assert metrics.client_disconnects == 1
+                await kit.eventually(lambda: metrics.responses[("/v1/completions", 499)] == 1)
 
     kit.run(body())
 

@@ -92,7 +92,9 @@ class ServerConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UpstreamConfig:
     connect_timeout_s: float = 2.0  # TCP connect to a node (CONNECT_ERROR past it)
-    stream_idle_timeout_s: float = 120.0  # streams: no byte for this long (incl. headers)
+    # streams: no byte from the node for this long (incl. headers), or none taken by
+    # the client (it stopped reading): the stream ends
+    stream_idle_timeout_s: float = 120.0
     request_timeout_s: float = 600.0  # non-streamed requests: the whole answer
     pool_limit: int = 1024  # pooled upstream connections, all nodes together
     max_response_bytes: int = 64 * 1024 * 1024  # a non-streamed answer larger is a 502

@@ -64,6 +64,7 @@ from kvgate.protocol import (
 )
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error body passed through
+FAST_WRITE_MAX = 16 * 1024  # a write this small to an empty send buffer never blocks
 
 
 @dataclass(slots=True)
@@ -135,6 +136,9 @@ class Relay:
         self.metrics = metrics
         self.route_headers = route_headers
         self.max_response_bytes = upstream.config.max_response_bytes
+        # a stream is idle on either side past this: the node sends nothing, or the
+        # client takes nothing (it stopped reading but keeps the connection open)
+        self.write_timeout_s = upstream.config.stream_idle_timeout_s
 
     async def run(
         self, request: web.Request, flight: Flight, arrived: RequestArrived
@@ -297,6 +301,7 @@ class Relay:
     async def _pump(self, request: web.Request, flight: Flight, content: aiohttp.StreamReader,
                     chunk: bytes, out: web.StreamResponse) -> None:
         await out.prepare(request)
+        send = _ClientWriter(request, out, self.write_timeout_s)
         filt = StreamFilter(flight.wants_usage)
         failure: FailureKind | None = None
         while True:
@@ -306,7 +311,7 @@ class Relay:
                 failure = FailureKind.UPSTREAM_ERROR
                 break
             if data:
-                await out.write(data)
+                await send(data)
             if filt.done:
                 break
             try:
@@ -324,18 +329,51 @@ class Relay:
             self._next(flight, failure or FailureKind.UPSTREAM_ERROR, before_first_byte=False)
             if not filt.done:
                 if filt.saw_error:  # the engine's error event went out already
-                    await out.write(DONE_EVENT)
+                    await send(DONE_EVENT)
                 else:
-                    await out.write(error_event(
+                    await send(error_event(
                         f"The inference node {flight.node} failed during generation.",
                         code="upstream_error",
                     ))
-        await out.write_eof()
+        await send(None)  # the end
         if filt.done and not content.at_eof():
             # Read the chunked terminator so the connection goes back to the pool.
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with asyncio.timeout(0.1):
                     await _read_limited(content, ERROR_BODY_LIMIT)
+
+
+class _ClientWriter:
+    """Writes to a streamed response, each bounded in time: a client that takes no
+    byte for ``timeout_s`` is dropped (its connection aborted) and reported as gone
+    with ``ConnectionResetError``, as one that closed its connection."""
+
+    __slots__ = ("_out", "_request", "_timeout_s")
+
+    def __init__(self, request: web.Request, out: web.StreamResponse, timeout_s: float) -> None:
+        self._request = request
+        self._out = out
+        self._timeout_s = timeout_s
+
+    async def __call__(self, data: bytes | None) -> None:
+        """Write ``data``; ``None`` ends the response."""
+        transport = self._request.transport
+        if (data is not None and len(data) <= FAST_WRITE_MAX and transport is not None
+                and not transport.get_write_buffer_size()):
+            # Cannot block: the socket took all before, this chunk alone stays below the
+            # transport's high-water mark. Spares a timer per token on the hot path.
+            await self._out.write(data)
+            return
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                if data is None:
+                    await self._out.write_eof()
+                else:
+                    await self._out.write(data)
+        except TimeoutError:
+            if transport is not None:
+                transport.abort()  # close() would wait for the client to read the buffer
+            raise ConnectionResetError("the client stopped reading the stream") from None
 
 
 async def _read_limited(content: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:
