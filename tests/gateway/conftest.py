@@ -39,7 +39,8 @@ class Seen:
 class StubEngine:
     """Pretends to be vLLM's OpenAI server; behaviour set by `mode`.
 
-    modes: ok, 503, retry-elsewhere, pool-overloaded, 400, 500, die-mid-stream,
+    modes: ok, 503, retry-elsewhere, pool-overloaded, 400, 500, 400-large (an error
+    body over the gateway's 64 KiB pass-through limit), die-mid-stream,
     slow (a long stream / a long wait), hang (never answers), stall (a stream's
     headers, then nothing), burst (a long stream written at once, then no end),
     firehose (a stream that never ends, written as fast as it is taken).
@@ -150,17 +151,18 @@ class StubEngine:
                 status=503,
                 headers=headers,
             )
-        if mode in ("400", "500"):
+        if mode in ("400", "500", "400-large"):
+            status = int(mode[:3])
             return web.json_response(
                 {
                     "error": {
-                        "message": f"engine says {mode}",
+                        "message": "x" * 100_000 if mode == "400-large" else f"engine says {mode}",
                         "type": "BadRequestError",
                         "param": None,
-                        "code": int(mode),
+                        "code": status,
                     }
                 },
-                status=int(mode),
+                status=status,
             )
         try:
             if mode == "hang":

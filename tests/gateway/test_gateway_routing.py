@@ -113,6 +113,21 @@ def test_engine_4xx_passed_through_without_retry(kit: Any) -> None:
     kit.run(body())
 
 
+def test_engine_error_body_too_large_to_pass_through_is_not_cut_into_bad_json(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2, stub={"mode": "400-large"}) as c:
+            status, headers, raw = await c.post("/v1/completions", _req(1))
+            assert status == 400  # still the client's own error, not retried
+            assert headers["Content-Type"].startswith("application/json")
+            err = json.loads(raw)["error"]  # whole JSON, not the first 64 KiB of the node's
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["type"] == "invalid_request_error" and err["code"] == "client_error"
+            assert sum(s.attempts for s in c.stubs) == 1
+            assert c.gw.controller.num_requests() == 0
+
+    kit.run(body())
+
+
 def test_timeout_before_first_byte_is_not_retried(kit: Any) -> None:
     async def body() -> None:
         async with kit.cluster(2, stub={"mode": "hang"},

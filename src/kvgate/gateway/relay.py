@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -42,6 +43,7 @@ from kvgate.gateway.errors import (
     REASON_HEADER,
     REQUEST_ID_HEADER,
     fail_response,
+    json_response,
     reject_response,
 )
 from kvgate.gateway.metrics_text import GatewayMetrics
@@ -58,6 +60,7 @@ from kvgate.protocol import (
     SSEParser,
     cached_tokens,
     cached_tokens_of_body,
+    error_body,
     error_event,
     is_error_chunk,
     is_usage_only_chunk,
@@ -246,9 +249,9 @@ class Relay:
         kind = classify_status(resp.status, resp.headers)
         try:
             async with asyncio.timeout(self.upstream.config.connect_timeout_s):
-                body, _ = await _read_limited(resp.content, ERROR_BODY_LIMIT)
+                body, complete = await _read_limited(resp.content, ERROR_BODY_LIMIT)
         except (aiohttp.ClientError, TimeoutError, OSError):
-            body = b""
+            body, complete = b"", False
         decision = self._next(flight, kind)
         if isinstance(decision, Fail) and kind in (
             FailureKind.CLIENT_ERROR, FailureKind.RATE_LIMITED, FailureKind.UPSTREAM_ERROR
@@ -256,6 +259,8 @@ class Relay:
             flight.done = True  # the engine's own error body, passed through
             headers = self._headers(flight)
             headers[NODE_HEADER] = decision.node_id or flight.node or ""
+            if not complete:  # its first ERROR_BODY_LIMIT bytes would be broken JSON
+                return json_response(resp.status, _cut_error_body(resp.status, kind), headers)
             headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
             return web.Response(status=resp.status, body=body, headers=headers)
         return decision
@@ -341,6 +346,16 @@ class Relay:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with asyncio.timeout(0.1):
                     await _read_limited(content, ERROR_BODY_LIMIT)
+
+
+def _cut_error_body(status: int, kind: FailureKind) -> dict[str, Any]:
+    """Ours, for a node's error body too large to pass on whole."""
+    return error_body(
+        f"The inference node answered {status} with an error body over "
+        f"{ERROR_BODY_LIMIT} bytes, not passed on.",
+        "invalid_request_error" if status < 500 else "server_error",
+        code=kind.value,
+    )
 
 
 class _ClientWriter:
