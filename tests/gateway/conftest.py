@@ -40,7 +40,7 @@ class StubEngine:
     """Pretends to be vLLM's OpenAI server; behaviour set by `mode`.
 
     modes: ok, 503, retry-elsewhere, pool-overloaded, 400, 500, 400-large (an error
-    body over the gateway's 64 KiB pass-through limit), die-mid-stream,
+    body over the gateway's 64 KiB pass-through limit), redirect (a 308), die-mid-stream,
     slow (a long stream / a long wait), hang (never answers), stall (a stream's
     headers, then nothing), burst (a long stream written at once, then no end),
     firehose (a stream that never ends, written as fast as it is taken).
@@ -151,6 +151,9 @@ class StubEngine:
                 status=503,
                 headers=headers,
             )
+        if mode == "redirect":  # e.g. an ingress sending plain http to https
+            return web.Response(status=308, text="<html>moved</html>", content_type="text/html",
+                                headers={"Location": "https://elsewhere/v1/completions"})
         if mode in ("400", "500", "400-large"):
             status = int(mode[:3])
             return web.json_response(

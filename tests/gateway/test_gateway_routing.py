@@ -128,6 +128,19 @@ def test_engine_error_body_too_large_to_pass_through_is_not_cut_into_bad_json(ki
     kit.run(body())
 
 
+def test_engine_redirect_is_a_502_not_passed_through(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "redirect"}) as c:
+            status, headers, raw = await c.post("/v1/completions", _req(1))
+            assert status == 502  # the node is misconfigured: not the client's to follow
+            assert "Location" not in headers
+            err = json.loads(raw)["error"]
+            assert err["type"] == "server_error" and err["code"] == "upstream_error"
+            assert c.gw.controller.num_requests() == 0
+
+    kit.run(body())
+
+
 def test_timeout_before_first_byte_is_not_retried(kit: Any) -> None:
     async def body() -> None:
         async with kit.cluster(2, stub={"mode": "hang"},

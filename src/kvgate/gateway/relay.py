@@ -255,7 +255,7 @@ class Relay:
         decision = self._next(flight, kind)
         if isinstance(decision, Fail) and kind in (
             FailureKind.CLIENT_ERROR, FailureKind.RATE_LIMITED, FailureKind.UPSTREAM_ERROR
-        ) and body:
+        ) and body and resp.status >= 400:  # a 3xx (no Location passed) is our 502
             flight.done = True  # the engine's own error body, passed through
             headers = self._headers(flight)
             headers[NODE_HEADER] = decision.node_id or flight.node or ""
