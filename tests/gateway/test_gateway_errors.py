@@ -127,6 +127,27 @@ def test_auth_required_when_keys_are_configured(kit: Any) -> None:
     kit.run(body())
 
 
+def test_a_bad_key_is_refused_before_its_body_is_read(kit: Any) -> None:
+    """No key, no body buffered: a 401 at once, not a wait of up to body_timeout_s while
+    up to client_max_size bytes are taken in for a caller who may send nothing."""
+
+    async def body() -> None:
+        async with kit.cluster(1, auth=AUTH, server={"body_timeout_s": 10.0}) as c:
+            host, port = c.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Authorization: Bearer sk-nope\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2.0)
+                assert head.startswith(b"HTTP/1.1 401"), head[:40]
+            finally:
+                writer.close()
+                await writer.wait_closed()
+
+    kit.run(body())
+
+
 def test_priority_capped_by_the_key_and_bypass_lane(kit: Any) -> None:
     async def body() -> None:
         async with kit.cluster(1, auth=AUTH) as c:

@@ -2,9 +2,9 @@
 
 One request, in order (each step a 4xx when it fails, never a 500):
 
-1. read the body (413 past ``server.client_max_size``, 408 past
+1. identify the caller (401 with auth on and a bad key), before its body is read;
+2. read the body (413 past ``server.client_max_size``, 408 past
    ``server.body_timeout_s``, 400 when badly encoded or framed: body.py);
-2. identify the caller (401 with auth on and a bad key);
 3. validate the body with :mod:`kvgate.protocol` (400 with OpenAI's ``param``);
 4. resolve the priority (header over body, capped by the key), check the model
    exists somewhere (404), read ``X-Kvgate-Exclude-Node``;
@@ -101,8 +101,9 @@ class CompletionsHandler:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        body = await read_body(request, self._body_timeout)
+        # the key first: an unknown caller's body is never waited for nor buffered
         identity = self.auth.identify(request.headers)
+        body = await read_body(request, self._body_timeout)
         parsed: ChatRequest | CompletionRequest
         if chat:
             parsed = parse_chat_request(body, max_body_bytes=self._max_body)
