@@ -227,3 +227,38 @@ def test_an_idle_gap_longer_than_the_stall_bound_is_not_a_stall() -> None:
     cluster.run()
     cluster.check_outcomes()
     assert cluster.outcomes[late.request_id].status == "completed"
+
+
+def test_funnel_evicted_counts_only_blocks_a_node_had_cached() -> None:
+    """A block seen before only in a request that was refused never reached a cache:
+    missing it is not an eviction. One that a node cached and lost is."""
+    from kvgate.engine.eviction import EvictionConfig
+    from kvgate.sim.workload import SimRequest, Workload
+
+    def req(rid: str, t: float, first: int, blocks: int) -> SimRequest:
+        ids = tuple(range(first, first + blocks))
+        return SimRequest(
+            request_id=rid, arrival_s=t, prompt_tokens=512 * blocks, output_tokens=20, block_ids=ids
+        )
+
+    w = Workload(
+        name="w",
+        block_tokens=512,
+        requests=(
+            req("a", 0.0, 0, 8),  # computed and cached, then evicted by the hook
+            req("huge", 0.0, 100, 1000),  # longer than a node's context: refused at once
+            req("after_refused", 5.0, 100, 8),  # its blocks were only ever in "huge"
+            req("after_evicted", 5.0, 0, 8),
+        ),
+    )
+
+    def evict_all(c: SimCluster) -> None:
+        c.nodes[0].engine.bulk_evict(1.0, c.loop.now)
+
+    cfg = small_config(nodes=1, eviction=EvictionConfig(announce_lead_s=None))
+    cluster = SimCluster(cfg, w, rng=SeededRng(1))
+    cluster.hooks.append((3.0, evict_all))
+    cluster.run()
+    cluster.check_outcomes()
+    assert cluster.outcomes["huge"].status == "rejected"
+    assert dict(cluster.funnel) == {"hit": 0, "never_seen": 8, "never_cached": 8, "evicted": 8}

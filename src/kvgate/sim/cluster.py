@@ -107,6 +107,7 @@ class _Attempt:
     attempt: int
     reason: str = ""  # the route reason, for the cache-loss funnel
     best_real_blocks: int = 0  # longest prefix any live node really held at submit
+    stored_blocks: int = 0  # longest prefix some node had cached at some time before submit
     first_byte: bool = False
     done: bool = False
 
@@ -180,6 +181,9 @@ class SimCluster:
         # cache-loss funnel (blocks): why each prompt block was or was not a hit
         self.funnel: Counter[str] = Counter()
         self._seen_blocks: set[int] = set()
+        # every block hash any node ever cached: a miss on a block no node ever had (seen
+        # only in a refused or still uncomputed request) is not an eviction
+        self._stored_blocks: set[int] = set()
         self._ideal: dict[str, int] = {}
         # closed loop: the requests waiting for each request's end, with their gateways
         self._followers: dict[str, list[tuple[SimRequest, int]]] = {}
@@ -333,6 +337,11 @@ class SimCluster:
             (len(n.engine.pool.find_prefix(hashes, full)) for n in self.nodes if not n.crashed),
             default=0,
         )
+        stored = self._stored_blocks
+        for b in hashes:
+            if b not in stored:
+                break
+            att.stored_blocks += 1
         verdict = node.engine.submit(
             EngineRequest(
                 request_id=eid,
@@ -408,6 +417,8 @@ class SimCluster:
             return
         precise = self.config.controller.index_mode == "precise"
         for ev in events:
+            if isinstance(ev, BlockStored):
+                self._stored_blocks.update(ev.block_hashes)
             if isinstance(ev, EvictionAnnounced | EvictionDone) or precise:
                 self.loop.after(self.config.event_delay_s, partial(self._deliver_event, node, ev))
 
@@ -471,10 +482,13 @@ class SimCluster:
         total = len(req.block_ids)
         ideal = min(self._ideal.get(req.request_id, 0), total)
         best = max(min(att.best_real_blocks, ideal), got)
+        stored = max(min(att.stored_blocks, ideal), best)
         f = self.funnel
         f["hit"] += got
         f["never_seen"] += total - ideal
-        f["evicted"] += max(0, ideal - best)
+        # seen in an earlier request, but no node ever cached it before this one was sent
+        f["never_cached"] += max(0, ideal - stored)
+        f["evicted"] += stored - best
         away = best - got
         if away > 0:
             if att.reason in ("breaker", "exploration", "replication"):
