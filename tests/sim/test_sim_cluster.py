@@ -262,3 +262,36 @@ def test_funnel_evicted_counts_only_blocks_a_node_had_cached() -> None:
     cluster.check_outcomes()
     assert cluster.outcomes["huge"].status == "rejected"
     assert dict(cluster.funnel) == {"hit": 0, "never_seen": 8, "never_cached": 8, "evicted": 8}
+
+
+def test_funnel_adds_up_when_a_request_hits_blocks_a_later_arrival_computed() -> None:
+    """Blocks a request hits are not 'never seen', even when the request that computed
+    them arrived after it (it jumped the queue on priority): the funnel still adds up
+    to the prompt blocks."""
+    from kvgate.sim.workload import SimRequest, Workload
+
+    def req(rid: str, t: float, first: int, prio: int, out: int = 20) -> SimRequest:
+        ids = tuple(range(first, first + 16))  # 8 192 tokens: one whole step's budget
+        return SimRequest(
+            request_id=rid,
+            arrival_s=t,
+            prompt_tokens=512 * 16,
+            output_tokens=out,
+            block_ids=ids,
+            priority=prio,
+        )
+
+    w = Workload(
+        name="w",
+        block_tokens=512,
+        requests=(
+            req("busy", 0.0, 0, 1, out=1),  # keeps the node busy while the next two queue
+            req("early", 0.001, 100, 1),
+            req("late", 0.002, 100, 0),  # P0: prefilled first, early then hits its blocks
+        ),
+    )
+    cluster, _ = run_policy(w, small_config(nodes=1), "kvgate", seed=1)
+    early = cluster.outcomes["early"]
+    assert early.status == "completed" and early.cached_tokens == 15 * 512
+    assert sum(cluster.funnel.values()) == 3 * 16
+    assert cluster.funnel["hit"] == 15

@@ -480,7 +480,8 @@ class SimCluster:
     def _count_funnel(self, att: _Attempt, got: int) -> None:
         req = att.outcome.req
         total = len(req.block_ids)
-        ideal = min(self._ideal.get(req.request_id, 0), total)
+        # a hit was seen: a later arrival may have computed it first (it jumped the queue)
+        ideal = max(min(self._ideal.get(req.request_id, 0), total), got)
         best = max(min(att.best_real_blocks, ideal), got)
         stored = max(min(att.stored_blocks, ideal), best)
         f = self.funnel
