@@ -13,9 +13,10 @@ numbers of the checks below). Criteria (issue "Simulator"):
   run; P0 keeps >= 90 % of its admit rate (share of offered P0 requests admitted
   during the outage against before it) and the sum of in-flight requests never
   exceeds the budget C (the safe limit is C / gateways per gateway).
-* ``mass_eviction``: the node holding the most cached blocks drops 90 % of them
-  at 40 % of the run, while its prefixes are hot; run with and without the
-  pre-announcement, the report shows TTFT p99 and hit ratio of both.
+* ``mass_eviction``: the node holding the most cached blocks drops its cached blocks
+  not in use, up to 90 % of its pool, at 40 % of the run, while its prefixes are hot;
+  run with and without the pre-announcement, the report shows TTFT p99 and hit ratio
+  of both.
 * ``tenant_flood``: one tenant floods at 10x its share; it never holds more than
   its quota in flight, and the other tenants' TTFT p99 moves by < 20 % against
   the same run without the flood.
@@ -162,8 +163,8 @@ def coordinator_down(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
 def mass_eviction(
     base: Workload, config: ClusterConfig, rng: Rng, *, announce: bool = True
 ) -> Plan:
-    """The fullest node drops 90% of its cache at 40% of the run, with and without
-    announcing it first; TTFT p99 and hit ratio of both."""
+    """The fullest node drops its unused cached blocks (up to 90% of its pool) at 40%
+    of the run, with and without announcing it first; TTFT p99 and hit ratio of both."""
     at = 0.4 * base.duration_s
 
     def evict(c: SimCluster) -> None:
