@@ -15,6 +15,7 @@ from kvgate.engine import (
     generated_block_hash,
     generated_token_id,
     get_profile,
+    prompt_key,
 )
 
 PROMPT_IDS = tuple(range(1000, 1010))
@@ -64,7 +65,7 @@ def test_chunked_prefill_decode_and_generated_block_caching(kit) -> None:
     # step 4: decode fills block 2 (2 prompt + 2 generated tokens), then A finishes
     out = engine.step(out.end)
     assert out is not None
-    g2 = generated_block_hash(102, "A", 2)
+    g2 = generated_block_hash(102, "A", 2, prompt_key(a))
     assert engine.take_events() == [
         BlockStored(
             block_hashes=(g2,),
@@ -142,8 +143,9 @@ def test_two_prefills_share_the_budget_and_decodes_go_first(kit) -> None:
 
 def test_preemption_when_the_pool_is_full_then_recompute_with_cache_hits(kit) -> None:
     engine = kit.tiny_engine()  # 10 blocks of 4, budget 64
-    engine.submit(kit.req("X", 16, base=200, max_tokens=8), 0.0)
-    engine.submit(kit.req("Y", 16, base=300, max_tokens=8), 0.0)
+    x, y = kit.req("X", 16, base=200, max_tokens=8), kit.req("Y", 16, base=300, max_tokens=8)
+    engine.submit(x, 0.0)
+    engine.submit(y, 0.0)
     now = 0.0
     outs = []
     for _ in range(5):
@@ -152,7 +154,8 @@ def test_preemption_when_the_pool_is_full_then_recompute_with_cache_hits(kit) ->
         outs.append(out)
         now = out.end
     # X: blocks 0-3 + 8, Y: 4-7 + 9; both generated blocks (index 4) got cached at step 5
-    gx4, gy4 = generated_block_hash(204, "X", 4), generated_block_hash(304, "Y", 4)
+    gx4 = generated_block_hash(204, "X", 4, prompt_key(x))
+    gy4 = generated_block_hash(304, "Y", 4, prompt_key(y))
     assert engine.pool.cached_hashes() == {
         201: 0,
         202: 1,
@@ -329,3 +332,24 @@ def test_abort_frees_blocks_but_keeps_them_cached(kit) -> None:
     assert engine.pool.cached_hashes() == {101: 0, 102: 1}
     assert engine.metrics().num_requests_aborted == 1
     assert engine.step(out.end) is None
+
+
+def test_a_reused_request_id_with_another_prompt_tail_gets_its_own_generated_blocks(
+    kit,
+) -> None:
+    # The HTTP engine keeps a client's X-Request-Id, so an id can come back with
+    # another prompt. Same first block, other tail: block 1 holds other tokens.
+    engine = kit.tiny_engine()
+    first = kit.req("x", 6, base=100, max_tokens=3, token_ids=(1, 2, 3, 4, 5, 6))
+    second = kit.req("x", 7, base=100, max_tokens=2, token_ids=(1, 2, 3, 4, 7, 8, 9))
+    for request in (first, second):
+        assert engine.submit(request, 0.0).accepted
+        kit.drive(engine, 0.0)
+    stored = [e for e in engine.take_events() if isinstance(e, BlockStored)]
+    x0, x1 = generated_token_id("x", 0), generated_token_id("x", 1)
+    assert [(e.parent_block_hash, e.token_ids) for e in stored] == [
+        (None, (1, 2, 3, 4)),
+        (101, (5, 6, x0, x1)),
+        (101, (7, 8, 9, x0)),
+    ]
+    assert stored[1].block_hashes != stored[2].block_hashes

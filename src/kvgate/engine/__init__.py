@@ -49,6 +49,7 @@ from kvgate.engine.sequence import (
     ReqStatus,
     generated_block_hash,
     generated_token_id,
+    prompt_key,
 )
 
 __all__ = [
@@ -82,5 +83,6 @@ __all__ = [
     "generated_block_hash",
     "generated_token_id",
     "get_profile",
+    "prompt_key",
     "step_time",
 ]

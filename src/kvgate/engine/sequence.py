@@ -14,17 +14,21 @@ ceil((prompt + max_tokens - 1) / block_size) blocks.
 
 Block hashes: the caller supplies the hashes of the prompt's full blocks.
 Blocks that fill with generated tokens (including the prompt's partial tail)
-get `generated_block_hash(parent, request_id, index)`: stable across runs and
-PYTHONHASHSEED (xxh3, never `hash()`), and distinct per request because
-sampling makes two requests' outputs differ. Generated token ids (reported in
-events when the request carried prompt token ids) come from
-`generated_token_id`, so a server can render the same tokens.
+get `generated_block_hash(parent, request_id, index, key)`: stable across runs
+and PYTHONHASHSEED (xxh3, never `hash()`), and distinct per request because
+sampling makes two requests' outputs differ. The first such block also covers
+`prompt_key(request)` (prompt length and token ids): it may hold the prompt's
+tail, which the parent chain does not, and a request id can be reused.
+Generated token ids (reported in events when the request carried prompt token
+ids) come from `generated_token_id`, so a server can render the same tokens.
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
+import sys
+from array import array
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,6 +45,7 @@ __all__ = [
     "WaitingQueue",
     "generated_block_hash",
     "generated_token_id",
+    "prompt_key",
 ]
 
 SIM_VOCAB_SIZE = 32_000  # Llama-2-sized vocabulary for the fake generated token ids
@@ -51,16 +56,27 @@ def generated_token_id(request_id: str, index: int) -> int:
     return xxhash.xxh3_64_intdigest(f"{request_id}\x00{index}".encode()) % SIM_VOCAB_SIZE
 
 
-def generated_block_hash(parent: int | None, request_id: str, block_index: int) -> int:
-    """Chained hash of a block that holds generated tokens."""
+def generated_block_hash(
+    parent: int | None, request_id: str, block_index: int, key: int = 0
+) -> int:
+    """Chained hash of a block that holds generated tokens (`key`: see `prompt_key`)."""
     root_flag = b"\x01" if parent is None else b"\x00"
     data = (
         (parent or 0).to_bytes(8, "little")
         + root_flag
         + block_index.to_bytes(8, "little")
+        + key.to_bytes(8, "little")
         + request_id.encode()
     )
     return xxhash.xxh3_64_intdigest(data)
+
+
+def prompt_key(request: EngineRequest) -> int:
+    """Digest of the prompt's length and token ids, for its first generated block."""
+    ids = array("Q", request.token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()  # the same digest on every host
+    return xxhash.xxh3_64_intdigest(request.prompt_tokens.to_bytes(8, "little") + ids.tobytes())
 
 
 class ReqStatus(enum.Enum):
@@ -108,7 +124,9 @@ class SeqState:
         while len(self.block_hashes) <= index:
             i = len(self.block_hashes)
             parent = self.block_hashes[i - 1] if i else None
-            self.block_hashes.append(generated_block_hash(parent, self.request_id, i))
+            # Only the first generated block can hold prompt tokens; later ones chain from it.
+            key = prompt_key(self.request) if i == len(self.request.block_hashes) else 0
+            self.block_hashes.append(generated_block_hash(parent, self.request_id, i, key))
         return self.block_hashes[index]
 
     def block_token_ids(self, index: int, block_size: int) -> tuple[int, ...]:
