@@ -161,7 +161,7 @@ def check(engine: SimEngine, mirror: Mirror) -> None:
     mirror.apply(engine.take_events())
     assert mirror.hashes == set(engine.pool.cached_hashes())
     pool = engine.pool
-    assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
+    assert pool.num_free_blocks == sum(pool.block(i).ref_cnt == 0 for i in range(pool.num_blocks))
     assert all(pool.block(i).ref_cnt >= 0 for i in range(pool.num_blocks))
     for block_hash, block_id in pool.cached_hashes().items():
         assert pool.block(block_id).block_hash == block_hash
@@ -230,11 +230,12 @@ def test_accounting_adds_up_and_every_request_ends_exactly_once(
             record_step(out)
             now = out.end
             continue
-        if not engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() and engine.next_timer_at() is None:
             break
         now = engine.next_timer_at() or now + 1.0
     check(engine, mirror)
     assert not engine.has_unfinished_requests()
+    assert mirror.pending_announcements == 0  # every announced eviction said it was done
     assert engine.pool.num_used_blocks == 0
     assert outcomes == Counter(submitted)
 
