@@ -89,12 +89,25 @@ def test_owner_within_the_bound_keeps_its_key(make_cluster, make_ctx):
     assert _owner(c, ctx) == owner  # 2 <= 1.25 * 9 / 4 = 2.81
 
 
-def test_nobody_within_the_bound_falls_back_to_least_inflight(make_cluster, make_ctx):
+def test_nobody_within_the_bound_falls_back_to_the_ring_owner(make_cluster, make_ctx):
+    # KubeAI chwblGetAddr returns the first endpoint of the walk (its defaultEndpoint);
+    # SMG prefix_hash "all workers overloaded, use initial worker anyway"
     c = make_cluster(2)
+    ctx = next(x for x in (make_ctx(_chain(k)) for k in range(50)) if _owner(c, x) == "n1")
     c.load("n0", inflight=1)
     c.load("n1", inflight=1)  # 2 > 1.25 * 3 / 2 for both
-    d = _place(ConsistentHashPolicy(), c, make_ctx(_chain(5)))
-    assert d.reason is RouteReason.FALLBACK and d.node_id == "n0"
+    d = _place(ConsistentHashPolicy(), c, ctx)
+    assert d.reason is RouteReason.FALLBACK and d.node_id == "n1"
+
+
+def test_light_load_keeps_the_key_on_its_owner(make_cluster, make_ctx):
+    # 8 nodes, 2 in flight: even an idle owner fails 0 + 1 <= 1.25 * 3 / 8, so does
+    # everyone; the key must stay on its owner, not go to the lowest idle slot
+    c = make_cluster(8)
+    ctx = next(x for x in (make_ctx(_chain(k)) for k in range(50)) if _owner(c, x) == "n5")
+    c.load("n2", inflight=2)
+    d = _place(ConsistentHashPolicy(), c, ctx)
+    assert d.node_id == "n5"
 
 
 def test_no_full_block_falls_back_to_least_inflight(make_cluster, make_ctx):

@@ -32,10 +32,14 @@ walk, so a node that is down or excluded hands its keys to its ring successors
 and every other key stays where it was (~1/N keys move per node). Load is the
 gateway's own in-flight count (``state.inflight``), as in KubeAI.
 
-A prompt shorter than one block has no key: it goes to the least in-flight
-candidate (reason ``FALLBACK``), as does the rare case where no candidate passes
-the bound. ``uses_cache = False``; reason ``HASH``; ``parts["hops"]`` counts the
-candidates skipped for load.
+When no candidate passes the bound the request goes to the first candidate of
+the walk, the key's owner (reason ``FALLBACK``): KubeAI's ``defaultEndpoint``,
+SMG prefix_hash's "all workers overloaded, use initial worker anyway". This is
+common, not rare: at light load (total in flight + 1 < n / load_factor) even an
+idle owner fails the bound. A prompt shorter than one block has no key: it goes
+to the least in-flight candidate (reason ``FALLBACK``; KubeAI always has a key,
+SMG falls back to least load without tokens). ``uses_cache = False``; reason
+``HASH``; ``parts["hops"]`` counts the candidates skipped for load.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class ConsistentHashPolicy:
         best = best_match(candidates, matches)
         threshold = self.load_factor * (total + 1) / n
         position = self.key(ctx)
+        owner_state: NodeState | None = None  # first candidate of the walk
         if position is not None:
             self._ring(frozenset([*(s.node_id for s in nodes), *by_id]))
             size = len(self._positions)
@@ -130,6 +135,8 @@ class ConsistentHashPolicy:
                 state = by_id.get(owner)
                 if state is None or owner in seen:
                     continue
+                if owner_state is None:
+                    owner_state = state
                 if load_ok(state.inflight, total, n, self.load_factor):
                     return RouteDecision(
                         node_id=owner,
@@ -146,7 +153,10 @@ class ConsistentHashPolicy:
                 seen.add(owner)
                 if len(seen) == n:
                     break
-        chosen = least_loaded(candidates, lambda s: float(s.inflight))
+        if owner_state is not None:
+            chosen = owner_state  # nobody within the bound: keep the key's owner
+        else:
+            chosen = least_loaded(candidates, lambda s: float(s.inflight))
         return RouteDecision(
             node_id=chosen.node_id,
             reason=RouteReason.FALLBACK,
