@@ -14,9 +14,12 @@ RNG = random.Random(0)
 TPB = 16
 
 
-def _ctx(make_ctx, prompt_tokens):
+def _ctx(make_ctx, prompt_tokens, base=0):
+    """A prompt whose chain is ``base, base + 1, ...`` (distinct bases share no block)."""
     return make_ctx(
-        tuple(range(prompt_tokens // TPB)), tokens_per_block=TPB, prompt_tokens=prompt_tokens
+        tuple(range(base, base + prompt_tokens // TPB)),
+        tokens_per_block=TPB,
+        prompt_tokens=prompt_tokens,
     )
 
 
@@ -29,8 +32,8 @@ def _route(p, c, ctx, matches, cands, now):
 def _loaded_policy(c, make_ctx, **kw):
     """n0: two 320-token (20-block) requests, n2: one 160-token request, all at t = 0."""
     p = DynamoCostPolicy(**kw)
-    for node, tokens in (("n0", 320), ("n0", 320), ("n2", 160)):
-        _route(p, c, _ctx(make_ctx, tokens), {}, c.candidates(node), 0.0)
+    for base, (node, tokens) in enumerate((("n0", 320), ("n0", 320), ("n2", 160))):
+        _route(p, c, _ctx(make_ctx, tokens, 1000 * (base + 1)), {}, c.candidates(node), 0.0)
     return p
 
 
@@ -47,6 +50,26 @@ def test_hand_computed_argmin(make_cluster, make_ctx, matches):
     assert d.parts["prefill_blocks"] == 8.0 and d.parts["decode_blocks"] == 10.0
     assert (d.matched_blocks, d.best_matched_blocks) == (2, 8)
     assert d.reason is RouteReason.SPREAD  # a holder, not the best one, won on cost
+
+
+def test_decode_blocks_count_shared_active_blocks_once(make_cluster, make_ctx):
+    # Dynamo ActiveSequences: unique active blocks (refcounted by sequence hash) plus
+    # the request's blocks not already active there (new_blocks)
+    c = make_cluster(2)
+    p = DynamoCostPolicy()
+    for _ in range(2):  # the same 20-block prompt twice on n0
+        _route(p, c, _ctx(make_ctx, 320), {}, c.candidates("n0"), 0.0)
+    assert p.active_blocks("n0") == 20
+    _route(p, c, _ctx(make_ctx, 320, 500), {}, c.candidates("n0"), 0.0)
+    assert p.active_blocks("n0") == 40
+    # a 10-block prompt sharing the first 8 blocks of the active prompt: 2 new blocks
+    ctx = make_ctx((0, 1, 2, 3, 4, 5, 6, 7, 90, 91), tokens_per_block=TPB, prompt_tokens=160)
+    d = p.select(ctx, c.candidates("n0"), {}, c.table, RNG, 100.0)
+    assert d is not None and d.parts["decode_blocks"] == 42.0
+    p.on_finished(c["n0"].node_id, 100.0)  # the oldest copy left; the other holds its blocks
+    assert p.active_blocks("n0") == 42
+    p.on_finished(c["n0"].node_id, 100.0)  # blocks 0..7 still held by the last request
+    assert p.active_blocks("n0") == 30
 
 
 def test_overlap_weight_shifts_the_argmin(make_cluster, make_ctx, matches):

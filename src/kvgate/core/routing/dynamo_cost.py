@@ -27,11 +27,13 @@ the same bookkeeping per node from its own decisions:
 * ``block_size`` = ``ctx.tokens_per_block`` (chain blocks); this request's blocks
   = ``ceil(prompt_tokens / tokens_per_block)``, its uncached tokens on a node =
   ``prompt_tokens - matches[node] * tokens_per_block`` (floored at 0).
-* Active decode blocks = the sum of the prompt blocks of this policy's routed
-  requests still on the node (no de-duplication of shared blocks, no output
-  blocks: Dynamo's output-block tracking is off by default). ``on_finished``
-  removes the node's oldest entry (requests are assumed to leave in FIFO order;
-  the protocol does not say which one left).
+* Decode blocks, as Dynamo's ``ActiveSequences``: the node's *unique* active
+  blocks (refcounted by chain hash, so a prefix shared by several routed
+  requests still on the node counts once) plus this request's blocks not already
+  among them (``new_blocks``). A prompt's partial last block has no chain hash
+  and counts as its own. No output blocks (Dynamo's output-block tracking is off
+  by default). ``on_finished`` removes the node's oldest entry (requests are
+  assumed to leave in FIFO order; the protocol does not say which one left).
 * Active un-prefilled tokens: kvgate gets no first-token event, so each node's
   prefills are modelled as served one after the other at ``prefill_tokens_per_s``
   (default 12,000 tok/s, the Llama-3-8B A100 profile of workloads.md §3.2, ≈ 12.3 K
@@ -72,6 +74,7 @@ MAX_ACTIVE_PER_NODE = 65_536  # memory bound if on_finished is ever missed
 @dataclass(slots=True)
 class _Active:
     blocks: int  # prompt blocks of the sequence
+    hashes: tuple[int, ...]  # its full blocks' chain hashes (at most ``blocks``)
     prefill_tokens: int  # its uncached tokens on this node
     start: float  # estimated prefill start / end
     end: float
@@ -105,11 +108,18 @@ class DynamoCostPolicy:
         self.temperature = temperature
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self._active: dict[NodeId, deque[_Active]] = {}
-        self._blocks: dict[NodeId, int] = {}
+        self._refs: dict[NodeId, dict[int, int]] = {}  # chain hash -> active sequences
+        self._tails: dict[NodeId, int] = {}  # active blocks without a chain hash
 
     # --- the router-local active-load view ---------------------------------------
     def active_blocks(self, node_id: NodeId) -> int:
-        return self._blocks.get(node_id, 0)
+        """Unique active prompt blocks on the node."""
+        return len(self._refs.get(node_id, ())) + self._tails.get(node_id, 0)
+
+    def new_blocks(self, node_id: NodeId, hashes: Sequence[int], blocks: int) -> int:
+        """Of a ``blocks``-block prompt, the blocks not already active on the node."""
+        refs = self._refs.get(node_id, {})
+        return blocks - sum(1 for h in hashes[:blocks] if h in refs)
 
     def active_prefill_tokens(self, node_id: NodeId, now: float) -> float:
         total = 0.0
@@ -119,23 +129,40 @@ class DynamoCostPolicy:
             total += seq.remaining(now)
         return total
 
-    def _add(self, node_id: NodeId, blocks: int, prefill_tokens: int, now: float) -> None:
+    def _add(
+        self, node_id: NodeId, blocks: int, hashes: Sequence[int], prefill_tokens: int, now: float
+    ) -> None:
         q = self._active.setdefault(node_id, deque())
         start = max(now, q[-1].end) if q else now
         end = start + prefill_tokens / self.prefill_tokens_per_s
-        q.append(_Active(blocks, prefill_tokens, start, end))
-        self._blocks[node_id] = self._blocks.get(node_id, 0) + blocks
+        seq = _Active(blocks, tuple(hashes[:blocks]), prefill_tokens, start, end)
+        q.append(seq)
+        refs = self._refs.setdefault(node_id, {})
+        for h in seq.hashes:
+            refs[h] = refs.get(h, 0) + 1
+        self._tails[node_id] = self._tails.get(node_id, 0) + blocks - len(seq.hashes)
         if len(q) > MAX_ACTIVE_PER_NODE:
-            self._blocks[node_id] -= q.popleft().blocks
+            self._release(node_id, q.popleft())
+
+    def _release(self, node_id: NodeId, seq: _Active) -> None:
+        refs = self._refs[node_id]
+        for h in seq.hashes:
+            left = refs[h] - 1
+            if left:
+                refs[h] = left
+            else:
+                del refs[h]
+        self._tails[node_id] -= seq.blocks - len(seq.hashes)
 
     def on_finished(self, node_id: NodeId, now: float) -> None:
         q = self._active.get(node_id)
         if q:
-            self._blocks[node_id] -= q.popleft().blocks
+            self._release(node_id, q.popleft())
 
     def on_node_removed(self, node_id: NodeId) -> None:
         self._active.pop(node_id, None)
-        self._blocks.pop(node_id, None)
+        self._refs.pop(node_id, None)
+        self._tails.pop(node_id, None)
 
     # --- selection ------------------------------------------------------------------
     def select(
@@ -157,7 +184,10 @@ class DynamoCostPolicy:
             active = self.active_prefill_tokens(state.node_id, now)
             uncached = uncached_tokens(ctx, match_of(matches, state.node_id))
             prefill_blocks = (active + uncached) / tpb
-            decode_blocks = float(self.active_blocks(state.node_id) + request_blocks)
+            decode_blocks = float(
+                self.active_blocks(state.node_id)
+                + self.new_blocks(state.node_id, ctx.chain, request_blocks)
+            )
             logit = self.overlap_weight * prefill_blocks + decode_blocks
             rows.append((logit, prefill_blocks, decode_blocks, active))
         logits = [r[0] for r in rows]
@@ -190,7 +220,7 @@ class DynamoCostPolicy:
         reason = cache_reason(matched, best)
         if logit > lo:
             reason = RouteReason.EXPLORATION
-        self._add(chosen.node_id, request_blocks, uncached_tokens(ctx, matched), now)
+        self._add(chosen.node_id, request_blocks, ctx.chain, uncached_tokens(ctx, matched), now)
         return RouteDecision(
             node_id=chosen.node_id,
             reason=reason,
