@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvgate.core.admission import InProcessCoordinator
+from kvgate.core.admission import FailureKind, InProcessCoordinator
 from kvgate.core.config import ControllerConfig
 from kvgate.core.controller import Controller
 from kvgate.core.decisions import Dispatch
@@ -49,3 +49,48 @@ def test_policies_forget_removed_nodes(policy: str) -> None:
     churn(ctl, coord, 600, 300)
     after = len(pickle.dumps(ctl.policy))
     assert after <= before * 1.2 + 512, (policy, before, after)
+
+
+def _one_node(policy: str) -> Controller:
+    ctl = Controller(ControllerConfig(hasher="trace", policy=policy), rng=random.Random(3))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.0)
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    return ctl
+
+
+def _send(ctl: Controller, rid: str, now: float) -> None:
+    d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), block_ids=(len(rid), 1),
+                                      prompt_tokens=100), now)
+    assert isinstance(d, Dispatch) and d.node_id == "n0"
+
+
+def test_a_request_outliving_its_node_leaves_the_new_node_of_that_id_alone() -> None:
+    """A node removed and added back under the same id (a restarted pod on the same
+    address) is a new node: what the old one's requests do later is not about it."""
+    ctl = _one_node("dynamo_cost")
+    _send(ctl, "old", 0.1)
+    ctl.remove_node(NodeId("n0"), 0.2)
+    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.3)
+    _send(ctl, "new", 0.4)
+    active = ctl.policy.active_blocks(NodeId("n0"))  # type: ignore[attr-defined]
+    assert active > 0
+    ctl.on_finished(RequestId("old"), 0.5)
+    assert ctl.policy.active_blocks(NodeId("n0")) == active  # type: ignore[attr-defined]
+
+
+def test_failures_on_a_removed_node_do_not_eject_its_successor() -> None:
+    ctl = _one_node("least_loaded")
+    n = ctl.config.eject_after_failures
+    for i in range(n):
+        _send(ctl, f"r{i}", 0.1)
+    ctl.remove_node(NodeId("n0"), 0.2)
+    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.3)
+    for i in range(n):  # the old node's streams break after the removal
+        ctl.on_failed(RequestId(f"r{i}"), FailureKind.UPSTREAM_ERROR, 0.4,
+                      before_first_byte=False)
+    state = ctl.nodes.get(NodeId("n0"))
+    assert state is not None and state.healthy and state.consecutive_failures == 0
+    ctl.set_healthy(NodeId("n0"), False, 1.0)  # the new node's own health probe fails
+    ctl.tick(0.4 + ctl.config.eject_s + 1)  # and no ejection of the old one revives it
+    assert not state.healthy

@@ -465,8 +465,9 @@ class Controller:
                 key=record.request_id,
                 context_tokens=record.ctx.prompt_tokens,
             )
-            self.policy.on_finished(node.spec.node_id, now)
-            self._note_node_failure(node, failure, now)
+            if self._is_current(node):
+                self.policy.on_finished(node.spec.node_id, now)
+                self._note_node_failure(node, failure, now)
             record.excluded.add(node.spec.node_id)
             record.node = None
         if record.attempts == 2:
@@ -506,6 +507,11 @@ class Controller:
         out.extend(self._close(record, now, node_done=False))
         return out
 
+    def _is_current(self, node: NodeState) -> bool:
+        """Whether ``node`` is still in the table: once removed, a node added back under
+        its id is a new one, which the old one's requests must not account to."""
+        return self.nodes.get(node.spec.node_id) is node
+
     def _note_node_failure(self, node: NodeState, failure: FailureKind, now: float) -> None:
         if failure in (FailureKind.CONNECT_ERROR, FailureKind.UPSTREAM_ERROR, FailureKind.TIMEOUT):
             node.consecutive_failures += 1
@@ -536,7 +542,8 @@ class Controller:
                 key=record.request_id,
                 context_tokens=record.ctx.prompt_tokens,
             )
-            self.policy.on_finished(node.spec.node_id, now)
+            if self._is_current(node):
+                self.policy.on_finished(node.spec.node_id, now)
         if record.attempts == 2 and node_done:
             self._retries_in_flight = max(0, self._retries_in_flight - 1)
         if record.ticket is None:
