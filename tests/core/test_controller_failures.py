@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvgate.core.admission import BreakerState, FailureKind, InProcessCoordinator
 from kvgate.core.config import ControllerConfig
 from kvgate.core.controller import Controller
@@ -166,3 +168,30 @@ def test_a_too_long_request_says_which_part_to_cut() -> None:
     assert isinstance(d, Reject) and d.rejected.http_status == 400
     assert "1050 tokens (100 of prompt + 950 of max_tokens)" in d.rejected.message
     assert "1000" in d.rejected.message
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_node_that_never_ran_the_request_is_not_learned_as_holding_its_prefix(
+    defer: bool,
+) -> None:
+    ctl = cluster(2)
+    ctl.defer_index_inserts = defer
+    d = ctl.on_arrival(RequestArrived(request_id=RequestId("warm"), block_ids=(1,),
+                                      prompt_tokens=100), 0.1)
+    assert isinstance(d, Dispatch)
+    first = d.node_id
+    ctl.on_finished(RequestId("warm"), 0.2)  # `first` holds block 1 from now on
+    d = ctl.on_arrival(RequestArrived(request_id=RequestId("r"), block_ids=(1, 2, 3),
+                                      prompt_tokens=300), 0.3)
+    assert isinstance(d, Dispatch) and d.node_id == first
+    # the node refuses it before the first byte: it computes nothing of (1, 2, 3)
+    out = ctl.on_failed(RequestId("r"), FailureKind.RETRY_ELSEWHERE, 0.4, before_first_byte=True)
+    assert isinstance(out[0], Dispatch) and out[0].node_id != first
+    other = out[0].node_id
+    assert ctl.index.match((1, 2, 3), 0.5) == {first: 1, other: 3}
+    # an answer that had started means the node ran it: what it learned stays
+    d = ctl.on_arrival(RequestArrived(request_id=RequestId("s"), block_ids=(1, 5),
+                                      prompt_tokens=200), 0.6)
+    assert isinstance(d, Dispatch) and d.node_id == first
+    ctl.on_failed(RequestId("s"), FailureKind.UPSTREAM_ERROR, 0.7, before_first_byte=False)
+    assert ctl.index.match((1, 5), 0.8)[first] == 2

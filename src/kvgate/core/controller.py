@@ -64,6 +64,10 @@ from kvgate.core.rng import Rng
 from kvgate.core.routing import RouteContext, RouteDecision, make_policy
 from kvgate.core.stats import ControllerStats, DecisionRecord
 
+# Failures before the first byte after which the node holds nothing of the prompt: it
+# refused the request, never received it, or was marked down before it answered.
+_NEVER_RAN = NOT_RUN_FAILURES | {FailureKind.CONNECT_ERROR, FailureKind.CLIENT_ERROR}
+
 
 @dataclass(slots=True)
 class _Request:
@@ -79,6 +83,9 @@ class _Request:
     excluded: set[NodeId] = field(default_factory=set)
     first_byte: bool = False
     predicted_hit_tokens: int = 0
+    # approximate mode: the blocks the current attempt's dispatch taught the index its
+    # node holds, taken back if the node never runs the attempt
+    learned: list[int] | None = None
 
 
 class Controller:
@@ -101,7 +108,7 @@ class Controller:
         # same arguments, so the index and every later decision are exactly as if the
         # insert had happened inside the decision.
         self.defer_index_inserts = False
-        self._pending_inserts: list[tuple[NodeId, BlockChain, float, bool]] = []
+        self._pending_inserts: list[tuple[NodeId, BlockChain, float, bool, list[int] | None]] = []
         self.hot = HotPrefixTracker(window_s=cfg.hot_window_s)
         self.policy = make_policy(cfg.policy, cfg.policy_params)
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
@@ -130,8 +137,8 @@ class Controller:
         if pending:
             self._pending_inserts = []
             insert = self._index.insert
-            for node_id, chain, at, speculative in pending:
-                insert(node_id, chain, at, speculative=speculative)
+            for node_id, chain, at, speculative, learned in pending:
+                insert(node_id, chain, at, speculative=speculative, new_out=learned)
 
     # ------------------------------------------------------------------ membership
     def add_node(self, spec: NodeSpec, now: float) -> None:
@@ -370,12 +377,19 @@ class Controller:
             prefill_pairs=q * (record.predicted_hit_tokens + q / 2),
             context_tokens=ctx.prompt_tokens,
         )
+        record.learned = None
         if ctx.chain:
             speculative = self.config.index_mode == "precise"
+            # (precise mode: the guesses expire by themselves, events are the truth)
+            learned = record.learned = None if speculative else []
             if self.defer_index_inserts and len(self._pending_inserts) < 1024:
-                self._pending_inserts.append((node.spec.node_id, ctx.chain, now, speculative))
+                self._pending_inserts.append(
+                    (node.spec.node_id, ctx.chain, now, speculative, learned)
+                )
             else:
-                self.index.insert(node.spec.node_id, ctx.chain, now, speculative=speculative)
+                self.index.insert(
+                    node.spec.node_id, ctx.chain, now, speculative=speculative, new_out=learned
+                )
         self.stats.routed[decision.reason.value] += 1
         self.stats.recent.append(
             DecisionRecord(
@@ -468,6 +482,11 @@ class Controller:
             if self._is_current(node):
                 self.policy.on_finished(node.spec.node_id, now)
                 self._note_node_failure(node, failure, now)
+                if record.learned is not None and before_first_byte and failure in _NEVER_RAN:
+                    # the node computed nothing of the prompt: unlearn what it was taught
+                    # (self.index first applies a deferred insert, which fills `learned`)
+                    self.index.remove_blocks(node.spec.node_id, record.learned)
+            record.learned = None
             record.excluded.add(node.spec.node_id)
             record.node = None
         if record.attempts == 2:

@@ -164,7 +164,13 @@ class ClusterIndex:
 
     # --- updates ----------------------------------------------------------------------
     def insert(
-        self, node_id: NodeId, chain: Sequence[BlockHash], now: float, *, speculative: bool = False
+        self,
+        node_id: NodeId,
+        chain: Sequence[BlockHash],
+        now: float,
+        *,
+        speculative: bool = False,
+        new_out: list[BlockHash] | None = None,
     ) -> int:
         """The node now holds every block of ``chain``; returns how many entries were new.
 
@@ -174,6 +180,7 @@ class ClusterIndex:
         capacity. A speculative insert marks its new blocks speculative (they expire
         ``speculative_ttl_s`` after the last speculative touch unless a non-speculative
         insert confirms them); blocks already held and confirmed stay confirmed.
+        ``new_out``, if given, is extended with the new blocks (to undo this insert).
         """
         node = self._nodes.get(node_id)
         if node is None or not chain:
@@ -199,6 +206,8 @@ class ClusterIndex:
         if added:
             new = list(islice(reversed(lru), added))
             masks.update(zip(new, map(bit.__or__, map(masks.get, new, repeat(0))), strict=True))
+            if new_out is not None:
+                new_out.extend(new)
         if added != len(chain):
             deque(map(lru.move_to_end, reversed(chain)), 0)
         if speculative:
