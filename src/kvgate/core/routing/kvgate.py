@@ -50,9 +50,13 @@ the node work that later requests would queue behind. ``cache_weight`` drops bel
 we have in flight on the node: each decode step attends over all of them (``k`` per
 token per step in the timing model), so a newcomer's ~200 decode steps slow by
 about ``200 * k`` per in-flight token, 1.74e-5 s on the A100-8B profile. That is
-Dynamo's decode-blocks term. It keeps long-context sessions from piling onto their
-holders (on the simulator's agent workload the decode batches of a few holders
-otherwise push requests over the 100 ms TPOT target). Alone it also moves
+Dynamo's decode-blocks term, except that a prefix shared by several in-flight requests
+counts once per request (the attention work each step does), where Dynamo counts
+unique blocks (the KV memory they take); on open-loop agent tasks, whose steps overlap,
+that makes a long task's holder look far busier than to Dynamo. It keeps
+long-context sessions from piling onto their holders (on the simulator's agent
+workload the decode batches of a few holders otherwise push requests over the 100 ms
+TPOT target). Alone it also moves
 conversations off their holders (the conversation trace's hit ratio falls by up to
 0.007); the affinity slack below more than wins that back.
 
