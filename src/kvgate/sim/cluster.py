@@ -55,7 +55,7 @@ from kvgate.engine.eviction import EvictionConfig
 from kvgate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvgate.engine.node_admission import NodeAdmissionConfig
 from kvgate.sim.loop import EventLoop
-from kvgate.sim.workload import SimRequest, Workload
+from kvgate.sim.workload import SimRequest, Workload, leading_run
 
 # Virtual seconds with no arrival, no end and no engine step while requests are open:
 # one was lost (a simulator bug), and the run stops instead of ticking forever.
@@ -223,12 +223,7 @@ class SimCluster:
         out = RequestOutcome(req=req, gateway=g, arrived_s=self.loop.now)
         self.outcomes[req.request_id] = out
         seen = self._seen_blocks
-        ideal = 0
-        for b in req.block_ids:
-            if b not in seen:
-                break
-            ideal += 1
-        self._ideal[req.request_id] = ideal
+        self._ideal[req.request_id] = leading_run(req.block_ids, seen)
         seen.update(req.block_ids)
         self._open += 1
         self._progress_s = self.loop.now
@@ -337,11 +332,7 @@ class SimCluster:
             (len(n.engine.pool.find_prefix(hashes, full)) for n in self.nodes if not n.crashed),
             default=0,
         )
-        stored = self._stored_blocks
-        for b in hashes:
-            if b not in stored:
-                break
-            att.stored_blocks += 1
+        att.stored_blocks = leading_run(hashes, self._stored_blocks)
         verdict = node.engine.submit(
             EngineRequest(
                 request_id=eid,

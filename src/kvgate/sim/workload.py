@@ -21,6 +21,7 @@ from kvgate.sim.workload_types import (
     SimRequest,
     Workload,
     ideal_hit_ratio,
+    leading_run,
     percentile,
     pooled_lru_hit_ratio,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "assign_classes",
     "concat",
     "ideal_hit_ratio",
+    "leading_run",
     "load_mooncake_trace",
     "merge",
     "percentile",

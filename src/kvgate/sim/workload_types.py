@@ -179,7 +179,7 @@ def ideal_hit_ratio(workload: Workload, *, by_tokens: bool = False) -> float:
     total = 0
     bt = workload.block_tokens
     for r in workload.requests:
-        n = _leading_run(r.block_ids, seen)
+        n = leading_run(r.block_ids, seen)
         if by_tokens:
             hit += sum(_block_tokens_at(r, i, bt) for i in range(n))
             total += r.prompt_tokens
@@ -190,7 +190,8 @@ def ideal_hit_ratio(workload: Workload, *, by_tokens: bool = False) -> float:
     return hit / total if total else 0.0
 
 
-def _leading_run(ids: Sequence[int], cache: set[int] | OrderedDict[int, None]) -> int:
+def leading_run(ids: Sequence[int], cache: set[int] | OrderedDict[int, None]) -> int:
+    """How many of ``ids``, from the first, are in ``cache`` (ids chain: a prefix)."""
     n = 0
     for b in ids:
         if b not in cache:
@@ -218,7 +219,7 @@ def pooled_lru_hit_ratio(workload: Workload, capacity_blocks: int) -> float:
         total += len(ids)
         if capacity_blocks == 0:
             continue
-        hit += _leading_run(ids, cache)
+        hit += leading_run(ids, cache)
         for b in reversed(ids):
             if b in cache:
                 cache.move_to_end(b)
