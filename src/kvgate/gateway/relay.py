@@ -60,10 +60,11 @@ from kvgate.protocol import (
     SSEParser,
     cached_tokens,
     cached_tokens_of_body,
-    error_body,
     error_event,
+    invalid_request_body,
     is_error_chunk,
     is_usage_only_chunk,
+    server_error_body,
 )
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error body passed through
@@ -350,12 +351,13 @@ class Relay:
 
 def _cut_error_body(status: int, kind: FailureKind) -> dict[str, Any]:
     """Ours, for a node's error body too large to pass on whole."""
-    return error_body(
+    message = (
         f"The inference node answered {status} with an error body over "
-        f"{ERROR_BODY_LIMIT} bytes, not passed on.",
-        "invalid_request_error" if status < 500 else "server_error",
-        code=kind.value,
+        f"{ERROR_BODY_LIMIT} bytes, not passed on."
     )
+    if status < 500:
+        return invalid_request_body(message, code=kind.value)
+    return server_error_body(message, code=kind.value)
 
 
 class _ClientWriter:
