@@ -725,8 +725,7 @@ class KvgatePolicy:
         the prefill the lost hit would have saved, plus the blocking cost of the whole
         prefill there (the idle node's own sessions come back to its cache and queue
         behind it) is at most the winner's penalty."""
-        blocking = self.blocking_cost * self._uncached_s(prompt, 0)
-        blocking *= self._cache_value.rate(idle.node_id, now)
+        blocking = self._blocking_s(prompt, 0, idle.node_id, now)
         return idle.penalty + loss + blocking <= best.penalty
 
     def _shared(self, prompt: int, tpb: int, chosen_match: int, other: int) -> bool:
@@ -741,6 +740,13 @@ class KvgatePolicy:
             prompt, chosen_match * tpb
         )
         return beyond <= self.affinity_min_gain_s
+
+    def _blocking_s(self, prompt: int, cached: int, node_id: NodeId, now: float) -> float:
+        """The blocking cost of ``prompt``'s prefill (``cached`` tokens cached) on a node:
+        ``blocking_cost`` x that prefill x the node's cache value rate (the prefill
+        seconds per second our hits there have saved lately)."""
+        cost = self.blocking_cost * self._uncached_s(prompt, cached)
+        return cost * self._cache_value.rate(node_id, now)
 
     def _saved_s(self, prompt: int, cached: int) -> float:
         """Predicted prefill seconds that ``cached`` cached tokens of ``prompt`` save."""
@@ -768,7 +774,6 @@ class KvgatePolicy:
         the winner, its key, its bonus and every candidate's blocking cost."""
         inv_rate = 1.0 / self.prefill_tokens_per_s
         attn_half = self.attention_s_per_pair / 2
-        rate = self._cache_value.rate
         top: _Load | None = None
         top_key = (-_INF, 0, 0)
         top_bonus = 0.0
@@ -781,8 +786,7 @@ class KvgatePolicy:
             if m and load.node_id not in self._tripped:
                 saved = min(m * tpb, prompt)
                 bonus = (saved * inv_rate + attn_half * saved * saved) * load.state.cache_weight
-            blocking = self.blocking_cost * self._uncached_s(prompt, m * tpb)
-            blocking *= rate(load.node_id, now)
+            blocking = self._blocking_s(prompt, m * tpb, load.node_id, now)
             costs[load.node_id] = blocking
             key = (w_cache * bonus - load.penalty - blocking, -load.queue, -load.slot)
             if key > top_key:
