@@ -175,6 +175,8 @@ def test_bad_config() -> None:
         {"decode_s_per_context_token": float("inf")},
         {"blocking_cost": float("nan")},
         {"decode_s_per_context_token": -1e-5},
+        {"max_cache_wait_s": -1.0},
+        {"max_cache_wait_s": float("nan")},
     ):
         with pytest.raises(ConfigError):
             KvgatePolicy(**bad)  # type: ignore[arg-type]
@@ -370,6 +372,51 @@ def test_ttft_form_affinity_slack_needs_a_real_gain() -> None:
             ctx(blocks=20), c, {NodeId("holder"): blocks}, t, FixedRng(0.9), NOW
         )
         assert d is not None and d.node_id == want, blocks
+
+
+def test_ttft_form_bounded_wait_for_the_cache() -> None:
+    """The score keeps a hit on its holder (5 x 0.64 s saved against 3 s queued: 0.2
+    against the idle node's 0), but its predicted first token there comes 3 - 0.64 =
+    2.36 s after the idle node's: past max_cache_wait_s the idle node takes it."""
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
+    kw: dict[str, float] = {
+        "epsilon": 0, "prefill_tokens_per_s": 1000.0, "cache_gain": 5.0, "decode_s": 0.0,
+        "attention_s_per_pair": 0.0, "blocking_cost": 0.0, "kv_pressure_s": 0.0,
+        "decode_s_per_context_token": 0.0,
+    }
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=3000)  # 3 s queued on the holder
+    m = {NodeId("holder"): 10}  # 0.64 s of a 1.28 s prompt
+    for wait, want in ((2.3, "idle"), (2.4, "holder"), (10.0, "holder")):
+        d = KvgatePolicy(max_cache_wait_s=wait, **kw).select(
+            ctx(blocks=20), c, m, t, FixedRng(0.9), NOW
+        )
+        assert d is not None and d.node_id == want, wait
+    moved = KvgatePolicy(max_cache_wait_s=2.3, **kw).select(
+        ctx(blocks=20), c, m, t, FixedRng(0.9), NOW
+    )
+    assert moved is not None and moved.reason is RouteReason.LOAD
+    assert moved.matched_blocks == 0 and moved.best_matched_blocks == 10
+    assert moved.score == 0.0 and moved.parts["bonus"] == 0.0
+
+
+def test_ttft_form_affinity_slack_stays_within_the_bounded_wait() -> None:
+    """The slack keeps a deeper holder only while its predicted first token is within
+    max_cache_wait_s of the soonest: "deep" (15 blocks, 6 s queued) answers at 6 - 0.96
+    = 5.04 s, the idle node at 0; "mid" (10 blocks, 1 s queued) wins the score."""
+    t, c = table({"deep": (0, 0.0), "mid": (0, 0.0), "idle": (0, 0.0)})
+    kw: dict[str, float] = {
+        "epsilon": 0, "prefill_tokens_per_s": 1000.0, "cache_gain": 5.0, "decode_s": 0.0,
+        "attention_s_per_pair": 0.0, "blocking_cost": 0.0, "kv_pressure_s": 0.0,
+        "decode_s_per_context_token": 0.0, "affinity_slack_s": 10.0,
+    }
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=6000)
+    t.on_sent(c[1], now=NOW, key=2, prefill_tokens=1000)
+    m = {NodeId("deep"): 15, NodeId("mid"): 10}
+    for wait, want in ((5.0, "mid"), (5.1, "deep")):
+        d = KvgatePolicy(max_cache_wait_s=wait, **kw).select(
+            ctx(blocks=20), c, m, t, FixedRng(0.9), NOW
+        )
+        assert d is not None and d.node_id == want, wait
 
 
 def test_ttft_form_affinity_slack_counts_the_blocking_cost() -> None:

@@ -17,6 +17,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -214,16 +215,27 @@ class Reference:
                     if key > best_key:
                         best, best_key = s, key
                         best_bonus, best_penalty, best_queue = bonus, penalty, q
+            # bounded wait: a winner whose predicted first token (penalty - bonus) comes
+            # more than max_cache_wait_s after the soonest candidate's gives way to it
+            soonest = min(scored, key=lambda r: (r[2] - r[4], r[1], r[0].slot))
+            latest = soonest[2] - soonest[4] + p.max_cache_wait_s
+            if best_penalty - best_bonus > latest:
+                s, q, penalty, _m, bonus = soonest
+                best, best_key = s, (p.cache_gain * bonus - penalty - blocking(s), -q, -s.slot)
+                best_bonus, best_penalty, best_queue = bonus, penalty, q
             # affinity slack: of the open holders that save at least the minimum gain
             # more than the winner and would answer within the slack of it (predicted
             # TTFT: penalty - bonus + the blocking cost if rescored; the prefill cancels)
-            # and are not under KV pressure, the one that saves the most
+            # and within the bounded wait, and are not under KV pressure, the one that
+            # saves the most
             if p.affinity_slack_s > 0:
                 limit = (best_penalty - best_bonus + blocking(best)) + p.affinity_slack_s
                 kept = None
                 for s, q, penalty, bonus in open_holders:
                     u = nodes.utilisation(s, now)
                     if bonus <= best_bonus + p.affinity_min_gain_s or u > 0.8:
+                        continue
+                    if penalty - bonus > latest:
                         continue
                     cost = blocking(s)
                     ttft = penalty - bonus + cost
@@ -342,6 +354,7 @@ policy_st = st.builds(
     affinity_min_gain_s=st.sampled_from([0.0, 0.1, 1.0]),
     explore_max_loss_s=st.sampled_from([0.0, 0.05, 1.0, 1e9]),
     decode_s_per_context_token=st.sampled_from([0.0, 1.74e-5, 1e-3]),
+    max_cache_wait_s=st.sampled_from([0.0, 1.0, 10.0, 1e9]),
 )
 
 
@@ -505,11 +518,13 @@ def test_candidates_outside_the_table_are_scored_like_the_reference() -> None:
         assert got == ref.select(ctx, cands, matches, table, 0.9, 2.0)
 
 
-def test_same_decisions_as_the_reference_while_prefill_drains() -> None:
+@pytest.mark.parametrize("max_cache_wait_s", [10.0, 0.3])
+def test_same_decisions_as_the_reference_while_prefill_drains(max_cache_wait_s: float) -> None:
     """A long random walk of sends, first tokens (of heads and of later requests),
     abandoned prefills and small steps of time, with a selection after each: the
     scores of nodes with queued prefill move with the drain clock (and past a head's
-    predicted end) exactly as the one-loop scorer computes them."""
+    predicted end) exactly as the one-loop scorer computes them. A short bounded wait
+    (0.3 s) makes the winner give way to the soonest node in many of the decisions."""
     rnd = random.Random(7)
     table = NodeTable(stale_after_s=3.0)
     for nid in NAMES:
@@ -520,6 +535,7 @@ def test_same_decisions_as_the_reference_while_prefill_drains() -> None:
         prefill_tokens_per_s=1000.0,
         attention_s_per_pair=1e-7,
         decode_s_per_context_token=1e-4,
+        max_cache_wait_s=max_cache_wait_s,
     )
     ref = Reference(p=policy, tripped=set())
     now, sends = 10.0, 0

@@ -60,7 +60,7 @@ TPOT target). Alone it also moves
 conversations off their holders (the conversation trace's hit ratio falls by up to
 0.007); the affinity slack below more than wins that back.
 
-Two more rules of the ttft form look past the request itself:
+Three more rules of the ttft form look past the request itself:
 
 * **Blocking cost.** A long uncached prefill (at least ``blocking_min_s`` at the
   winner, e.g. a 12k-token prompt nobody holds) stalls its node's queue while it
@@ -71,13 +71,14 @@ Two more rules of the ttft form look past the request itself:
   lately (decayed over ``cache_value_tau_s``). Long prompts land where they block
   the least-used cache; short ones never pay the extra pass.
 * **Affinity slack.** When an open holder would save at least ``affinity_min_gain_s``
-  (0.1 s, ~1 200 tokens on the A100-8B profile) more prefill than the winner and its
+  (0.03 s, ~360 tokens on the A100-8B profile) more prefill than the winner and its
   predicted TTFT (penalty plus the request's prefill less what its cache saves, plus
   its blocking cost when the blocking rule rescored the request) is within
   ``affinity_slack_s`` (10 s) of the winner's, the holder that saves the most keeps
   the request (ties: the sooner first token, then the lower slot); a holder above 80 %
-  KV utilisation is not held to (a request kept there risks preemptions). A block or
-  two of a shared prefix is not a context worth waiting for, and a long prompt placed
+  KV utilisation is not held to (a request kept there risks preemptions), nor is one
+  past the bounded wait below. Less than a block is not a context worth waiting for,
+  and a long prompt placed
   by the blocking rule is not sent back to a busy cache for a sliver of it. The score
   trades TTFT seconds for saved prefill seconds one request at a time; it does not see
   that sending a request away from its holder copies the prefix onto a second node,
@@ -93,7 +94,25 @@ Two more rules of the ttft form look past the request itself:
   and by as much between slacks of 7 and 14 s. Beyond that the tail grows (measured
   before the decode-batch term and the exploration bound were on, at 0.8: 20 s gave
   0.1758 at 18.37 s, an unbounded slack, always the deepest holder, 0.1766 at 20.74
-  s).
+  s). Those figures are from before the bounded wait, with a minimum gain of 0.1 s
+  (1 200 tokens): then a short turn (1k-4k tokens) whose holder had one 512-token
+  block more than the others (the trace's first block is everyone's) left for a node
+  0.3-2 s less busy, and that bucket's hit ratio was 0.2818 against
+  sglang_cache_aware's 0.3095; at 0.03 s the hit ratio is 0.1736 / 0.1743 / 0.1735 at
+  0.8 over seeds 0-2 (0.1731 / 0.1707 / 0.1707 at 0.1 s) and 0.1702 / 0.1684 / 0.1695
+  at 0.95 (0.1694 / 0.1678 / 0.1690), without the bounded wait.
+* **Bounded wait.** No request is kept waiting for its cache more than
+  ``max_cache_wait_s`` (10 s) beyond the soonest predicted first token among the
+  candidates (penalty less what the node's cache saves; the request's prefill cancels
+  out): a winner past it gives way to the soonest node, and the slack keeps no holder
+  past it. The score trades a request's seconds for the node work its hit saves, up
+  to ``cache_gain`` to one, so a long context (20k-75k tokens cached) stayed with a
+  holder busy with somebody's 100k-token prefill: 20-30 s to its first token where a
+  full prefill elsewhere took 4-16 s, which put it among the slowest 1 %. On the
+  conversation trace at 0.8 of round robin's saturation, seeds 0-2, minimum gain
+  0.03 s: TTFT p99 16.85 / 16.92 / 16.96 s with the bound, 16.94 / 17.07 / 17.16 s
+  without; each such move copies a long context, so the hit ratio is 0.1727 /
+  0.1726 / 0.1705 against 0.1736 / 0.1743 / 0.1735.
 
 On top of the score, in this order:
 
@@ -123,7 +142,7 @@ On top of the score, in this order:
    steps, 8k-11k tokens), so the hit must also be shared: no other candidate holds any
    of it (a shared prefix cannot be told from a private one yet, and a first copy is
    how exploration starts), or what the winner holds beyond the longest match of
-   another candidate saves at most ``affinity_min_gain_s`` (a block or two). A hit with
+   another candidate saves at most ``affinity_min_gain_s`` (less than a block). A hit with
    a context of its own is explored only if the idle node's penalty plus the lost
    prefill plus the blocking cost of the whole prefill there is at most the winner's
    penalty (ttft form): its first token comes no later, and the idle node's own
@@ -423,9 +442,10 @@ class KvgatePolicy:
         blocking_min_s: float = 1.0,
         cache_value_tau_s: float = 30.0,
         affinity_slack_s: float = 10.0,
-        affinity_min_gain_s: float = 0.1,
+        affinity_min_gain_s: float = 0.03,
         explore_max_loss_s: float = 1.0,
         decode_s_per_context_token: float = 1.74e-5,
+        max_cache_wait_s: float = 10.0,
     ) -> None:
         if form not in ("ttft", "brief"):
             raise ConfigError("kvgate policy: form must be 'ttft' or 'brief'")
@@ -444,6 +464,7 @@ class KvgatePolicy:
             "affinity_min_gain_s": affinity_min_gain_s,
             "explore_max_loss_s": explore_max_loss_s,
             "decode_s_per_context_token": decode_s_per_context_token,
+            "max_cache_wait_s": max_cache_wait_s,
         }
         for key, value in nonnegative.items():
             if math.isnan(value) or value < 0:
@@ -478,6 +499,7 @@ class KvgatePolicy:
         self.affinity_min_gain_s = affinity_min_gain_s
         self.explore_max_loss_s = explore_max_loss_s
         self.decode_s_per_context_token = decode_s_per_context_token
+        self.max_cache_wait_s = max_cache_wait_s
         self._cache_value = _CacheValue(cache_value_tau_s)
         self._tripped: set[NodeId] = set()  # holders whose breaker is open
         self._loads = _LoadScores()
@@ -569,6 +591,10 @@ class KvgatePolicy:
         # the open holders and their bonus, for the affinity slack (only if it is on)
         track_open = ttft and self.affinity_slack_s > 0.0
         open_holders: list[tuple[_Load, float]] = []
+        # the soonest predicted first token: (penalty less bonus, queue, slot), its bonus
+        soonest: _Load | None = None
+        soonest_key = (_INF, 0, 0)
+        soonest_bonus = 0.0
         # The holders: the only candidates whose score depends on the request.
         for nid, m in matches.items():
             load = by_id.get(nid)
@@ -599,6 +625,8 @@ class KvgatePolicy:
                 score = w_cache * bonus - w_load * load.penalty
                 if track_open and bonus > 0.0:
                     open_holders.append((load, bonus))
+            if ttft and (tkey := (load.penalty - bonus, q, load.slot)) < soonest_key:
+                soonest, soonest_key, soonest_bonus = load, tkey, bonus
             if score >= best_score:
                 key = (score, -q, -load.slot)
                 if key > best_key:
@@ -610,6 +638,8 @@ class KvgatePolicy:
                 key = (load.score, -q, -slot)
                 if key > best_key:
                     best, best_key, best_bonus = load, key, 0.0
+                if ttft and (tkey := (load.penalty, q, slot)) < soonest_key:
+                    soonest, soonest_key, soonest_bonus = load, tkey, 0.0
                 break
         assert best is not None
         if ttft:
@@ -621,8 +651,15 @@ class KvgatePolicy:
                 best, best_key, best_bonus, costs = self._rescore_blocking(
                     loads, cands, matches, prompt, tpb, w_cache, now
                 )
+            # the latest predicted first token (penalty less bonus) a request waits for
+            latest = soonest_key[0] + self.max_cache_wait_s
+            if soonest is not None and best.penalty - best_bonus > latest:
+                # the winner keeps it waiting too long for its cache: the soonest node
+                best, best_bonus = soonest, soonest_bonus
+                score = w_cache * best_bonus - best.penalty - costs.get(best.node_id, 0.0)
+                best_key = (score, -best.queue, -best.slot)
             if open_holders:
-                kept = self._within_slack(best, best_bonus, open_holders, costs)
+                kept = self._within_slack(best, best_bonus, open_holders, costs, latest)
                 if kept is not None:
                     best, best_bonus, cost = kept
                     score = w_cache * best_bonus - best.penalty - cost
@@ -698,11 +735,13 @@ class KvgatePolicy:
         best_bonus: float,
         open_holders: list[tuple[_Load, float]],
         costs: Mapping[NodeId, float],
+        latest: float,
     ) -> tuple[_Load, float, float] | None:
         """The open holder that saves the most prefill (then the sooner first token,
         then the lower slot) among those saving at least ``affinity_min_gain_s`` more
         than the winner whose predicted TTFT is within ``affinity_slack_s`` of the
-        winner's: it, its bonus and its blocking cost; None if none.
+        winner's and whose penalty less bonus is at most ``latest`` (the bounded wait):
+        it, its bonus and its blocking cost; None if none.
 
         A predicted TTFT is the penalty plus the request's whole prefill less the bonus
         (the prefill the node's cache saves), so the prefill itself cancels out; a long
@@ -712,7 +751,7 @@ class KvgatePolicy:
         kept: tuple[_Load, float, float] | None = None
         kept_key = (-_INF, -_INF, 0)
         for load, bonus in open_holders:
-            if bonus <= floor or load.util > PRESSURE_UTIL:
+            if bonus <= floor or load.util > PRESSURE_UTIL or load.penalty - bonus > latest:
                 continue
             cost = costs.get(load.node_id, 0.0)
             ttft = load.penalty - bonus + cost
@@ -733,7 +772,7 @@ class KvgatePolicy:
         copy: no other candidate holds any of it (nothing tells a shared prefix from a
         private one yet, and a first copy is how exploration starts), or what it holds
         beyond the longest match of another candidate, ``other`` blocks, saves at most
-        ``affinity_min_gain_s`` of prefill (a block or two: no context of its own)."""
+        ``affinity_min_gain_s`` of prefill (less than a block: no context of its own)."""
         if not other:
             return True
         beyond = self._uncached_s(prompt, min(other, chosen_match) * tpb) - self._uncached_s(
