@@ -459,6 +459,31 @@ def test_ttft_form_exploration_gives_up_only_small_hits() -> None:
     assert big.reason is RouteReason.CACHE_HIT
 
 
+def test_ttft_form_default_explores_whenever_a_node_is_idle() -> None:
+    """A new agent task whose tool prefix (12 of 16 blocks) only one busy node holds:
+    the score prefers the idle node (5 x 0.768 s saved < 4 s queued) but the affinity
+    slack keeps the holder (3.23 s to a first token is within 10 s of 0 s); with the
+    default epsilon (1.0) the idle node takes it whatever the draw, at 0.2 only when
+    the draw is below 0.2."""
+    t, c = table({"busy": (0, 0.0), "idle": (0, 0.0)})
+    kw: dict[str, float] = {
+        "prefill_tokens_per_s": 1000.0, "attention_s_per_pair": 0.0, "decode_s": 0.0,
+        "kv_pressure_s": 0.0, "decode_s_per_context_token": 0.0, "blocking_cost": 0.0,
+    }
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=4000)  # 4 s queued on the holder
+    t.report(NodeId("idle"), waiting=0, running=0, kv_util=0.0, now=NOW)
+    m = {NodeId("busy"): 12}
+    assert KvgatePolicy().epsilon == 1.0
+    for draw in (0.0, 0.5, 0.999):
+        d = KvgatePolicy(**kw).select(ctx(blocks=16), c, m, t, FixedRng(draw), NOW)
+        assert d is not None and d.node_id == "idle" and d.reason is RouteReason.EXPLORATION
+    kept = KvgatePolicy(epsilon=0.0, **kw).select(ctx(blocks=16), c, m, t, FixedRng(0.5), NOW)
+    assert kept is not None and kept.node_id == "busy" and kept.reason is RouteReason.CACHE_HIT
+    for draw, want in ((0.1, "idle"), (0.5, "busy")):
+        d = KvgatePolicy(epsilon=0.2, **kw).select(ctx(blocks=16), c, m, t, FixedRng(draw), NOW)
+        assert d is not None and d.node_id == want, draw
+
+
 def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() -> None:
     """A cheap hit is explored if it is shared: no other candidate holds any of it, or
     what the winner holds beyond the longest other match saves at most
