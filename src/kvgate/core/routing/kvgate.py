@@ -110,9 +110,9 @@ Three more rules of the ttft form look past the request itself:
   holder busy with somebody's 100k-token prefill: 20-30 s to its first token where a
   full prefill elsewhere took 4-16 s, which put it among the slowest 1 %. On the
   conversation trace at 0.8 of round robin's saturation, seeds 0-2, minimum gain
-  0.03 s, exploration at 0.2: TTFT p99 16.85 / 16.92 / 16.96 s with the bound, 16.94 / 17.07 / 17.16 s
-  without; each such move copies a long context, so the hit ratio is 0.1727 /
-  0.1726 / 0.1705 against 0.1736 / 0.1743 / 0.1735.
+  0.03 s, exploration at 0.2: TTFT p99 16.85 / 16.92 / 16.96 s with the bound,
+  16.94 / 17.07 / 17.16 s without; each such move copies a long context, so the hit
+  ratio is 0.1727 / 0.1726 / 0.1705 against 0.1736 / 0.1743 / 0.1735.
 
 On top of the score, in this order:
 
