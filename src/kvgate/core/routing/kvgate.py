@@ -654,28 +654,28 @@ class KvgatePolicy:
                     soonest, soonest_key, soonest_bonus = load, tkey, 0.0
                 break
         assert best is not None
+        win_score = best_key[0]
         if ttft:
             # each node's blocking cost, when the blocking rule rescored the request
             costs: Mapping[NodeId, float] = {}
             if self.blocking_cost > 0.0 and (
                 self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) >= self.blocking_min_s
             ):
-                best, best_key, best_bonus, costs = self._rescore_blocking(
+                best, win_score, best_bonus, costs = self._rescore_blocking(
                     loads, cands, matches, prompt, tpb, w_cache, now
                 )
             # the latest predicted first token (penalty less bonus) a request waits for
             latest = soonest_key[0] + self.max_cache_wait_s
+            moved = False
             if soonest is not None and best.penalty - best_bonus > latest:
                 # the winner keeps it waiting too long for its cache: the soonest node
-                best, best_bonus = soonest, soonest_bonus
-                score = w_cache * best_bonus - best.penalty - costs.get(best.node_id, 0.0)
-                best_key = (score, -best.queue, -best.slot)
-            if open_holders:
-                kept = self._within_slack(best, best_bonus, open_holders, costs, latest)
-                if kept is not None:
-                    best, best_bonus, cost = kept
-                    score = w_cache * best_bonus - best.penalty - cost
-                    best_key = (score, -best.queue, -best.slot)
+                best, best_bonus, moved = soonest, soonest_bonus, True
+            if open_holders and (
+                kept := self._within_slack(best, best_bonus, open_holders, costs, latest)
+            ) is not None:
+                (best, best_bonus), moved = kept, True
+            if moved:
+                win_score = w_cache * best_bonus - best.penalty - costs.get(best.node_id, 0.0)
         chosen = best.state
         chosen_match = matches.get(best.node_id, 0)
         reason = self._reason(
@@ -737,7 +737,7 @@ class KvgatePolicy:
             reason=reason,
             matched_blocks=chosen_match,
             best_matched_blocks=best_match,
-            score=best_key[0],
+            score=win_score,
             parts=parts,
         )
 
@@ -748,27 +748,26 @@ class KvgatePolicy:
         open_holders: list[tuple[_Load, float]],
         costs: Mapping[NodeId, float],
         latest: float,
-    ) -> tuple[_Load, float, float] | None:
+    ) -> tuple[_Load, float] | None:
         """The open holder that saves the most prefill (then the sooner first token,
         then the lower slot) among those saving at least ``affinity_min_gain_s`` more
         than the winner whose predicted TTFT is within ``affinity_slack_s`` of the
         winner's and whose penalty less bonus is at most ``latest`` (the bounded wait):
-        it, its bonus and its blocking cost; None if none.
+        it and its bonus; None if none.
 
         A predicted TTFT is the penalty plus the request's whole prefill less the bonus
         (the prefill the node's cache saves), so the prefill itself cancels out; a long
         prefill the blocking rule rescored also carries its blocking cost there."""
         limit = (best.penalty - best_bonus + costs.get(best.node_id, 0.0)) + self.affinity_slack_s
         floor = best_bonus + self.affinity_min_gain_s
-        kept: tuple[_Load, float, float] | None = None
+        kept: tuple[_Load, float] | None = None
         kept_key = (-_INF, -_INF, 0)
         for load, bonus in open_holders:
             if bonus <= floor or load.util > PRESSURE_UTIL or load.penalty - bonus > latest:
                 continue
-            cost = costs.get(load.node_id, 0.0)
-            ttft = load.penalty - bonus + cost
+            ttft = load.penalty - bonus + costs.get(load.node_id, 0.0)
             if ttft <= limit and (key := (bonus, -ttft, -load.slot)) > kept_key:
-                kept, kept_key = (load, bonus, cost), key
+                kept, kept_key = (load, bonus), key
         return kept
 
     def _no_later_at(self, idle: _Load, best: _Load, loss: float, prompt: int, now: float) -> bool:
@@ -820,9 +819,9 @@ class KvgatePolicy:
         tpb: int,
         w_cache: float,
         now: float,
-    ) -> tuple[_Load, tuple[float, int, int], float, dict[NodeId, float]]:
+    ) -> tuple[_Load, float, float, dict[NodeId, float]]:
         """Every candidate scored with the blocking cost of this request's prefill there:
-        the winner, its key, its bonus and every candidate's blocking cost."""
+        the winner, its score, its bonus and every candidate's blocking cost."""
         inv_rate = 1.0 / self.prefill_tokens_per_s
         attn_half = self.attention_s_per_pair / 2
         top: _Load | None = None
@@ -843,7 +842,7 @@ class KvgatePolicy:
             if key > top_key:
                 top, top_key, top_bonus = load, key, bonus
         assert top is not None
-        return top, top_key, top_bonus, costs
+        return top, top_key[0], top_bonus, costs
 
     @staticmethod
     def _reason(
