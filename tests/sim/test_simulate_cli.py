@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
 from kvgate.cli import main
+from kvgate.commands.simulate import _load_workload, add_simulate_parser
 
 
 def test_simulate_prints_a_table_and_writes_json(
@@ -327,3 +329,44 @@ def test_same_seed_same_report_but_the_wall_clock_fields(
         reports.append(json.loads(out.read_text()))
     capsys.readouterr()
     assert _without_wall_clock(reports[0]) == _without_wall_clock(reports[1])
+
+
+def _trace_args(path: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers())
+    return parser.parse_args(["simulate", "--trace", str(path), *extra])
+
+
+def test_bucket_jitter_replays_the_trace_differently_per_seed(tmp_path: Path) -> None:
+    """--bucket jitter draws a bucket's offsets from --seed: the same seed replays the same
+    arrivals, another seed others, each within its bucket; spread ignores the seed."""
+    path = tmp_path / "t.jsonl"
+    rows = [(0, [1, 2]), (0, [1, 3]), (0, [4]), (3000, [5]), (3000, [1, 6])]
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": ts,
+                    "input_length": 512 * len(ids),
+                    "output_length": 4,
+                    "hash_ids": ids,
+                }
+            )
+            + "\n"
+            for ts, ids in rows
+        )
+    )
+
+    def arrivals(*extra: str) -> list[float]:
+        w = _load_workload(_trace_args(path, *extra), 1.0)
+        return [r.arrival_s for r in w.requests]
+
+    even = arrivals("--seed", "1")
+    assert even == arrivals("--seed", "2") == pytest.approx([0, 1, 2, 3, 4.5])
+    one = arrivals("--bucket", "jitter", "--seed", "1")
+    two = arrivals("--bucket", "jitter", "--seed", "2")
+    assert one == arrivals("--bucket", "jitter", "--seed", "1")
+    assert one != two and one != even
+    for ts in (one, two):
+        assert all(0 <= t < 3 for t in ts[:3]) and all(3 <= t < 6 for t in ts[3:])
+        assert ts == sorted(ts)

@@ -88,9 +88,11 @@ def add_simulate_parser(sub: Any) -> None:
     )
     w.add_argument(
         "--bucket",
-        choices=("spread", "burst"),
+        choices=("spread", "burst", "jitter"),
         default="spread",
-        help="replay a bucketed trace timestamp as a burst or spread to the next (default spread)",
+        help="replay the requests sharing a bucketed trace timestamp at once (burst), evenly "
+        "spread to the next timestamp (spread), or at random offsets drawn from --seed "
+        "(jitter: a different replay of the same trace per seed) (default spread)",
     )
     w.add_argument(
         "--rate",
@@ -212,8 +214,13 @@ def _load_workload(
     rng = SeededRng(args.seed)
     closed = args.closed_loop and not open_loop
     if args.trace is not None:
+        jitter = args.bucket == "jitter"
         trace = load_mooncake_trace(
-            args.trace, speedup=speedup, bucket_mode=args.bucket, limit=args.limit
+            args.trace,
+            speedup=speedup,
+            bucket_mode="spread" if jitter else args.bucket,
+            limit=args.limit,
+            rng=rng if jitter else None,
         )
         if not trace.requests:
             raise ValueError(f"{args.trace}: the trace holds no requests")
