@@ -104,14 +104,16 @@ Three more rules of the ttft form look past the request itself:
   longest such waits we traced was a session whose holder took a fresh 80k-120k-token
   prompt (17-36 s of prefill) 1-25 s before it came back: it waits (and may join the
   slowest 1 %) or moves (and its whole context misses). Averaged over four replays (the
-  even spread and ``--bucket jitter`` seeds 1-3) at 0.8 / 0.95 of saturation, 10 s / 10
-  s gave a hit ratio of 0.1708 / 0.1657 at a TTFT p99 of 16.89 / 17.01 s, and 20 s / 20
-  s 0.1755 / 0.1730 at 17.15 / 17.53 s (TTFT mean 1.42-1.48 / 1.52-1.57 s against
-  1.50-1.53 / 1.60-1.65 s); sglang_cache_aware, which never leaves a holder, hits 0.1739
-  / 0.1703, and dynamo_cost's TTFT p99 is 17.14 / 18.27 s. A slack of 10 s under a 20 s
-  bound keeps the hit ratio of 10 s (0.1720 / 0.1661 on the even spread): the hits are
-  short and medium turns kept on their holders; 25 s / 25 s gives 0.1786 / 0.1725 at
-  18.06 / 18.50 s.
+  even spread and ``--bucket jitter`` seeds 1-3) at 0.8 / 0.95 of saturation, a slack
+  and a bound of 10 s gave a hit ratio of 0.1708 / 0.1657 at a TTFT p99 of 16.89 / 17.01
+  s, and of 20 s 0.1755 / 0.1730 at 17.15 / 17.53 s (TTFT mean 1.42-1.48 / 1.52-1.57 s
+  against 1.50-1.53 / 1.60-1.65 s); sglang_cache_aware, which never leaves a holder,
+  hits 0.1739 / 0.1703, and dynamo_cost's TTFT p99 is 17.14 / 18.27 s. A slack of 10 s
+  under a 20 s bound keeps the hit ratio of 10 s (0.1720 / 0.1661 on the even spread):
+  the hits are short and medium turns kept on their holders; 25 s each gives 0.1786 /
+  0.1725 at 18.06 / 18.50 s. At 0.6 of saturation (even spread) the longer wait costs
+  TTFT mean: 1.417 s with 20 s against 1.360 s with 10 s (dynamo_cost 1.396 s), for a
+  hit ratio of 0.1800 against 0.1762.
 
 On top of the score, in this order:
 
