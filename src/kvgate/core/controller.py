@@ -377,11 +377,11 @@ class Controller:
             prefill_pairs=q * (record.predicted_hit_tokens + q / 2),
             context_tokens=ctx.prompt_tokens,
         )
-        record.learned = None
+        speculative = self.config.index_mode == "precise"
+        # approximate mode keeps what this dispatch teaches the index, to take it back if
+        # the node never runs it (precise mode: guesses expire, events are the truth)
+        learned = record.learned = [] if ctx.chain and not speculative else None
         if ctx.chain:
-            speculative = self.config.index_mode == "precise"
-            # (precise mode: the guesses expire by themselves, events are the truth)
-            learned = record.learned = None if speculative else []
             if self.defer_index_inserts and len(self._pending_inserts) < 1024:
                 self._pending_inserts.append(
                     (node.spec.node_id, ctx.chain, now, speculative, learned)

@@ -118,7 +118,9 @@ class DynamoCostPolicy:
 
     def new_blocks(self, node_id: NodeId, hashes: Sequence[int], blocks: int) -> int:
         """Of a ``blocks``-block prompt, the blocks not already active on the node."""
-        refs = self._refs.get(node_id, {})
+        refs = self._refs.get(node_id)
+        if not refs:  # nothing active on the node: every block is new
+            return blocks
         return blocks - sum(1 for h in hashes[:blocks] if h in refs)
 
     def active_prefill_tokens(self, node_id: NodeId, now: float) -> float:
