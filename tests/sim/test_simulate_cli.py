@@ -370,3 +370,51 @@ def test_bucket_jitter_replays_the_trace_differently_per_seed(tmp_path: Path) ->
     for ts in (one, two):
         assert all(0 <= t < 3 for t in ts[:3]) and all(3 <= t < 6 for t in ts[3:])
         assert ts == sorted(ts)
+
+
+def test_the_json_report_records_how_it_was_run(tmp_path: Path) -> None:
+    """A saved report carries its settings: with them the run can be repeated exactly."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": ts, "input_length": 1024, "output_length": 4, "hash_ids": ids})
+            + "\n"
+            for ts, ids in [(0, [1, 2]), (0, [1, 3]), (1000, [1, 2]), (2000, [4, 5])]
+        )
+    )
+    first, again = tmp_path / "a.json", tmp_path / "b.json"
+    argv = ["simulate", "--trace", str(path), "--bucket", "jitter", "--seed", "7", "--nodes", "2"]
+    argv += ["--policies", "kvgate,round_robin", "--policy-param", "kvgate.epsilon=0.5"]
+    assert main([*argv, "--no-progress", "--json", str(first)]) == 0
+    settings = json.loads(first.read_text())["settings"]
+    assert settings["trace"] == str(path) and settings["workload"] is None
+    assert (settings["bucket"], settings["seed"], settings["nodes"]) == ("jitter", 7, 2)
+    assert settings["policies"] == ["kvgate", "round_robin"]
+    assert settings["policy_params"] == {"kvgate": {"epsilon": 0.5}}
+    assert settings["budget"] == 2 * settings["node_capacity"] and settings["speedup"] == 1.0
+    # the settings, read back as arguments, give the same report
+    again_argv = ["simulate", "--trace", settings["trace"], "--bucket", settings["bucket"]]
+    again_argv += ["--seed", str(settings["seed"]), "--nodes", str(settings["nodes"])]
+    again_argv += ["--policies", ",".join(settings["policies"])]
+    again_argv += ["--policy-param", "kvgate.epsilon=0.5", "--no-progress", "--json", str(again)]
+    assert main(again_argv) == 0
+    strip = ("wall_s", "sim_requests_per_wall_s")
+
+    def stable(text: str) -> object:
+        rep = json.loads(text)
+        rep.pop("wall_s")
+        for row in rep["policies"].values():
+            for key in strip:
+                row.pop(key, None)
+        return rep
+
+    assert stable(first.read_text()) == stable(again.read_text())
+
+
+def test_a_synthetic_report_records_the_effective_rate(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--workload", "agent", "--limit", "20", "--nodes", "2", "--closed-loop"]
+    assert main([*argv, "--policies", "round_robin", "--no-progress", "--json", str(out)]) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert (settings["workload"], settings["rate"], settings["closed_loop"]) == ("agent", 0.2, True)
+    assert settings["trace"] is None and settings["bucket"] is None

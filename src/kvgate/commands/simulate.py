@@ -40,6 +40,9 @@ from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_gro
 from kvgate.sim.workload import Workload, load_mooncake_trace, scale_rate
 
 SYNTHETIC = ("gsp", "chat", "agent", "zipf")
+# arrivals per second when --rate is not given: requests (gsp, zipf), sessions (chat),
+# tasks (agent)
+DEFAULT_RATES = {"gsp": 16.0, "chat": 0.5, "agent": 0.2, "zipf": 4.0}
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # formats matplotlib writes that we document
 
 
@@ -226,14 +229,15 @@ def _load_workload(
             raise ValueError(f"{args.trace}: the trace holds no requests")
         return trace
     kind = args.workload
+    rate = args.rate or DEFAULT_RATES[kind]
     if kind == "gsp":
-        w = shared_prefix_groups(rng=rng, arrivals=args.rate or 16.0)
+        w = shared_prefix_groups(rng=rng, arrivals=rate)
     elif kind == "chat":
-        w = multi_turn_chat(rng=rng, arrivals=args.rate or 0.5, closed_loop=closed)
+        w = multi_turn_chat(rng=rng, arrivals=rate, closed_loop=closed)
     elif kind == "agent":
-        w = agent_loops(rng=rng, arrivals=args.rate or 0.2, closed_loop=closed)
+        w = agent_loops(rng=rng, arrivals=rate, closed_loop=closed)
     else:
-        w = zipf_prefixes(rng=rng, arrivals=args.rate or 4.0)
+        w = zipf_prefixes(rng=rng, arrivals=rate)
     if args.limit:
         w = replace(w, requests=w.requests[: args.limit])
     return scale_rate(w, speedup) if speedup != 1.0 else w
@@ -271,6 +275,37 @@ def _param_value(raw: str) -> object:
         except ValueError:
             pass
     return text
+
+
+def settings(args: argparse.Namespace, params: dict[str, dict[str, object]]) -> dict[str, Any]:
+    """What a report was run with, so a saved ``--json`` file says how to reproduce it."""
+    trace = args.trace is not None
+    out: dict[str, Any] = {
+        "trace": str(args.trace) if trace else None,
+        "workload": None if trace else args.workload,
+        "rate": None if trace else args.rate or DEFAULT_RATES[args.workload],
+        "bucket": args.bucket if trace else None,
+        "closed_loop": bool(args.closed_loop),
+        "limit": args.limit,
+        "nodes": args.nodes,
+        "gateways": args.gateways,
+        "profile": args.profile,
+        "cache_blocks": args.cache_blocks,
+        "node_capacity": args.node_capacity,
+        "budget": args.budget or args.nodes * args.node_capacity,
+        "index_mode": args.index_mode,
+        "policies": resolve_policies(_policy_names(args)),
+        "policy_params": params,
+        "scenario": args.scenario,
+        "seed": args.seed,
+        "slo_ttft_s": args.slo_ttft,
+        "slo_tpot_s": args.slo_tpot,
+    }
+    if args.find_saturation or args.at_saturation:
+        out["at_saturation"] = list(args.at_saturation or [])
+    else:
+        out["speedup"] = args.speedup
+    return out
 
 
 def _config(args: argparse.Namespace) -> ClusterConfig:
@@ -489,6 +524,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 report["ordering_tally"] = tally(checked)
         else:
             report = _run_once(args, args.speedup, progress, params)
+        report["settings"] = settings(args, params)
     except (OSError, ValueError, ConfigError) as exc:
         progress.done()
         print(f"kvgate simulate: {exc}", file=sys.stderr)
