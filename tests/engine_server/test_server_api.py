@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from typing import Any
 
@@ -264,3 +266,50 @@ async def test_badly_encoded_body_is_a_400(start_server: Any, http: aiohttp.Clie
     async with http.post(f"{server.url}/v1/completions", data=payload, headers=headers) as resp:
         assert resp.status == 400
         assert (await resp.json())["error"]["code"] == "invalid_body"
+
+
+async def _raw_exchange(port: int, raw: bytes) -> tuple[bytes, bytes]:
+    """Send ``raw`` bytes on a fresh connection: the answer's head and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        return head, await asyncio.wait_for(reader.readexactly(length), 5.0)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code"),
+    [
+        (b"NOT HTTP AT ALL\r\n\r\n", b"400", "malformed_request"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", b"431",
+         "headers_too_large"),
+    ],
+    ids=["junk-request-line", "oversized-header"],
+)
+async def test_what_the_http_parser_rejects_gets_an_openai_error(
+    start_server: Any, http: aiohttp.ClientSession, raw: bytes, status: bytes, code: str
+) -> None:
+    """Like the gateway: JSON in OpenAI's shape, not aiohttp's text/plain echo of the bytes."""
+    server = await start_server()
+    assert server.port is not None
+    head, body = await _raw_exchange(server.port, raw)
+    assert head.split(b" ")[1] == status
+    assert b"application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
+    assert b"aaaa" not in body  # the client's bytes are not quoted back
+    async with http.get(f"{server.url}/health") as resp:  # and the server carries on
+        assert resp.status == 200
+
+
+async def test_a_stalled_request_head_is_dropped(start_server: Any) -> None:
+    server = await start_server(header_timeout_s=0.2)
+    assert server.port is not None
+    head, body = await _raw_exchange(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    assert head.split(b" ")[1] == b"408"
+    assert json.loads(body)["error"]["code"] == "request_timeout"

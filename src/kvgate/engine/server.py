@@ -77,6 +77,7 @@ from kvgate.engine.server_tokens import (
     generated_text,
     tokenize_body,
 )
+from kvgate.gateway.edge import EdgeRunner
 from kvgate.protocol import (
     KVEvent,
     ProtocolError,
@@ -204,8 +205,11 @@ class EngineServer:
         if cfg.kv_events_endpoint:
             encoder = KvEventEncoder(topic=cfg.kv_events_topic, layout=cfg.kv_events_layout)
             self._publisher = _KvPublisher(cfg.kv_events_endpoint, encoder)
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=2.0)
+        # the gateway's edge: what the HTTP parser rejects gets an OpenAI-shaped JSON
+        # error (not aiohttp's text/plain echo of the bytes), and a stalled head times out
+        self._runner = EdgeRunner(self.app, header_timeout_s=cfg.header_timeout_s,
+                                  handler_cancellation=True, access_log=None,
+                                  shutdown_timeout=2.0)
         try:
             await self._runner.setup()
             await web.TCPSite(self._runner, cfg.host, cfg.port).start()

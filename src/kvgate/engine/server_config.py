@@ -241,6 +241,7 @@ class EngineServerConfig:
     admission: NodeAdmissionConfig = field(default_factory=NodeAdmissionConfig)
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    header_timeout_s: float = 30.0  # a connection must send a whole request head in this
     default_max_tokens_completion: int = 16
     default_max_tokens_chat: int = 256
 
@@ -254,5 +255,8 @@ class EngineServerConfig:
                              f"{self.kv_events_layout!r}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if not (math.isfinite(self.header_timeout_s) and self.header_timeout_s > 0):
+            raise ValueError(f"header_timeout_s must be a finite number > 0, got "
+                             f"{self.header_timeout_s}")
         if not self.model:
             raise ValueError("model must not be empty")

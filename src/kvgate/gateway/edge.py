@@ -1,4 +1,5 @@
-"""The HTTP/1.1 connection below the app: aiohttp's ``RequestHandler`` with three fixes.
+"""The HTTP/1.1 connection below the app (the gateway's, and the simulated engine's):
+aiohttp's ``RequestHandler`` with three fixes.
 
 aiohttp answers what its parser rejects (an oversized header, a junk request line,
 an unsupported Content-Encoding ...) itself, before any middleware runs: a text/plain
