@@ -273,6 +273,17 @@ def test_token_prompt_and_messages(tok_file: Path) -> None:
     assert longer[: len(h.chain_for_messages(ms))] == h.chain_for_messages(ms)
 
 
+def test_token_chains_differ_by_model(tok_file: Path) -> None:
+    h = TokenBlockHasher.from_file(tok_file, block_size=2)
+    ids = [6, 7, 8, 0, 6, 7]
+    assert h.chain_for_tokens(ids, model="") == h.chain_for_tokens(ids)
+    base = h.chain_for_tokens(ids, model="base")
+    assert base != h.chain_for_tokens(ids) and base != h.chain_for_tokens(ids, model="sql-lora")
+    # a stored event's blocks continue from their parent whatever the model
+    assert h.chain_for_tokens(ids[2:], parent=base[0], model="base") == base[1:]
+    assert h.chain_for_prompt("a b c zz", "base") == h.chain_for_tokens([6, 7, 8, 0], model="base")
+
+
 def test_custom_chat_template(tok_file: Path) -> None:
     h = TokenBlockHasher.from_file(tok_file, chat_template="{role} {content} ")
     assert h.tokens_for_messages([("user", "a"), ("system", "{role}")]) == [3, 6, 5, 0, 0, 0]

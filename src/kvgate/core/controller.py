@@ -242,11 +242,11 @@ class Controller:
             if tokens is None:
                 tokens = len(chain) * h.tokens_per_block
         elif req.messages is not None:
-            chain = h.chain_for_messages(req.messages)
+            chain = h.chain_for_messages(req.messages, req.model)
             tokens = req.prompt_tokens or h.estimate_tokens_messages(req.messages)
         else:
             assert req.prompt is not None
-            chain = h.chain_for_prompt(req.prompt)
+            chain = h.chain_for_prompt(req.prompt, req.model)
             tokens = req.prompt_tokens or h.estimate_tokens_prompt(req.prompt)
         return chain, tokens
 

@@ -78,11 +78,13 @@ class TextChunkHasher:
             return ()
         return chain_bytes(text.encode("utf-32-le", "surrogatepass"), self._width, seed)
 
-    def chain_for_prompt(self, text: str) -> BlockChain:
-        return self._chain(text, self._seed_prompt)
+    def chain_for_prompt(self, text: str, model: str = "") -> BlockChain:
+        seed = root_seed(self._key_space, "prompt", model) if model else self._seed_prompt
+        return self._chain(text, seed)
 
-    def chain_for_messages(self, messages: Sequence[Message]) -> BlockChain:
-        return self._chain(canonical_messages(messages), self._seed_messages)
+    def chain_for_messages(self, messages: Sequence[Message], model: str = "") -> BlockChain:
+        seed = root_seed(self._key_space, "messages", model) if model else self._seed_messages
+        return self._chain(canonical_messages(messages), seed)
 
     def estimate_tokens_prompt(self, text: str) -> int:
         """Characters / 4, rounded up."""

@@ -151,13 +151,14 @@ class TokenBlockHasher:
         return self._block_size
 
     def chain_for_tokens(
-        self, ids: Sequence[int], *, parent: BlockHash | None = None
+        self, ids: Sequence[int], *, parent: BlockHash | None = None, model: str = ""
     ) -> BlockChain:
         """Chain over the full blocks of ``ids``.
 
         ``parent`` continues a chain whose last key is known (an engine
         ``BlockStored`` event carries the tokens of the blocks after
-        ``parent_block_hash``); ``None`` starts from the key space's root.
+        ``parent_block_hash``); ``None`` starts from the key space's root, or from
+        ``model``'s root when a model (or LoRA adapter) name is given.
         Ids outside ``[0, 2**32)`` raise :class:`ClientRequestError`.
         """
         try:
@@ -168,7 +169,10 @@ class TokenBlockHasher:
             ) from exc
         if _BIG_ENDIAN:
             packed.byteswap()
-        seed = self._root if parent is None else parent
+        if parent is not None:
+            seed = parent
+        else:
+            seed = root_seed(self._key_space, model) if model else self._root
         return chain_bytes(packed.tobytes(), 4 * self._block_size, seed)
 
     def render_messages(self, messages: Sequence[Message]) -> str:
@@ -195,11 +199,11 @@ class TokenBlockHasher:
         self._last = (key, ids)  # one atomic store: safe if hashed off the event loop
         return ids
 
-    def chain_for_prompt(self, text: str) -> BlockChain:
-        return self.chain_for_tokens(self.tokens_for_prompt(text))
+    def chain_for_prompt(self, text: str, model: str = "") -> BlockChain:
+        return self.chain_for_tokens(self.tokens_for_prompt(text), model=model)
 
-    def chain_for_messages(self, messages: Sequence[Message]) -> BlockChain:
-        return self.chain_for_tokens(self.tokens_for_messages(messages))
+    def chain_for_messages(self, messages: Sequence[Message], model: str = "") -> BlockChain:
+        return self.chain_for_tokens(self.tokens_for_messages(messages), model=model)
 
     def estimate_tokens_prompt(self, text: str) -> int:
         """Exact token count."""

@@ -50,10 +50,10 @@ class ReadyIdsHasher:
             "use chain_from_ids and the trace's token counts"
         )
 
-    def chain_for_prompt(self, text: str) -> BlockChain:
+    def chain_for_prompt(self, text: str, model: str = "") -> BlockChain:
         self._no_text()
 
-    def chain_for_messages(self, messages: Sequence[Message]) -> BlockChain:
+    def chain_for_messages(self, messages: Sequence[Message], model: str = "") -> BlockChain:
         self._no_text()
 
     def estimate_tokens_prompt(self, text: str) -> int:
