@@ -110,6 +110,7 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"admission": {"reclaim_grace_s": -1}}, "admission.reclaim_grace_s must be finite and >= 0"),
     ({"admission": {"early_refresh_min_interval_s": 1.0}},
      "admission.early_refresh_min_interval_s must be in"),
+    ({"admission": {"tenant_confine_s": -1}}, "admission.tenant_confine_s must be a finite"),
 ])
 def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
                                              tmp_path: Path) -> None:
@@ -208,6 +209,13 @@ def test_lease_settings_from_yaml_and_env_reach_the_core(tmp_path: Path) -> None
         4, 4.0, 1.0, 1.5)
     default = GatewayConfig().controller_config().admission.lease
     assert (default.expected_gateways, default.ttl_s, default.refresh_s) == (1, 2.0, 0.5)
+
+
+def test_tenant_confinement_from_yaml_reaches_the_core(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text("admission: {tenant_quotas: {acme: 8}, tenant_confine_s: 0}\n")
+    assert load_config(path, env={}).controller_config().tenant_confine_s == 0.0
+    assert GatewayConfig().controller_config().tenant_confine_s == 10.0
 
 
 def test_gateways_that_never_reach_the_coordinator_share_the_budget() -> None:

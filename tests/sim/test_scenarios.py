@@ -13,7 +13,7 @@ from kvgate.sim.cluster import ClusterConfig, SimCluster
 from kvgate.sim.report import pct, ttft
 from kvgate.sim.runner import SeededRng, run_policy
 from kvgate.sim.scenarios import SCENARIOS, Plan, p0_admit_shares
-from kvgate.sim.synthetic import multi_turn_chat
+from kvgate.sim.synthetic import agent_loops, multi_turn_chat
 from kvgate.sim.workload import Workload
 
 SLO_TTFT_S = 5.0
@@ -121,6 +121,34 @@ def test_flooding_tenant_held_to_its_quota_others_unaffected() -> None:
 
     calm_p99, flood_p99 = others_p99(c_calm), others_p99(c_flood)
     assert abs(flood_p99 - calm_p99) < 0.2 * calm_p99
+
+
+def _others_p99(c: SimCluster) -> float:
+    return pct(
+        [t for o in c.outcomes.values() if o.req.tenant != "flood" and (t := ttft(o)) is not None],
+        0.99,
+    )
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_an_agent_flood_is_confined_to_the_nodes_it_holds(seed: int) -> None:
+    """Agent steps carry 6k-16k-token contexts: a flood held to 4 in flight still stalls,
+    spread over every node, everybody's first tokens; kept to the nodes it already holds
+    once it presses its quota, it stalls only those, which the others then avoid."""
+    w = agent_loops(rng=SeededRng(seed), arrivals=0.2, num_tasks=30)
+    p99 = {}
+    for confine_s in (10.0, 0.0):
+        cfg = config(nodes=8)
+        cfg = replace(cfg, controller=replace(cfg.controller, tenant_confine_s=confine_s))
+        cfg = replace(cfg, cache_blocks=1000)
+        calm = SCENARIOS["tenant_flood"](w, cfg, SeededRng(3), flood=False, quota=4)
+        plan = SCENARIOS["tenant_flood"](w, cfg, SeededRng(3), flood=True, quota=4)
+        p99[confine_s] = (_others_p99(run(plan)[0]), _others_p99(run(calm)[0]))
+        assert plan.probe is not None and plan.probe.max_tenant_inflight["flood"] <= 4
+    flood, calm_p99 = p99[10.0]
+    assert abs(flood - calm_p99) < 0.2 * calm_p99
+    # unconfined, the same flood raises the others' TTFT p99 by half or more
+    assert p99[0.0][0] > 1.5 * p99[0.0][1] and p99[0.0][1] == calm_p99
 
 
 @pytest.mark.parametrize("name", ["traffic_double"])

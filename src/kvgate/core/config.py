@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from kvgate.core.admission import AdmissionConfig
+from kvgate.core.errors import ConfigError
 
 # Prompt-length buckets (tokens) for hit ratios, as the design brief asks: <1k, 1k-4k,
 # 4k-16k, >=16k. Each bound is the exclusive upper edge of its bucket.
@@ -48,4 +50,14 @@ class ControllerConfig:
     safe_mode_max_queue: int = 8
     # how strongly an announced eviction discounts a node's cache bonus
     evicting_cache_weight: float = 0.1
+    # a tenant refused for asking more than its quota keeps, for this long after, to the
+    # nodes where it already has requests in flight: a flood cannot spread over every
+    # node and slow everybody's first tokens (0 turns it off)
+    tenant_confine_s: float = 10.0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tenant_confine_s) and self.tenant_confine_s >= 0):
+            raise ConfigError(
+                f"tenant_confine_s must be a finite number >= 0, got {self.tenant_confine_s}"
+            )

@@ -355,7 +355,11 @@ class Controller:
 
     def _dispatch(self, record: _Request, ticket: Ticket, now: float) -> Decision:
         record.ticket = ticket
-        decision = self.route(record.ctx, now, record.excluded)
+        decision = None
+        if (confined := self._confinement(record.arrived.tenant, record.excluded, now)) is not None:
+            decision = self.route(record.ctx, now, confined)
+        if decision is None:
+            decision = self.route(record.ctx, now, record.excluded)
         if decision is None:
             return self._finish_rejected(record, now)
         node = self.nodes.get(decision.node_id)
@@ -376,6 +380,7 @@ class Controller:
             prefill_tokens=q,
             prefill_pairs=q * (record.predicted_hit_tokens + q / 2),
             context_tokens=ctx.prompt_tokens,
+            tenant=record.arrived.tenant,
         )
         speculative = self.config.index_mode == "precise"
         # approximate mode keeps what this dispatch teaches the index, to take it back if
@@ -404,6 +409,25 @@ class Controller:
             )
         )
         return Dispatch(request_id=record.request_id, route=decision, attempt=record.attempts)
+
+    def _confinement(
+        self, tenant: str, excluded: set[NodeId], now: float
+    ) -> set[NodeId] | None:
+        """The nodes to exclude so that a tenant refused lately for asking more than its
+        quota stays where its requests already run (``tenant_confine_s``): None when it is
+        not pressing its quota or has nothing in flight here. Its flood then slows the
+        few nodes it holds, which the scores steer the other tenants away from, instead
+        of every node; the fallback to every candidate keeps it served if those fail."""
+        window = self.config.tenant_confine_s
+        if window <= 0.0:
+            return None
+        pressed = self.admission.tenant_pressed_at(tenant)
+        if pressed is None or now - pressed > window:
+            return None
+        others = {s.spec.node_id for s in self.nodes if not s.tenant_inflight.get(tenant)}
+        if len(others) == len(self.nodes):
+            return None  # nothing in flight: it goes where the policy says
+        return others | excluded
 
     def _finish_rejected(self, record: _Request, now: float) -> Decision:
         """No node can take the request: give the credit back and say overloaded."""
@@ -478,6 +502,7 @@ class Controller:
                 now=now,
                 key=record.request_id,
                 context_tokens=record.ctx.prompt_tokens,
+                tenant=record.arrived.tenant,
             )
             if self._is_current(node):
                 self.policy.on_finished(node.spec.node_id, now)
@@ -560,6 +585,7 @@ class Controller:
                 now=now,
                 key=record.request_id,
                 context_tokens=record.ctx.prompt_tokens,
+                tenant=record.arrived.tenant,
             )
             if self._is_current(node):
                 self.policy.on_finished(node.spec.node_id, now)

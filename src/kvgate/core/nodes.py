@@ -94,6 +94,9 @@ class NodeState:
     # prompt tokens of this gateway's requests in flight on the node: the contexts its
     # decode steps attend over, which slow every sequence in the batch
     inflight_context_tokens: int = 0
+    # this gateway's requests in flight on the node by tenant (tenants with none absent):
+    # where a tenant at its quota already is
+    tenant_inflight: dict[str, int] = field(default_factory=dict)
     cache_weight: float = 1.0  # < 1 while the node has announced a coming eviction
     consecutive_failures: int = 0
 
@@ -236,11 +239,14 @@ class NodeTable:
         prefill_tokens: int = 0,
         prefill_pairs: float = 0.0,
         context_tokens: int = 0,
+        tenant: str | None = None,
     ) -> None:
-        """The gateway sent the node a request of ``context_tokens`` prompt tokens; ``key``
-        names its prefill (``prefill_tokens`` uncached tokens, ``prefill_pairs`` attention
-        work) until its first token."""
+        """The gateway sent the node a request of ``context_tokens`` prompt tokens (for
+        ``tenant``, when given); ``key`` names its prefill (``prefill_tokens`` uncached
+        tokens, ``prefill_pairs`` attention work) until its first token."""
         state.inflight += 1
+        if tenant is not None:
+            state.tenant_inflight[tenant] = state.tenant_inflight.get(tenant, 0) + 1
         state.sent_since_report += 1
         state.inflight_context_tokens += context_tokens
         if (prefill_tokens or prefill_pairs) and key is not None:
@@ -265,10 +271,18 @@ class NodeTable:
         now: float,
         key: Hashable = None,
         context_tokens: int = 0,
+        tenant: str | None = None,
     ) -> None:
-        """A request sent at ``sent_at`` (of ``context_tokens`` prompt tokens) left the node
-        (finished, failed or cancelled); a prefill still queued under ``key`` is abandoned."""
+        """A request sent at ``sent_at`` (of ``context_tokens`` prompt tokens, for ``tenant``
+        as sent) left the node (finished, failed or cancelled); a prefill still queued
+        under ``key`` is abandoned."""
         state.inflight = max(0, state.inflight - 1)
+        if tenant is not None:
+            left = state.tenant_inflight.get(tenant, 0) - 1
+            if left > 0:
+                state.tenant_inflight[tenant] = left
+            else:
+                state.tenant_inflight.pop(tenant, None)
         state.inflight_context_tokens = max(0, state.inflight_context_tokens - context_tokens)
         if state.report_time is None or sent_at >= state.report_time:
             state.sent_since_report = max(0, state.sent_since_report - 1)

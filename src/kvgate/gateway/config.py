@@ -196,6 +196,9 @@ class AdmissionSection:
     queue_limit: int | None = None  # per class; None = 1024
     retry_budget_ratio: float = 0.2
     retry_budget_min: int = 3
+    # a tenant refused for asking more than its quota keeps to the nodes it already
+    # uses for this long (0: off), so its flood slows few nodes, not all
+    tenant_confine_s: float = 10.0
     # Leases (core LeaseConfig). Several gateways: set expected_gateways to the fleet
     # size, since a gateway that never reached its coordinator admits P0 up to
     # budget / expected_gateways on its own (N gateways with the default 1: N x budget).
@@ -217,6 +220,9 @@ class AdmissionSection:
         object.__setattr__(self, "tenant_quotas", _frozen_map(self.tenant_quotas))
         _check_lease(self)
         _positive("admission", tick_interval_s=self.tick_interval_s)
+        if not (math.isfinite(self.tenant_confine_s) and self.tenant_confine_s >= 0):
+            raise ConfigError(f"admission.tenant_confine_s must be a finite number >= 0, got "
+                              f"{self.tenant_confine_s}", param="tenant_confine_s")
         if self.coordinator not in ("inprocess", "redis"):
             raise ConfigError(
                 f"admission.coordinator must be 'inprocess' or 'redis', got {self.coordinator!r}"
@@ -343,5 +349,6 @@ class GatewayConfig:
             stale_after_s=r.stale_after_s,
             eject_after_failures=r.eject_after_failures,
             eject_s=r.eject_s,
+            tenant_confine_s=self.admission.tenant_confine_s,
             admission=self.admission.admission_config(),
         )

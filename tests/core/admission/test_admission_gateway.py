@@ -177,6 +177,22 @@ def test_first_sighting_of_a_quota_tenant() -> None:
     fill(gw, 3, 1, tenant="new")
 
 
+def test_a_tenant_refused_at_its_quota_presses_it_but_not_one_whose_lease_grows() -> None:
+    """Refused while holding its fair share of its quota (here all of it: one gateway), a
+    tenant asks for more than its quota; refused on the first-sight allowance, its lease
+    is merely catching up with its demand."""
+    cfg = AdmissionConfig(budget=1000, tenant_quotas={"small": 2}, default_tenant_quota=4)
+    gw = leased_gateway(lease((10, 10, 0), tenants={"small": 2}), cfg)
+    fill(gw, 2, 1, tenant="small")
+    assert gw.tenant_pressed_at("small") is None
+    assert isinstance(gw.admit(req(1, "small"), 3.0), Rejected)
+    assert gw.tenant_pressed_at("small") == 3.0
+    fill(gw, 1, 1, tenant="new")  # the first-sight allowance (1) of a quota of 4
+    r = gw.admit(req(1, "new"), 3.5)
+    assert isinstance(r, Rejected) and r.reason is RejectReason.TENANT_QUOTA
+    assert gw.tenant_pressed_at("new") is None
+
+
 def test_check_order_quota_then_breaker() -> None:
     cfg = AdmissionConfig(budget=1000, tenant_quotas={"t": 0})
     gw = leased_gateway(lease((5, 5, 0)), cfg)

@@ -234,6 +234,13 @@ class QuotaBook:
             out[tenant] = min(granted, share)
         return out
 
+    def tenant_fair_share(self, quota: int) -> int:
+        """This gateway's even share of a tenant's cluster quota: the quota over the
+        gateways live in the last grant (the expected gateways before any grant)."""
+        g = self.grant
+        gateways = g.gateways_live if g is not None else self.config.lease.expected_gateways
+        return max(1, quota // max(1, gateways))
+
     def tenant_fallback(self, quota: int) -> int:
         """The limit of a quota tenant absent from the grant (first sighting)."""
         if quota <= 0:

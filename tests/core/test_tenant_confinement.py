@@ -1,0 +1,121 @@
+"""A tenant refused for asking more than its quota keeps to the nodes it already uses.
+
+Without it, a flood held to its quota still spreads its requests over every node, and
+each one's long prefill delays the first tokens of everybody queued behind it there.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvgate.core.admission import AdmissionConfig, InProcessCoordinator
+from kvgate.core.config import ControllerConfig
+from kvgate.core.controller import Controller
+from kvgate.core.decisions import Dispatch, Reject
+from kvgate.core.events import RequestArrived
+from kvgate.core.ids import NodeId, RequestId, TenantId
+from kvgate.core.nodes import NodeSpec
+
+NODES = [NodeId(f"n{i}") for i in range(4)]
+
+
+def cluster(confine_s: float = 10.0) -> Controller:
+    adm = AdmissionConfig(budget=256, tenant_quotas={"flood": 3})
+    ctl = Controller(
+        # load alone decides (no exploration): an unconfined flood goes to the idlest node
+        ControllerConfig(
+            hasher="trace", admission=adm, tenant_confine_s=confine_s,
+            policy_params={"epsilon": 0},
+        ),
+        rng=random.Random(1),
+    )
+    for nid in NODES:
+        ctl.add_node(NodeSpec(node_id=nid), 0.0)
+        ctl.on_load_report(nid, waiting=0, running=0, kv_util=0.0, now=0.0)
+    coord = InProcessCoordinator(ctl.config.admission)
+    ctl.refresh_with(coord, 0.0)
+    # the flood tenant's first request teaches the coordinator its quota
+    send(ctl, "warm", "flood", 0, 0.0)
+    ctl.refresh_with(coord, 0.0)
+    ctl.on_finished(RequestId("warm"), 0.0)
+    return ctl
+
+
+def send(ctl: Controller, rid: str, tenant: str, block: int, now: float) -> Dispatch | Reject:
+    d = ctl.on_arrival(
+        RequestArrived(
+            request_id=RequestId(rid), tenant=TenantId(tenant), block_ids=(block,),
+            prompt_tokens=20_000,  # a long uncached prefill: it loads its node for seconds
+        ),
+        now,
+    )
+    assert isinstance(d, Dispatch | Reject)
+    return d
+
+
+def test_a_pressing_tenant_stays_on_its_nodes_and_the_others_go_around() -> None:
+    ctl = cluster()
+    first = send(ctl, "f1", "flood", 1, 1.0)
+    assert isinstance(first, Dispatch)
+    home = first.node_id
+    sent = [send(ctl, f"f{i}", "flood", i, 1.0) for i in (2, 3)]
+    # not refused yet: its second and third requests go to idle nodes, as anyone's would
+    assert all(isinstance(d, Dispatch) and d.node_id != home for d in sent)
+    assert isinstance(send(ctl, "f4", "flood", 4, 1.1), Reject)  # over its quota of 3
+    for d in sent:
+        ctl.on_finished(d.request_id, 1.2)
+    # pressing its quota now: its next requests stay on the node it still occupies
+    again = [send(ctl, f"g{i}", "flood", 10 + i, 1.3) for i in range(2)]
+    assert [d.node_id for d in again if isinstance(d, Dispatch)] == [home, home]
+    other = send(ctl, "o1", "other", 99, 1.3)
+    assert isinstance(other, Dispatch) and other.node_id != home
+    # the nodes count the tenant's requests in flight, and forget them when they end
+    state = ctl.nodes.get(home)
+    assert state is not None and state.tenant_inflight == {"flood": 3}
+    for d in [first, *again]:
+        ctl.on_finished(d.request_id, 1.4)
+    assert state.tenant_inflight == {}
+
+
+def test_confinement_ends_with_its_window_and_can_be_turned_off() -> None:
+    for confine_s, at, confined in ((10.0, 12.0, False), (10.0, 5.0, True), (0.0, 5.0, False)):
+        ctl = cluster(confine_s)
+        first = send(ctl, "f1", "flood", 1, 1.0)
+        assert isinstance(first, Dispatch)
+        held = [send(ctl, f"f{i}", "flood", i, 1.0) for i in (2, 3)]
+        assert isinstance(send(ctl, "f4", "flood", 4, 1.0), Reject)  # pressed at t=1
+        for d in held:
+            ctl.on_finished(d.request_id, 1.1)
+        for nid in NODES:  # fresh reports and lease at ``at``: a normal, healthy cluster
+            ctl.on_load_report(nid, waiting=0, running=0, kv_util=0.0, now=at)
+        ctl.refresh_with(InProcessCoordinator(ctl.config.admission), at)
+        d = send(ctl, "late", "flood", 50, at)
+        assert isinstance(d, Dispatch)
+        assert (d.node_id == first.node_id) is confined, (confine_s, at)
+
+
+def test_a_confined_tenant_whose_node_is_down_is_still_served() -> None:
+    ctl = cluster()
+    first = send(ctl, "f1", "flood", 1, 1.0)
+    assert isinstance(first, Dispatch)
+    held = [send(ctl, f"f{i}", "flood", i, 1.0) for i in (2, 3)]
+    assert isinstance(send(ctl, "f4", "flood", 4, 1.0), Reject)
+    for d in held:
+        ctl.on_finished(d.request_id, 1.1)
+    state = ctl.nodes.get(first.node_id)
+    assert state is not None
+    ctl.nodes.set_healthy(state, False)
+    d = send(ctl, "after", "flood", 60, 1.2)
+    assert isinstance(d, Dispatch) and d.node_id != first.node_id
+
+
+def test_the_window_must_be_a_finite_number_of_seconds() -> None:
+    import math
+
+    import pytest
+
+    from kvgate.core.errors import ConfigError
+
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ConfigError, match="tenant_confine_s"):
+            ControllerConfig(tenant_confine_s=bad)
