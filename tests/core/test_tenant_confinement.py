@@ -67,6 +67,7 @@ def test_a_pressing_tenant_stays_on_its_nodes_and_the_others_go_around() -> None
     # pressing its quota now: its next requests stay on the node it still occupies
     again = [send(ctl, f"g{i}", "flood", 10 + i, 1.3) for i in range(2)]
     assert [d.node_id for d in again if isinstance(d, Dispatch)] == [home, home]
+    assert ctl.stats.confined_dispatches == 2
     other = send(ctl, "o1", "other", 99, 1.3)
     assert isinstance(other, Dispatch) and other.node_id != home
     # the nodes count the tenant's requests in flight, and forget them when they end

@@ -358,6 +358,7 @@ class Controller:
         decision = None
         if (confined := self._confinement(record.arrived.tenant, record.excluded, now)) is not None:
             decision = self.route(record.ctx, now, confined)
+            self.stats.confined_dispatches += decision is not None
         if decision is None:
             decision = self.route(record.ctx, now, record.excluded)
         if decision is None:

@@ -89,6 +89,7 @@ def dashboard_state(gw: Gateway) -> dict[str, Any]:
             "retries": sum(st.retries.values()),
             "client_disconnects": gw.metrics.client_disconnects,
             "eviction_warnings": st.eviction_warnings,
+            "confined_dispatches": st.confined_dispatches,
         },
         "routed": dict(sorted(st.routed.items())),
         "rejects": dict(sorted(st.rejects.items())),

@@ -40,6 +40,8 @@ FAMILIES: dict[str, Family] = {
         Family("kvgate_upstream_attempts_total", "counter", "Attempts sent to each node."),
         Family("kvgate_eviction_warnings_total", "counter",
                "Bulk-eviction announcements received from nodes."),
+        Family("kvgate_tenant_confined_dispatches_total", "counter",
+               "Requests of a tenant pressing its quota sent only to the nodes it held."),
         Family("kvgate_prompt_tokens_total", "counter",
                "Prompt tokens by prefix-length bucket; source=predicted counts every routed "
                "request, source=measured those whose engine reported cached_tokens."),
@@ -200,6 +202,7 @@ def render(controller: Controller, watcher: NodeWatcher, own: GatewayMetrics, no
     page.counter_map("kvgate_upstream_failures_total", "kind", st.failures)
     page.counter_map("kvgate_upstream_attempts_total", "node", own.attempts)
     page.add("kvgate_eviction_warnings_total", st.eviction_warnings)
+    page.add("kvgate_tenant_confined_dispatches_total", st.confined_dispatches)
     for bucket, hc in st.hits.items():
         page.add("kvgate_prompt_tokens_total", hc.prompt_tokens, bucket=bucket, source="predicted")
         page.add("kvgate_prompt_tokens_total", hc.measured_prompt_tokens, bucket=bucket,
