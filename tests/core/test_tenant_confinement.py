@@ -41,11 +41,13 @@ def cluster(confine_s: float = 10.0) -> Controller:
     return ctl
 
 
-def send(ctl: Controller, rid: str, tenant: str, block: int, now: float) -> Dispatch | Reject:
+def send(
+    ctl: Controller, rid: str, tenant: str, block: int, now: float, tokens: int = 20_000
+) -> Dispatch | Reject:
     d = ctl.on_arrival(
         RequestArrived(
             request_id=RequestId(rid), tenant=TenantId(tenant), block_ids=(block,),
-            prompt_tokens=20_000,  # a long uncached prefill: it loads its node for seconds
+            prompt_tokens=tokens,  # 20k: a long uncached prefill loads its node for seconds
         ),
         now,
     )
@@ -108,6 +110,40 @@ def test_a_confined_tenant_whose_node_is_down_is_still_served() -> None:
     ctl.nodes.set_healthy(state, False)
     d = send(ctl, "after", "flood", 60, 1.2)
     assert isinstance(d, Dispatch) and d.node_id != first.node_id
+
+
+def test_the_other_tenants_leave_a_flood_node_rather_than_wait_for_their_cache() -> None:
+    """On the node a flood is confined to, another tenant's cache counts a tenth: a short
+    context is recomputed on an idle node instead of waiting behind the flood there."""
+    outcomes = {}
+    for confine_s in (10.0, 0.0):
+        ctl = cluster(confine_s)
+        context = (500, 501, 502)  # 3 blocks of 512 tokens
+        o0 = ctl.on_arrival(
+            RequestArrived(request_id=RequestId("o0"), tenant=TenantId("other"),
+                           block_ids=context, prompt_tokens=1536),
+            1.0,
+        )
+        assert isinstance(o0, Dispatch)
+        ctl.on_finished(o0.request_id, 1.0)
+        # all idle again: the flood's first request takes the same lowest slot
+        first = send(ctl, "f1", "flood", 1, 1.0, tokens=4000)
+        assert isinstance(first, Dispatch) and first.node_id == o0.node_id
+        held = [send(ctl, f"f{i}", "flood", i, 1.0, tokens=4000) for i in (2, 3)]
+        assert isinstance(send(ctl, "f4", "flood", 4, 1.0), Reject)  # pressing from t=1
+        for d in held:
+            ctl.on_finished(d.request_id, 1.0)
+        o1 = ctl.on_arrival(
+            RequestArrived(request_id=RequestId("o1"), tenant=TenantId("other"),
+                           block_ids=(*context, 600), prompt_tokens=2048),
+            1.01,
+        )
+        assert isinstance(o1, Dispatch)
+        outcomes[confine_s] = (o1.node_id == first.node_id, o1.route.matched_blocks)
+        state = ctl.nodes.get(first.node_id)
+        assert state is not None and state.cache_weight == 1.0  # the discount was per request
+    assert outcomes[0.0] == (True, 3)  # off: it waits behind the flood for its context
+    assert outcomes[10.0] == (False, 0)  # on: it goes to an idle node
 
 
 def test_the_window_must_be_a_finite_number_of_seconds() -> None:

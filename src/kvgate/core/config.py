@@ -48,11 +48,13 @@ class ControllerConfig:
     # safe mode (coordinator lost): dispatch only to nodes with a fresh report and a
     # queue below this
     safe_mode_max_queue: int = 8
-    # how strongly an announced eviction discounts a node's cache bonus
+    # how strongly an announced eviction discounts a node's cache bonus (and, for the
+    # other tenants, a node holding a confined flood: see tenant_confine_s)
     evicting_cache_weight: float = 0.1
     # a tenant refused for asking more than its quota keeps, for this long after, to the
-    # nodes where it already has requests in flight: a flood cannot spread over every
-    # node and slow everybody's first tokens (0 turns it off)
+    # nodes where it already has requests in flight, and there the other tenants' cache
+    # counts evicting_cache_weight: a flood cannot spread over every node and slow
+    # everybody's first tokens, and few wait behind it (0 turns it off)
     tenant_confine_s: float = 10.0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 

@@ -356,11 +356,22 @@ class Controller:
     def _dispatch(self, record: _Request, ticket: Ticket, now: float) -> Decision:
         record.ticket = ticket
         decision = None
-        if (confined := self._confinement(record.arrived.tenant, record.excluded, now)) is not None:
+        tenant = record.arrived.tenant
+        if (confined := self._confinement(tenant, record.excluded, now)) is not None:
             decision = self.route(record.ctx, now, confined)
             self.stats.confined_dispatches += decision is not None
         if decision is None:
-            decision = self.route(record.ctx, now, record.excluded)
+            # the nodes other tenants' floods are confined to: their cache counts less,
+            # so this request leaves them (a miss) rather than waits behind the flood
+            held = self._flood_nodes(tenant, now)
+            weights = [(s, s.cache_weight) for s in held]
+            for s in held:
+                s.cache_weight *= self.config.evicting_cache_weight
+            try:
+                decision = self.route(record.ctx, now, record.excluded)
+            finally:  # calls are atomic (one thread, no await): restored before anyone reads
+                for s, weight in weights:
+                    s.cache_weight = weight
         if decision is None:
             return self._finish_rejected(record, now)
         node = self.nodes.get(decision.node_id)
@@ -422,13 +433,24 @@ class Controller:
         window = self.config.tenant_confine_s
         if window <= 0.0:
             return None
-        pressed = self.admission.tenant_pressed_at(tenant)
+        pressed = self.admission.pressed.at(tenant)
         if pressed is None or now - pressed > window:
             return None
         others = {s.spec.node_id for s in self.nodes if not s.tenant_inflight.get(tenant)}
         if len(others) == len(self.nodes):
             return None  # nothing in flight: it goes where the policy says
         return others | excluded
+
+    def _flood_nodes(self, tenant: str, now: float) -> list[NodeState]:
+        """The nodes holding requests of tenants other than ``tenant`` that pressed their
+        quota within ``tenant_confine_s`` (where confinement keeps their floods)."""
+        window = self.config.tenant_confine_s
+        if window <= 0.0:
+            return []
+        floods = [t for t in self.admission.pressed.since(now - window) if t != tenant]
+        if not floods:
+            return []
+        return [s for s in self.nodes if any(s.tenant_inflight.get(t) for t in floods)]
 
     def _finish_rejected(self, record: _Request, now: float) -> Decision:
         """No node can take the request: give the credit back and say overloaded."""

@@ -184,13 +184,13 @@ def test_a_tenant_refused_at_its_quota_presses_it_but_not_one_whose_lease_grows(
     cfg = AdmissionConfig(budget=1000, tenant_quotas={"small": 2}, default_tenant_quota=4)
     gw = leased_gateway(lease((10, 10, 0), tenants={"small": 2}), cfg)
     fill(gw, 2, 1, tenant="small")
-    assert gw.tenant_pressed_at("small") is None
+    assert gw.pressed.at("small") is None
     assert isinstance(gw.admit(req(1, "small"), 3.0), Rejected)
-    assert gw.tenant_pressed_at("small") == 3.0
+    assert gw.pressed.at("small") == 3.0
     fill(gw, 1, 1, tenant="new")  # the first-sight allowance (1) of a quota of 4
     r = gw.admit(req(1, "new"), 3.5)
     assert isinstance(r, Rejected) and r.reason is RejectReason.TENANT_QUOTA
-    assert gw.tenant_pressed_at("new") is None
+    assert gw.pressed.at("new") is None
 
 
 def test_check_order_quota_then_breaker() -> None:

@@ -34,6 +34,7 @@ import math
 
 from kvgate.core.admission.breaker import ClusterBreaker
 from kvgate.core.admission.config import AdmissionConfig
+from kvgate.core.admission.pressed import PressedTenants
 from kvgate.core.admission.queues import FairQueue, QueueEntry
 from kvgate.core.admission.quota_book import QuotaBook
 from kvgate.core.admission.slo import TtftWindow
@@ -86,7 +87,6 @@ class Stage1Limiter:
         "_serial",
         "_tenant_denied",
         "_tenant_limits",
-        "_tenant_pressed",
         "_tenant_slots",
         "_tenant_unseen",
         "_timeouts",
@@ -94,6 +94,7 @@ class Stage1Limiter:
         "_ttft",
         "config",
         "gateway_id",
+        "pressed",
     )
 
     def __init__(self, config: AdmissionConfig, gateway_id: str, *, rng: Rng | None = None):
@@ -113,8 +114,7 @@ class Stage1Limiter:
         self._tenant_slots: dict[str, int] = {}
         self._tenant_limits: dict[str, int] = {}
         self._tenant_denied: dict[str, int] = {}
-        # tenant -> when last refused while holding its fair share of its quota or more
-        self._tenant_pressed: dict[str, float] = {}
+        self.pressed = PressedTenants()  # refused while holding a fair share of the quota
         self._tenant_unseen = False
         self._reported_active: set[str] = set()
         self._live: set[int] = set()
@@ -154,7 +154,7 @@ class Stage1Limiter:
             if self._tenant_slots.get(tenant, 0) >= limit:
                 self._tenant_denied[tenant] = self._tenant_denied.get(tenant, 0) + 1
                 if limit >= self._book.tenant_fair_share(quota):
-                    self._note_pressed(tenant, now)
+                    self.pressed.note(tenant, now)  # more than its quota, not a growing lease
                 return self._reject(
                     req,
                     RejectReason.TENANT_QUOTA,
@@ -242,18 +242,6 @@ class Stage1Limiter:
         return make_rejection(
             reason, message, request_id=req.request_id, retry_after_s=retry_after_s
         )
-
-    def _note_pressed(self, tenant: str, now: float) -> None:
-        pressed = self._tenant_pressed
-        pressed[tenant] = now
-        if len(pressed) > 1024:  # bounded: forget the longest quiet half
-            cut = sorted(pressed.values())[len(pressed) // 2]
-            self._tenant_pressed = {t: at for t, at in pressed.items() if at >= cut}
-
-    def tenant_pressed_at(self, tenant: str) -> float | None:
-        """When ``tenant`` was last refused for its quota while holding at least its fair
-        share of it here (it asks for more than its quota), or None."""
-        return self._tenant_pressed.get(tenant)
 
     def _unseen_tenant(self, quota: int) -> int:
         if self._book.state is LeaseState.ACTIVE or self._book.state is LeaseState.EXPIRED_REUSING:
