@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.cli import main
-from kvgate.commands.simulate import _load_workload, add_simulate_parser
+from kvgate.commands.simulate import _config, _load_workload, add_simulate_parser
 
 
 def test_simulate_prints_a_table_and_writes_json(
@@ -418,3 +418,12 @@ def test_a_synthetic_report_records_the_effective_rate(tmp_path: Path) -> None:
     settings = json.loads(out.read_text())["settings"]
     assert (settings["workload"], settings["rate"], settings["closed_loop"]) == ("agent", 0.2, True)
     assert settings["trace"] is None and settings["bucket"] is None
+
+
+def test_a_simulated_fleet_says_how_many_gateways_share_the_budget(tmp_path: Path) -> None:
+    """As README asks of a real fleet: before its first grant, each of G gateways admits
+    budget / G, not the whole budget."""
+    for gateways in (1, 3):
+        args = _trace_args(tmp_path / "t.jsonl", "--gateways", str(gateways))
+        lease = _config(args).controller.admission.lease
+        assert lease.expected_gateways == gateways

@@ -25,7 +25,7 @@ from kvgate.commands.argtypes import (
     positive_floats,
     positive_int,
 )
-from kvgate.core.admission import AdmissionConfig
+from kvgate.core.admission import AdmissionConfig, LeaseConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.routing import make_policy
@@ -121,7 +121,7 @@ def add_simulate_parser(sub: Any) -> None:
         type=positive_int,
         default=1,
         help="gateways, each with its own core and a delayed view, sharing one "
-        "coordinator (default 1)",
+        "coordinator, configured as a fleet of that size (expected_gateways) (default 1)",
     )
     c.add_argument(
         "--profile",
@@ -313,7 +313,11 @@ def _config(args: argparse.Namespace) -> ClusterConfig:
     ctl = ControllerConfig(
         hasher="trace",
         index_mode=args.index_mode,
-        admission=AdmissionConfig(budget=budget),
+        # a fleet says how many gateways share the budget, as README asks of a real one:
+        # before their first grant each admits budget / gateways, not the whole budget
+        admission=AdmissionConfig(
+            budget=budget, lease=LeaseConfig(expected_gateways=args.gateways)
+        ),
     )
     return ClusterConfig(
         nodes=args.nodes,
