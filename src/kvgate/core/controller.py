@@ -447,10 +447,12 @@ class Controller:
         window = self.config.tenant_confine_s
         if window <= 0.0:
             return []
-        floods = [t for t in self.admission.pressed.since(now - window) if t != tenant]
+        floods = set(self.admission.pressed.since(now - window))
+        floods.discard(tenant)
         if not floods:
             return []
-        return [s for s in self.nodes if any(s.tenant_inflight.get(t) for t in floods)]
+        # each node's tenants in flight are few: at most its requests
+        return [s for s in self.nodes if not floods.isdisjoint(s.tenant_inflight)]
 
     def _finish_rejected(self, record: _Request, now: float) -> Decision:
         """No node can take the request: give the credit back and say overloaded."""
