@@ -23,6 +23,12 @@ guess is speculative and the engines' KV events confirm or expire it.
 Every admitted request holds one credit (its ticket) until it finishes, fails
 for good or is cancelled; a gateway retry reuses the same credit.
 
+A tenant that stage 1 refused for asking more than its quota (``admission.pressed``)
+is confined for ``tenant_confine_s``: its requests go only to the nodes already
+holding its requests (any node if those cannot take them), and there the other
+tenants' cache counts ``evicting_cache_weight``, so a flood held to its quota stalls
+a few nodes that everybody else avoids, not every node.
+
 When a node is marked down (health probes, or ejection after failures in a row) the
 attempts on it that have no first byte yet will not get one (a hung or dead engine):
 the controller lists them, and the driver, which alone knows whether response headers
@@ -361,17 +367,7 @@ class Controller:
             decision = self.route(record.ctx, now, confined)
             self.stats.confined_dispatches += decision is not None
         if decision is None:
-            # the nodes other tenants' floods are confined to: their cache counts less,
-            # so this request leaves them (a miss) rather than waits behind the flood
-            held = self._flood_nodes(tenant, now)
-            weights = [(s, s.cache_weight) for s in held]
-            for s in held:
-                s.cache_weight *= self.config.evicting_cache_weight
-            try:
-                decision = self.route(record.ctx, now, record.excluded)
-            finally:  # calls are atomic (one thread, no await): restored before anyone reads
-                for s, weight in weights:
-                    s.cache_weight = weight
+            decision = self._route_around_floods(record, now)
         if decision is None:
             return self._finish_rejected(record, now)
         node = self.nodes.get(decision.node_id)
@@ -440,6 +436,21 @@ class Controller:
         if len(others) == len(self.nodes):
             return None  # nothing in flight: it goes where the policy says
         return others | excluded
+
+    def _route_around_floods(self, record: _Request, now: float) -> RouteDecision | None:
+        """Route with the cache of the nodes other tenants' floods are confined to counted
+        at ``evicting_cache_weight``: the request leaves them (a miss) rather than waits
+        behind the flood. The weights are restored before the call returns (calls are
+        atomic: one thread, no await)."""
+        held = self._flood_nodes(record.arrived.tenant, now)
+        weights = [(s, s.cache_weight) for s in held]
+        for s in held:
+            s.cache_weight *= self.config.evicting_cache_weight
+        try:
+            return self.route(record.ctx, now, record.excluded)
+        finally:
+            for s, weight in weights:
+                s.cache_weight = weight
 
     def _flood_nodes(self, tenant: str, now: float) -> list[NodeState]:
         """The nodes holding requests of tenants other than ``tenant`` that pressed their
