@@ -229,7 +229,7 @@ def _load_workload(
             raise ValueError(f"{args.trace}: the trace holds no requests")
         return trace
     kind = args.workload
-    rate = args.rate or DEFAULT_RATES[kind]
+    rate = _rate(args)
     if kind == "gsp":
         w = shared_prefix_groups(rng=rng, arrivals=rate)
     elif kind == "chat":
@@ -283,7 +283,7 @@ def settings(args: argparse.Namespace, params: dict[str, dict[str, object]]) -> 
     out: dict[str, Any] = {
         "trace": str(args.trace) if trace else None,
         "workload": None if trace else args.workload,
-        "rate": None if trace else args.rate or DEFAULT_RATES[args.workload],
+        "rate": None if trace else _rate(args),
         "bucket": args.bucket if trace else None,
         "closed_loop": bool(args.closed_loop),
         "limit": args.limit,
@@ -292,7 +292,7 @@ def settings(args: argparse.Namespace, params: dict[str, dict[str, object]]) -> 
         "profile": args.profile,
         "cache_blocks": args.cache_blocks,
         "node_capacity": args.node_capacity,
-        "budget": args.budget or args.nodes * args.node_capacity,
+        "budget": _budget(args),
         "index_mode": args.index_mode,
         "policies": resolve_policies(_policy_names(args)),
         "policy_params": params,
@@ -308,8 +308,18 @@ def settings(args: argparse.Namespace, params: dict[str, dict[str, object]]) -> 
     return out
 
 
+def _rate(args: argparse.Namespace) -> float:
+    """The synthetic workload's arrival rate: --rate, else the workload's default."""
+    return float(args.rate or DEFAULT_RATES[args.workload])
+
+
+def _budget(args: argparse.Namespace) -> int:
+    """The admission budget C: --budget, else nodes x capacity."""
+    return int(args.budget or args.nodes * args.node_capacity)
+
+
 def _config(args: argparse.Namespace) -> ClusterConfig:
-    budget = args.budget or args.nodes * args.node_capacity
+    budget = _budget(args)
     ctl = ControllerConfig(
         hasher="trace",
         index_mode=args.index_mode,
