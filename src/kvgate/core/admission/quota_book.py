@@ -235,19 +235,17 @@ class QuotaBook:
         return out
 
     def tenant_fair_share(self, quota: int) -> int:
-        """This gateway's even share of a tenant's cluster quota: the quota over the
-        gateways live in the last grant (the expected gateways before any grant)."""
+        """This gateway's even share of a tenant's cluster quota (at least 1): the quota
+        over the gateways live in the last grant, or the expected gateways before one."""
         g = self.grant
-        gateways = g.gateways_live if g is not None else self.config.lease.expected_gateways
-        return max(1, quota // max(1, gateways))
+        if self.state is LeaseState.NO_ASSIGNMENT or g is None:
+            return max(1, quota // self.config.lease.expected_gateways)
+        return max(1, quota // max(1, g.gateways_live))
 
     def tenant_fallback(self, quota: int) -> int:
         """The limit of a quota tenant absent from the grant (first sighting)."""
         if quota <= 0:
             return 0
-        g = self.grant
-        if self.state is LeaseState.NO_ASSIGNMENT or g is None:
-            return max(1, quota // self.config.lease.expected_gateways)
-        if self.state is LeaseState.SAFE:
-            return max(1, quota // max(1, g.gateways_live))
+        if self.state in (LeaseState.NO_ASSIGNMENT, LeaseState.SAFE) or self.grant is None:
+            return self.tenant_fair_share(quota)  # no coordinator to ask: an even share
         return min(quota, self.config.lease.tenant_first_sight_allowance)
