@@ -168,14 +168,16 @@ class Reference:
                     best_match_tripped = best_match_tripped and tripped
                 if not tripped:
                     saved = min(m * ctx.tokens_per_block, ctx.prompt_tokens)
+                    # the node's weight, times this request's discount there
+                    weight = s.cache_weight * ctx.cache_discount.get(s.node_id, 1.0)
                     # as the policy always has: times the inverse, not divided by
                     if ttft:
                         bonus = (
                             saved * (1.0 / p.prefill_tokens_per_s)
                             + p.attention_s_per_pair / 2 * saved * saved
-                        ) * s.cache_weight
+                        ) * weight
                     else:
-                        bonus = min(saved * (1.0 / p.max_prefix_len), 1.0) * s.cache_weight
+                        bonus = min(saved * (1.0 / p.max_prefix_len), 1.0) * weight
             else:
                 if (penalty, s.slot) < least_key:
                     least, least_key = s, (penalty, s.slot)
@@ -323,6 +325,7 @@ ops_st = st.lists(
             st.sampled_from([0, 1, 4]),  # hot_blocks
             st.sampled_from([0.0, 3.0, 20.0]),  # hot_rate
             st.sampled_from(["pool", "list", "tuple"]),  # how the candidates come
+            st.dictionaries(name_st, st.sampled_from([0.1, 0.5]), max_size=3),  # discounts
         ),
     ),
     min_size=1,
@@ -423,7 +426,7 @@ def test_same_decisions_as_the_reference(
             table.remove(op[1])  # type: ignore[arg-type]
             sent_at.pop(op[1], None)  # type: ignore[call-overload]
         else:
-            _, pick, matches, draw, hot_blocks, hot_rate, how = op
+            _, pick, matches, draw, hot_blocks, hot_rate, how, discount = op
             pool, _ = table.eligible()
             if how == "pool":
                 cands: Sequence[NodeState] = list(pool)
@@ -437,6 +440,7 @@ def test_same_decisions_as_the_reference(
                 hot_key=1 if hot_blocks else None,
                 hot_blocks=hot_blocks,  # type: ignore[arg-type]
                 hot_rate=hot_rate,  # type: ignore[arg-type]
+                cache_discount=discount,  # type: ignore[arg-type]
             )
             want = ref.select(ctx, cands, matches, table, draw, now)  # type: ignore[arg-type]
             got = policy.select(ctx, cands, matches, table, FixedRng(draw), now)  # type: ignore[arg-type]

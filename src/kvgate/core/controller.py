@@ -39,7 +39,7 @@ came in, aborts them (``take_aborts``) and reports each as
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvgate.core.admission import (
     NOT_RUN_FAILURES,
@@ -439,18 +439,13 @@ class Controller:
 
     def _route_around_floods(self, record: _Request, now: float) -> RouteDecision | None:
         """Route with the cache of the nodes other tenants' floods are confined to counted
-        at ``evicting_cache_weight``: the request leaves them (a miss) rather than waits
-        behind the flood. The weights are restored before the call returns (calls are
-        atomic: one thread, no await)."""
-        held = self._flood_nodes(record.arrived.tenant, now)
-        weights = [(s, s.cache_weight) for s in held]
-        for s in held:
-            s.cache_weight *= self.config.evicting_cache_weight
-        try:
-            return self.route(record.ctx, now, record.excluded)
-        finally:
-            for s, weight in weights:
-                s.cache_weight = weight
+        at ``evicting_cache_weight`` (the request's ``cache_discount``): the request
+        leaves them (a miss) rather than waits behind the flood."""
+        ctx = record.ctx
+        if held := self._flood_nodes(record.arrived.tenant, now):
+            weight = self.config.evicting_cache_weight
+            ctx = replace(ctx, cache_discount={s.spec.node_id: weight for s in held})
+        return self.route(ctx, now, record.excluded)
 
     def _flood_nodes(self, tenant: str, now: float) -> list[NodeState]:
         """The nodes holding requests of tenants other than ``tenant`` that pressed their

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import ClassVar, Protocol
 
 from kvgate.core.ids import BlockChain, NodeId
@@ -33,6 +34,9 @@ class RouteReason(StrEnum):
     ROTATION = "rotation"  # round robin / random
 
 
+_NO_DISCOUNT: Mapping[NodeId, float] = MappingProxyType({})  # shared: nothing allocated
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RouteContext:
     """What a policy may know about the request."""
@@ -46,6 +50,9 @@ class RouteContext:
     hot_key: int | None = None  # the prefix key hot-prefix tracking counts
     hot_blocks: int = 0  # the hot key's depth in chain blocks (chain[hot_blocks - 1])
     hot_rate: float = 0.0  # requests/s for that prefix over the tracker's window
+    # per node, a factor on its cache bonus for this request alone (on top of the node's
+    # cache_weight): the nodes another tenant's flood is confined to count less
+    cache_discount: Mapping[NodeId, float] = field(default_factory=lambda: _NO_DISCOUNT)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -44,7 +44,8 @@ nodes are rescored at most 100 times a second.
 
 ``cache_gain`` (5) values a hit above its own TTFT saving because it also spares
 the node work that later requests would queue behind. ``cache_weight`` drops below
-1 while a node has announced a bulk eviction.
+1 while a node has announced a bulk eviction; the request's ``cache_discount`` lowers
+it further on the nodes another tenant's flood is confined to.
 
 ``decode_s_per_context_token`` (1.74e-5) weighs the prompt tokens of the requests
 we have in flight on the node: each decode step attends over all of them (``k`` per
@@ -592,6 +593,7 @@ class KvgatePolicy:
             w_cache, w_load = self.w_cache, self.w_load
         hot_blocks = ctx.hot_blocks
         tripped_set, open_queue = self._tripped, self.breaker_open_queue
+        discount = ctx.cache_discount  # usually empty
 
         best: _Load | None = None
         best_key = (-_INF, 0, 0)  # (score, -queue, -slot): the highest wins
@@ -634,7 +636,11 @@ class KvgatePolicy:
                 bonus = saved * inv_prefix + attn_half * saved * saved
                 if bonus > cap:
                     bonus = cap
-                bonus *= load.state.cache_weight
+                bonus *= (
+                    load.state.cache_weight * discount.get(nid, 1.0)
+                    if discount
+                    else load.state.cache_weight
+                )
                 score = w_cache * bonus - w_load * load.penalty
                 if track_open and bonus > 0.0:
                     open_holders.append((load, bonus))
@@ -663,7 +669,7 @@ class KvgatePolicy:
                 self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) >= self.blocking_min_s
             ):
                 best, win_score, best_bonus, costs = self._rescore_blocking(
-                    loads, cands, matches, prompt, tpb, w_cache, now
+                    loads, cands, matches, prompt, tpb, w_cache, discount, now
                 )
             # the latest predicted first token (penalty less bonus) a request waits for
             latest = soonest_key[0] + self.max_cache_wait_s
@@ -819,6 +825,7 @@ class KvgatePolicy:
         prompt: int,
         tpb: int,
         w_cache: float,
+        discount: Mapping[NodeId, float],
         now: float,
     ) -> tuple[_Load, float, float, dict[NodeId, float]]:
         """Every candidate scored with the blocking cost of this request's prefill there:
@@ -836,7 +843,8 @@ class KvgatePolicy:
             bonus = 0.0
             if m and load.node_id not in self._tripped:
                 saved = min(m * tpb, prompt)
-                bonus = (saved * inv_rate + attn_half * saved * saved) * load.state.cache_weight
+                weight = load.state.cache_weight * discount.get(load.node_id, 1.0)
+                bonus = (saved * inv_rate + attn_half * saved * saved) * weight
             blocking = self._blocking_s(prompt, m * tpb, load.node_id, now)
             costs[load.node_id] = blocking
             key = (w_cache * bonus - load.penalty - blocking, -load.queue, -load.slot)
