@@ -453,7 +453,10 @@ class Controller:
         window = self.config.tenant_confine_s
         if window <= 0.0:
             return []
-        floods = set(self.admission.pressed.since(now - window))
+        pressing = self.admission.pressed.since(now - window)
+        if not pressing:  # the usual case: no set built per request
+            return []
+        floods = set(pressing)
         floods.discard(tenant)
         if not floods:
             return []
