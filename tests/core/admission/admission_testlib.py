@@ -60,6 +60,7 @@ def lease(
     p0_reserve: int = 0,
     bypass: int = 0,
     tenants: Mapping[str, int] | None = None,
+    full: frozenset[str] = frozenset(),  # tenants whose quota the fleet fills
     ceilings: tuple[float, float, float] = (1.0, 1.0, 1.0),
     safe_capacity: int | None = None,
     capacity: int = 1000,
@@ -76,6 +77,7 @@ def lease(
         p0_reserve=p0_reserve,
         bypass=bypass,
         tenant_grants=dict(tenants or {}),
+        tenant_full=full,
         ttl_s=ttl_s,
         refresh_s=refresh_s,
         safe_capacity=total if safe_capacity is None else safe_capacity,

@@ -140,14 +140,19 @@ def test_tenant_quota_is_shared_across_gateways() -> None:
     assert ga.tenant_grants == {"t": 5}
     gb = coord.refresh(report("b", tenants=one), 0.35)
     assert gb.tenant_grants == {"t": 5}
-    # a tenant busy at a gets more once b reports it idle (and no longer holding)
+    # idle at b, the tenant keeps a share there of what a does not want (b's next
+    # request needs no round trip) ...
+    idle = {"t": TenantUsage(inuse=0, wants=0, has=5)}
+    assert coord.refresh(report("b", tenants=idle), 0.4).tenant_grants == {"t": 4}
+    # ... until a wants it: b's next refresh gives it back, and a's gets it
     busy = {"t": TenantUsage(inuse=5, wants=9, has=5)}
-    assert coord.refresh(
-        report("b", tenants={"t": TenantUsage(inuse=0, wants=0, has=5)}), 0.4
-    ).tenant_grants == {"t": 0}
     assert coord.refresh(report("a", tenants=busy), 0.5).tenant_grants == {"t": 5}
-    assert coord.refresh(report("b", tenants={}), 0.6).tenant_grants == {}
+    assert coord.refresh(report("b", tenants={}), 0.6).tenant_grants == {"t": 0}
     assert coord.refresh(report("a", tenants=busy), 0.7).tenant_grants == {"t": 10}
+    # in use nowhere, the tenant leaves the grants of the gateways that do not report it
+    gone = {"t": TenantUsage(inuse=0, wants=0, has=10)}
+    assert coord.refresh(report("a", tenants=gone), 0.8).tenant_grants == {"t": 5}
+    assert coord.refresh(report("b", tenants={}), 0.9).tenant_grants == {}
     # unlimited tenants get no grant at all
     assert coord.refresh(report("a", tenants={"free": one["t"]}), 0.6).tenant_grants == {}
 

@@ -13,6 +13,7 @@ from kvgate.core.admission import (
     BreakerState,
     GatewayAdmission,
     InProcessCoordinator,
+    LeaseConfig,
     Queued,
     Rejected,
     RejectReason,
@@ -163,34 +164,131 @@ def test_queued_requests_hold_their_tenant_slot() -> None:
     assert gw.tenant_slots("t") == 3
 
 
-def test_first_sighting_of_a_quota_tenant() -> None:
-    cfg = AdmissionConfig(budget=1000, default_tenant_quota=4)
+FLEET_OF_TWO = LeaseConfig(expected_gateways=2)
+
+
+def test_a_gateway_that_is_the_whole_fleet_admits_a_new_tenant_up_to_its_quota() -> None:
+    """One gateway, expected and live alone: nobody else can hold the tenant's quota,
+    so its first requests need no round trip to the coordinator."""
+    cfg = AdmissionConfig(budget=1000, default_tenant_quota=3)
     gw = leased_gateway(lease((10, 10, 0)), cfg)
-    assert not gw.refresh_due(0.1)
-    fill(gw, 1, 1, tenant="new")  # the no-assignment allowance (1)
+    fill(gw, 3, 1, 0.1, tenant="new")
     r = gw.admit(req(1, "new"), 0.1)
     assert isinstance(r, Rejected) and r.reason is RejectReason.TENANT_QUOTA
+
+
+def test_a_tenant_the_lease_has_no_entry_for_waits_for_its_grant() -> None:
+    """No first-sight credit by default: the tenant's requests park (Queued, no slot)
+    until the early refresh's grant, which admits them; beyond its whole quota a
+    request is refused at once, since no grant could let it in."""
+    cfg = AdmissionConfig(budget=1000, default_tenant_quota=4, lease=FLEET_OF_TWO)
+    gw = leased_gateway(lease((10, 10, 0), live=2), cfg)
+    assert not gw.refresh_due(0.1)
+    parked = [gw.admit(req(1, "new"), 0.1) for _ in range(4)]
+    assert all(isinstance(d, Queued) for d in parked)
+    r = gw.admit(req(1, "new"), 0.1)
+    assert isinstance(r, Rejected) and r.reason is RejectReason.TENANT_QUOTA
+    assert gw.tenant_slots("new") == 0 and gw.stats().tenant_queued == {"new": 4}
+    assert gw.pressed.at("new") is None  # refused before any lease: not pressing
     assert gw.refresh_due(0.1)  # an early refresh asks for the tenant's grant
+    report = gw.make_refresh(0.1)
+    assert report.tenants["new"].wants == 4 and report.tenants["new"].inuse == 0
     coord = InProcessCoordinator(cfg)
-    gw.apply_grant(coord.refresh(gw.make_refresh(0.1), 0.1), 0.1)
-    assert gw.stats().tenant_limits["new"] == 4
-    fill(gw, 3, 1, tenant="new")
+    got = gw.apply_grant(coord.refresh(report, 0.1), 0.1)
+    assert [a.ticket.request_id for a in got] == [d.request_id for d in parked]
+    assert gw.stats().tenant_limits["new"] == 4 and gw.tenant_slots("new") == 4
+    assert gw.poll(0.2) == [] and gw.queued_total == 0
+
+
+def test_a_parked_tenant_is_refused_when_other_gateways_hold_its_quota() -> None:
+    """Two gateways, quota 2: A holds both; B's request waits for B's grant (0) and is
+    refused, so the fleet never holds more than the quota."""
+    cfg = AdmissionConfig(budget=100, tenant_quotas={"t": 2}, lease=FLEET_OF_TWO)
+    coord = InProcessCoordinator(cfg)
+    a, b = GatewayAdmission(cfg, "a"), GatewayAdmission(cfg, "b")
+    for t in (0.0, 0.05):  # two rounds: each gateway's lease counts the other
+        for gw in (a, b):
+            gw.apply_grant(coord.refresh(gw.make_refresh(t), t), t)
+    assert isinstance(a.admit(req(0, "t"), 0.1), Queued)  # parked at A too: ask first
+    a.apply_grant(coord.refresh(a.make_refresh(0.1), 0.1), 0.1)
+    fill(a, 1, 0, 0.2, tenant="t")
+    assert a.tenant_slots("t") == 2
+    a.apply_grant(coord.refresh(a.make_refresh(0.25), 0.25), 0.25)  # A reports them
+    d = b.admit(req(0, "t"), 0.3)
+    assert isinstance(d, Queued) and b.tenant_slots("t") == 0
+    assert b.apply_grant(coord.refresh(b.make_refresh(0.3), 0.3), 0.3) == []
+    out = b.poll(0.3)
+    assert len(out) == 1 and isinstance(out[0], Rejected)
+    assert out[0].reason is RejectReason.TENANT_QUOTA and out[0].request_id == d.request_id
+    assert a.tenant_slots("t") + b.tenant_slots("t") == 2 and b.queued_total == 0
+
+
+def test_a_parked_tenant_waits_while_its_quota_has_room_in_another_gateways_lease() -> None:
+    """A grant that leaves the tenant nothing here while the fleet does not fill its
+    quota (other gateways' leases hold it until their next refresh) keeps the request
+    waiting for a later grant instead of refusing it; a request parked after the
+    refresh was sent waits for the next one."""
+    cfg = AdmissionConfig(budget=1000, tenant_quotas={"t": 10}, lease=FLEET_OF_TWO)
+    gw = leased_gateway(lease((10, 10, 0), live=2), cfg)
+    d = gw.admit(req(0, "t"), 0.1)
+    assert isinstance(d, Queued)
+    gw.make_refresh(0.1)
+    late = gw.admit(req(0, "t"), 0.15)  # parked while that refresh is in flight
+    assert gw.apply_grant(lease((10, 10, 0), tenants={"t": 0}, live=2), 0.2) == []
+    assert gw.poll(0.2) == [] and gw.queued_total == 2
+    gw.make_refresh(0.3)
+    got = gw.apply_grant(lease((10, 10, 0), tenants={"t": 1}, live=2), 0.3)
+    assert [g.ticket.request_id for g in got] == [d.request_id]
+    assert gw.poll(0.3) == [] and gw.queued_total == 1  # late waits for more
+    gw.make_refresh(0.4)
+    got = gw.apply_grant(lease((10, 10, 0), tenants={"t": 2}, live=2), 0.4)
+    assert [g.ticket.request_id for g in got] == [late.request_id]
+
+
+def test_a_parked_request_times_out_is_cancelled_or_settles_without_a_coordinator() -> None:
+    cfg = AdmissionConfig(budget=1000, default_tenant_quota=4, lease=FLEET_OF_TWO)
+    gw = leased_gateway(lease((10, 10, 0), ttl_s=2.0, live=2), cfg)
+    first = gw.admit(req(0, "new"), 0.1)
+    second = gw.admit(req(0, "new"), 0.1)
+    assert isinstance(first, Queued) and isinstance(second, Queued)
+    assert gw.cancel(first.request_id, 0.2) and gw.queued_total == 1
+    # the coordinator is gone: once the lease is SAFE the tenant gets an even share
+    gw.make_refresh(0.3)
+    gw.refresh_failed(0.3)
+    assert gw.poll(1.0) == []  # still EXPIRED_REUSING: waiting
+    out = gw.poll(10.0)  # SAFE: an even share, 4 // 2
+    assert [type(o) for o in out] == [Admitted] and out[0].ticket.request_id == second.request_id
+    assert gw.tenant_slots("new") == 1
+    late = leased_gateway(lease((10, 10, 0), gateway_id="g2", live=2), cfg)
+    p = late.admit(req(0, "new", deadline=0.5), 0.0)  # the client's own deadline
+    assert isinstance(p, Queued) and p.deadline == 0.5
+    assert late.poll(0.4) == []
+    out = late.poll(0.51)
+    assert len(out) == 1 and isinstance(out[0], Rejected)
+    assert out[0].reason is RejectReason.QUEUE_TIMEOUT and late.queued_total == 0
 
 
 def test_a_tenant_refused_at_its_quota_presses_it_but_not_one_whose_lease_grows() -> None:
     """Refused while holding its fair share of its quota (here all of it: one gateway), a
-    tenant asks for more than its quota; refused on the first-sight allowance, its lease
-    is merely catching up with its demand."""
+    tenant asks for more than its quota; refused on a lease smaller than its fair share,
+    its lease is merely catching up with its demand."""
     cfg = AdmissionConfig(budget=1000, tenant_quotas={"small": 2}, default_tenant_quota=4)
-    gw = leased_gateway(lease((10, 10, 0), tenants={"small": 2}), cfg)
+    gw = leased_gateway(lease((10, 10, 0), tenants={"small": 2, "grows": 1}), cfg)
     fill(gw, 2, 1, tenant="small")
     assert gw.pressed.at("small") is None
     assert isinstance(gw.admit(req(1, "small"), 3.0), Rejected)
     assert gw.pressed.at("small") == 3.0
-    fill(gw, 1, 1, tenant="new")  # the first-sight allowance (1) of a quota of 4
-    r = gw.admit(req(1, "new"), 3.5)
+    fill(gw, 1, 1, tenant="grows")  # a lease of 1 of a quota of 4
+    assert isinstance(gw.admit(req(1, "grows"), 3.5), Queued)  # the lease may grow: ask
+    grants = {"small": 2, "grows": 1}
+    gw.make_refresh(4.0)
+    assert gw.apply_grant(lease((10, 10, 0), tenants=grants), 4.0) == []
+    assert gw.poll(4.0) == [] and gw.queued_total == 1  # the quota has room: wait on
+    gw.make_refresh(4.5)  # the fleet fills the quota: refused now
+    assert gw.apply_grant(lease((10, 10, 0), tenants=grants, full=frozenset(grants)), 4.5) == []
+    (r,) = gw.poll(4.5)
     assert isinstance(r, Rejected) and r.reason is RejectReason.TENANT_QUOTA
-    assert gw.pressed.at("new") is None
+    assert gw.pressed.at("grows") is None
 
 
 def test_check_order_quota_then_breaker() -> None:

@@ -60,7 +60,10 @@ class LeaseConfig:
     low_watermark_min: int = 2
     early_refresh_min_interval_s: float = 0.05  # coalescing: at most one early refresh per 50 ms
     expected_gateways: int = 1  # NO_ASSIGNMENT capacity = C / expected_gateways (P0 only)
-    tenant_first_sight_allowance: int = 1  # credits for a quota tenant not yet in any grant
+    # credits a quota tenant may use at a gateway of a fleet before the lease has an
+    # entry for it; beyond them its requests wait for the grant (0: the fleet never
+    # exceeds the quota). A fleet of one (expected_gateways 1) takes the whole quota.
+    tenant_first_sight_allowance: int = 0
     reclaim_grace_s: float = 0.0  # coordinator keeps an expired gateway's inuse held this long
 
 

@@ -22,7 +22,11 @@ code on state it loads and stores per refresh: ``gateway/redis_coordinator.py``)
    - sum(grant) + headroom <= K - sum of the others' held totals (headroom is cut
      first, then P2, P1, P0);
    - bypass grant <= R - the others' held bypass; tenant t's grant <= quota(t) - the
-     others' held for t.
+     others' held for t, its fair part being a max-min share of quota(t) by the
+     gateways' wants with what nobody wants spread over every live gateway. The grant
+     also names the tenants whose quota the gateways' reported requests fill, so a
+     gateway refuses at once what its lease does not cover, instead of waiting for
+     another gateway to give part of its lease back.
 
    Why "reported has" on top of the brief's max(lease, inuse): a refresh is
    asynchronous, and until the new grant lands the gateway keeps admitting against
@@ -233,6 +237,7 @@ class InProcessCoordinator:
             p0_reserve=min(p0_reserve, rec.lease[0]),
             bypass=rec.bypass_lease,
             tenant_grants=dict(rec.tenant_lease),
+            tenant_full=self._tenants_full(rec),
             ttl_s=self.config.lease.ttl_s,
             refresh_s=self.config.lease.refresh_s,
             safe_capacity=k // max(1, len(live)),
@@ -242,6 +247,18 @@ class InProcessCoordinator:
             gateways_live=len(live),
             learning=learning,
         )
+
+    def _tenants_full(self, rec: GatewayRecord) -> frozenset[str]:
+        """The tenants ``rec`` reports whose quota the requests every gateway reports
+        (in flight or queued there) already fill."""
+        full = set()
+        for tenant in rec.tenants:
+            quota = self.config.quota_for(tenant)
+            if quota is not None and quota <= sum(
+                r.tenants[tenant].inuse for r in self.records.values() if tenant in r.tenants
+            ):
+                full.add(tenant)
+        return frozenset(full)
 
     def _echo(self, rec: GatewayRecord) -> LeaseGrant:
         """Learning mode: what the gateway says it has (or uses), clamped by the others.
@@ -336,18 +353,20 @@ class InProcessCoordinator:
     def _tenant_grants(
         self, rec: GatewayRecord, others: list[GatewayRecord], live: list[GatewayRecord]
     ) -> dict[str, int]:
+        """Each quota tenant in use anywhere (or reported here): a max-min share of its
+        quota by wants, and what nobody wants spread over every live gateway, so a
+        gateway that sees the tenant next already holds a lease for it (it would
+        otherwise wait for the others' next refreshes to give some back)."""
         out: dict[str, int] = {}
-        for tenant in rec.tenants:
+        in_use = {t for r in live for t, u in r.tenants.items() if u.wants > 0 or u.inuse > 0}
+        for tenant in rec.tenants.keys() | in_use:
             quota = self.config.quota_for(tenant)
             if quota is None:
                 continue
             wants = {
-                r.gateway_id: r.tenants[tenant].wants
-                for r in live
-                if tenant in r.tenants
-                and (r.tenants[tenant].wants > 0 or r.tenants[tenant].inuse > 0)
+                r.gateway_id: r.tenants[tenant].wants if tenant in r.tenants else 0 for r in live
             }
-            fair = share_with_slack(quota, wants).get(rec.gateway_id, 0) if wants else 0
+            fair = share_with_slack(quota, wants).get(rec.gateway_id, 0)
             free = quota - sum(o.held_tenant(tenant) for o in others)
             out[tenant] = max(0, min(fair, free))
         return out

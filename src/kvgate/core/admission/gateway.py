@@ -21,8 +21,10 @@ gateway shrinks its own limits in proportion at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
+from kvgate.core.admission.queues import FairQueue
 from kvgate.core.admission.stage1 import Stage1Limiter
 from kvgate.core.admission.types import (
     AdmissionStats,
@@ -31,7 +33,10 @@ from kvgate.core.admission.types import (
     LeaseGrant,
     LeaseState,
     Priority,
+    Queued,
     RefreshRequest,
+    Rejected,
+    RejectReason,
     TenantUsage,
 )
 from kvgate.core.errors import InvariantViolation
@@ -85,13 +90,15 @@ class GatewayAdmission(Stage1Limiter):
         self._book.begin(now)
         tenants: dict[str, TenantUsage] = {}
         active: set[str] = set()
+        parked = self._parked_by_tenant()
         keys = self._tenant_limits.keys() | self._tenant_denied.keys() | self._tenant_slots.keys()
-        for tenant in keys:
+        for tenant in keys | parked.keys():
             quota = self._quotas.get(tenant, self._default_quota)
             if quota is None:
                 continue
             slots = self._tenant_slots.get(tenant, 0)
-            wants = min(quota, slots + self._tenant_denied.get(tenant, 0))
+            asked = slots + parked.get(tenant, 0) + self._tenant_denied.get(tenant, 0)
+            wants = min(quota, asked)
             has = self._tenant_limits.get(tenant, 0)
             if slots or wants or has:
                 tenants[tenant] = TenantUsage(inuse=slots, wants=wants, has=has)
@@ -102,7 +109,7 @@ class GatewayAdmission(Stage1Limiter):
         self._reported_active = active
         window, p99 = self._ttft.last(now)
         inuse = self._inuse
-        queued = [q.size for q in self._queues]
+        queued = [q.size + a.size for q, a in zip(self._queues, self._awaiting, strict=True)]
         return RefreshRequest(
             gateway_id=self.gateway_id,
             epoch=self._book.epoch,
@@ -126,12 +133,99 @@ class GatewayAdmission(Stage1Limiter):
             )
         self._book.on_grant(grant, now)
         self._apply_limits()
-        return self._dispatch(now) if self._queued_total else []
+        if not self._queued_total:
+            return []
+        return self._settle_awaiting(now) + self._dispatch(now)
 
     def refresh_failed(self, now: float) -> None:
         """The coordinator could not be reached; the lease ages toward SAFE."""
         self._book.on_failure(now)
         self._apply_limits()
+
+    # ----------------------------------------------------------------- driver API
+    def poll(self, now: float) -> list[Admitted | Rejected]:
+        """Queue deadlines, lease transitions, evictions; dispatch if capacity grew."""
+        self._advance(now)
+        self._breaker.tick(now)
+        out: list[Admitted | Rejected] = []
+        if self._queued_total and not self._book.asks_coordinator:
+            out.extend(self._settle_awaiting(now))  # no coordinator to wait for
+        if self._pending:
+            out.extend(self._pending)
+            self._pending = []
+        if self._queued_total:
+            for q in (*self._queues, *self._awaiting):
+                slot = q in self._queues
+                for entry in q.expire(now):
+                    out.append(
+                        self._forget(
+                            entry, RejectReason.QUEUE_TIMEOUT, "queue timeout", 1.0, slot=slot
+                        )
+                    )
+            if self._queued_total:
+                out.extend(self._dispatch(now))
+        return out
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        """The client of a queued request went away; True if it was queued here."""
+        for q in (*self._queues, *self._awaiting):
+            entry = q.remove(request_id)
+            if entry is not None:
+                self._queued_total -= 1
+                if q in self._queues:  # a parked request holds no tenant slot
+                    self._drop_slot(entry.request.tenant)
+                return True
+        return False
+
+    def count_rejection(self, reason: RejectReason, priority: Priority) -> None:
+        """Count a request turned away after stage 1 (routing found no node for it), so
+        the rejection counters see every request the gateway refused."""
+        key = (reason, priority)
+        self._rejected[key] = self._rejected.get(key, 0) + 1
+
+    def _settle_awaiting(self, now: float) -> list[Admitted]:
+        """Parked requests the current grant answers (parked before its refresh was sent),
+        or all of them once no coordinator is asked, go through the quota and credit
+        checks (admitted, queued, or refused to ``_pending``); the others keep waiting.
+        A tenant the grant leaves out (the coordinator knows no quota for it) gets an
+        even share, as without a coordinator."""
+        out: list[Admitted] = []
+        asks, asked_at = self._book.asks_coordinator, self._book.asked_at
+        grant = self._book.grant
+        full = grant.tenant_full if grant is not None else frozenset()
+        for q in self._awaiting:
+            if not q.size:
+                continue
+            for entry in q.drain():
+                req, tenant = entry.request, entry.request.tenant
+                limit = self._tenant_limits.get(tenant)
+                quota = self._quotas.get(tenant, self._default_quota)
+                if asks and entry.enqueued_at > asked_at:
+                    q.push(req, entry.enqueued_at, entry.deadline)  # not asked yet
+                    continue
+                self._queued_total -= 1
+                if quota is not None and limit is None:
+                    limit = self._book.tenant_fair_share(quota)
+                req = replace(req, deadline=entry.deadline)
+                if (
+                    quota is not None
+                    and limit is not None
+                    and self._tenant_slots.get(tenant, 0) >= limit
+                ):
+                    if asks and tenant not in full:
+                        # the quota has room, held in other gateways' leases until their
+                        # next refresh gives it back: wait for a later grant
+                        q.push(req, entry.enqueued_at, entry.deadline)
+                        self._queued_total += 1
+                        continue
+                    self._pending.append(self._refuse_tenant(req, quota, limit, now))
+                    continue
+                verdict = self._admit_credit(req, now)
+                if isinstance(verdict, Rejected):
+                    self._pending.append(verdict)
+                elif not isinstance(verdict, Queued):
+                    out.append(verdict)
+        return out
 
     # ----------------------------------------------------------------- views
     @property
@@ -172,17 +266,16 @@ class GatewayAdmission(Stage1Limiter):
         return self._tenant_slots.get(tenant, 0)
 
     def tenant_inflight(self) -> Mapping[str, int]:
-        queued: dict[str, int] = {}
-        for q in self._queues:
-            for t, n in q.tenant_depths().items():
-                queued[t] = queued.get(t, 0) + n
+        queued = _by_tenant(self._queues)
         return {t: n - queued.get(t, 0) for t, n in self._tenant_slots.items()}
 
+    def _parked_by_tenant(self) -> dict[str, int]:
+        """Requests waiting for their tenant's first lease entry, per tenant."""
+        return _by_tenant(self._awaiting) if self._queued_total else {}
+
     def stats(self) -> AdmissionStats:
-        queued_by_tenant: dict[str, int] = {}
-        for q in self._queues:
-            for t, n in q.tenant_depths().items():
-                queued_by_tenant[t] = queued_by_tenant.get(t, 0) + n
+        queued_by_tenant = _by_tenant((*self._queues, *self._awaiting))
+        waiting = [q.size + a.size for q, a in zip(self._queues, self._awaiting, strict=True)]
         inuse, adm = self._inuse, self._admitted
         grant = self._book.grant
         return AdmissionStats(
@@ -199,7 +292,7 @@ class GatewayAdmission(Stage1Limiter):
             bypass_inuse=self._bypass_inuse,
             inuse=(inuse[0], inuse[1], inuse[2]),
             inuse_total=self._inuse_total,
-            queued=(self._queues[0].size, self._queues[1].size, self._queues[2].size),
+            queued=(waiting[0], waiting[1], waiting[2]),
             tenant_inflight=self.tenant_inflight(),
             tenant_queued=queued_by_tenant,
             tenant_limits=dict(self._tenant_limits),
@@ -211,3 +304,12 @@ class GatewayAdmission(Stage1Limiter):
             refreshes=self._book.refreshes,
             refresh_failures=self._book.failures,
         )
+
+
+def _by_tenant(queues: Iterable[FairQueue]) -> dict[str, int]:
+    """Entries per tenant over ``queues``."""
+    out: dict[str, int] = {}
+    for q in queues:
+        for t, n in q.tenant_depths().items():
+            out[t] = out.get(t, 0) + n
+    return out

@@ -1,7 +1,7 @@
 """Which tenants press their quota: refused while already holding their share of it.
 
-Such a tenant asks for more than its quota (a flood), unlike one refused on the
-first-sight allowance while its lease is still growing. The controller confines it
+Such a tenant asks for more than its quota (a flood), unlike one refused on a lease
+smaller than its share (the others' leases still hold the rest). The controller confines it
 to the nodes it holds (``tenant_confine_s``), and discounts those nodes' cache for the
 other tenants, so its flood stalls few nodes, which the others avoid.
 """

@@ -148,6 +148,10 @@ class FairQueue:
         self._in_rr.clear()
         return out
 
+    def depth(self, tenant: str) -> int:
+        """Live entries of ``tenant``."""
+        return self._count.get(tenant, 0)
+
     def tenant_depths(self) -> dict[str, int]:
         return {t: n for t, n in self._count.items() if n > 0}
 

@@ -65,6 +65,7 @@ class QuotaBook:
         "_last_sent",
         "_next_at",
         "_rng",
+        "asked_at",
         "c_eff",
         "c_eff_known",
         "capacity_changed",
@@ -84,6 +85,7 @@ class QuotaBook:
         self._rng = rng
         self.state = LeaseState.NO_ASSIGNMENT
         self.grant: LeaseGrant | None = None
+        self.asked_at = -_INF  # when the refresh the current grant answers was sent
         self.epoch: str | None = None
         self.c_eff = config.budget
         self.c_eff_known = False
@@ -137,6 +139,7 @@ class QuotaBook:
         t_sent = self._inflight_at if self._inflight_at is not None else now
         self._inflight_at = None
         self.grant = grant
+        self.asked_at = t_sent
         self.epoch = grant.epoch
         self.local_deadline = t_sent + grant.ttl_s - self.config.lease.margin_s
         self.safe_at = self.local_deadline + self.config.lease.reuse_timeout_s
@@ -234,6 +237,12 @@ class QuotaBook:
             out[tenant] = min(granted, share)
         return out
 
+    @property
+    def asks_coordinator(self) -> bool:
+        """Whether a lease is live (ACTIVE or EXPIRED_REUSING): a tenant it has no entry
+        for waits for the coordinator's answer rather than taking a share unasked."""
+        return self.state is LeaseState.ACTIVE or self.state is LeaseState.EXPIRED_REUSING
+
     def tenant_fair_share(self, quota: int) -> int:
         """This gateway's even share of a tenant's cluster quota (at least 1): the quota
         over the gateways live in the last grant, or the expected gateways before one."""
@@ -243,9 +252,13 @@ class QuotaBook:
         return max(1, quota // max(1, g.gateways_live))
 
     def tenant_fallback(self, quota: int) -> int:
-        """The limit of a quota tenant absent from the grant (first sighting)."""
+        """The limit of a quota tenant absent from the grant (first sighting): an even
+        share without a coordinator, the whole quota for a gateway that is the fleet,
+        else the first-sight allowance (0 by default: its requests wait for a grant)."""
         if quota <= 0:
             return 0
         if self.state in (LeaseState.NO_ASSIGNMENT, LeaseState.SAFE) or self.grant is None:
             return self.tenant_fair_share(quota)  # no coordinator to ask: an even share
+        if self.grant.gateways_live <= 1 and self.config.lease.expected_gateways <= 1:
+            return quota  # a fleet of one: no other gateway can hold any of it
         return min(quota, self.config.lease.tenant_first_sight_allowance)

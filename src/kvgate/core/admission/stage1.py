@@ -6,7 +6,10 @@
    OVERLOADED only when that pool is exhausted;
 2. validation: prompt over max_seq_len -> INVALID_REQUEST (never queued);
 3. the tenant's global concurrency quota (slots = in flight + queued here, against
-   the tenant's lease) -> TENANT_QUOTA with a Retry-After;
+   the tenant's lease) -> TENANT_QUOTA with a Retry-After; while the lease is live
+   and its entry for the tenant is missing or below the quota, a request over it is
+   parked instead (Queued, holding no slot, at most the quota's worth) until the
+   grant the early refresh brings, then checked again (``GatewayAdmission`` settles);
 4. the cluster breaker -> BREAKER_OPEN;
 5. the credit check, against the lease and the class rule:
 
@@ -21,8 +24,9 @@
    -> Admitted, else Queued (P2 in SAFE mode: DEGRADED).
 
 ``release`` frees the credit and dispatches queued requests that now fit: highest
-class first, round-robin across tenants inside a class. ``poll`` handles queue
-deadlines, lease-state transitions and evictions, and dispatches when capacity grew.
+class first, round-robin across tenants inside a class. ``GatewayAdmission.poll``
+handles queue deadlines, lease-state transitions and evictions, and dispatches when
+capacity grew.
 
 A queued request holds its tenant slot (the quota bounds a tenant's concurrent
 requests, waiting or running), but no class credit.
@@ -43,7 +47,6 @@ from kvgate.core.admission.types import (
     AdmissionRequest,
     Admitted,
     BreakerState,
-    LeaseState,
     Priority,
     Queued,
     Rejected,
@@ -56,6 +59,7 @@ from kvgate.core.errors import InvariantViolation
 from kvgate.core.rng import Rng
 
 _CLOSED = BreakerState.CLOSED
+_INF = math.inf
 
 
 class Stage1Limiter:
@@ -63,6 +67,7 @@ class Stage1Limiter:
 
     __slots__ = (
         "_admitted",
+        "_awaiting",
         "_book",
         "_breaker",
         "_bypass_admitted",
@@ -104,6 +109,8 @@ class Stage1Limiter:
         self._breaker = ClusterBreaker(config.breaker)
         self._ttft = TtftWindow(window_s=config.slo.window_s, min_samples=config.slo.min_samples)
         self._queues = tuple(FairQueue(c.queue_limit) for c in config.classes)
+        # per class: requests their tenant's lease does not cover yet, awaiting a grant
+        self._awaiting = tuple(FairQueue(c.queue_limit) for c in config.classes)
         self._timeouts = tuple(c.queue_timeout_s for c in config.classes)
         self._quotas = dict(config.tenant_quotas)  # a dict: faster than the read-only proxy
         self._default_quota = config.default_tenant_quota
@@ -149,18 +156,19 @@ class Stage1Limiter:
         quota = self._quotas.get(tenant, self._default_quota)
         if quota is not None:
             limit = self._tenant_limits.get(tenant)
+            # a live lease below the quota may grow: ask the coordinator before refusing
+            ask = (limit is None or limit < quota) and self._book.asks_coordinator
             if limit is None:
                 limit = self._unseen_tenant(quota)
-            if self._tenant_slots.get(tenant, 0) >= limit:
-                self._tenant_denied[tenant] = self._tenant_denied.get(tenant, 0) + 1
-                if limit >= self._book.tenant_fair_share(quota):
-                    self.pressed.note(tenant, now)  # more than its quota, not a growing lease
-                return self._reject(
-                    req,
-                    RejectReason.TENANT_QUOTA,
-                    f"tenant {tenant!r} is at its concurrency quota ({quota})",
-                    self.config.tenant_retry_after_s,
-                )
+            slots = self._tenant_slots.get(tenant, 0)
+            if slots >= limit:
+                if ask and slots + sum(q.depth(tenant) for q in self._awaiting) < quota:
+                    return self._await_grant(req, now)
+                return self._refuse_tenant(req, quota, limit, now)
+        return self._admit_credit(req, now)
+
+    def _admit_credit(self, req: AdmissionRequest, now: float) -> Admitted | Queued | Rejected:
+        """The breaker and the credit check (the tenant's quota has let it through)."""
         if self._breaker.state is not _CLOSED and not self._breaker.allow(now):
             return self._reject(
                 req,
@@ -171,6 +179,7 @@ class Stage1Limiter:
         if now >= self._next_transition:
             self._advance(now)
         c = req.priority
+        tenant = req.tenant
         inuse = self._inuse
         total = self._inuse_total
         if (
@@ -224,12 +233,6 @@ class Stage1Limiter:
         self._bypass_admitted += 1
         return admitted(req.request_id, req.tenant, req.priority, "bypass", serial)
 
-    def count_rejection(self, reason: RejectReason, priority: Priority) -> None:
-        """Count a request turned away after stage 1 (routing found no node for it), so
-        the rejection counters see every request the gateway refused."""
-        key = (reason, priority)
-        self._rejected[key] = self._rejected.get(key, 0) + 1
-
     def _reject(
         self,
         req: AdmissionRequest,
@@ -244,9 +247,39 @@ class Stage1Limiter:
         )
 
     def _unseen_tenant(self, quota: int) -> int:
-        if self._book.state is LeaseState.ACTIVE or self._book.state is LeaseState.EXPIRED_REUSING:
+        if self._book.asks_coordinator:
             self._tenant_unseen = True  # ask the coordinator soon (early refresh)
         return self._book.tenant_fallback(quota)
+
+    def _refuse_tenant(self, req: AdmissionRequest, quota: int, limit: int, now: float) -> Rejected:
+        tenant = req.tenant
+        self._tenant_denied[tenant] = self._tenant_denied.get(tenant, 0) + 1
+        if limit >= self._book.tenant_fair_share(quota):
+            self.pressed.note(tenant, now)  # more than its quota, not a growing lease
+        return self._reject(
+            req,
+            RejectReason.TENANT_QUOTA,
+            f"tenant {tenant!r} is at its concurrency quota ({quota})",
+            self.config.tenant_retry_after_s,
+        )
+
+    def _await_grant(self, req: AdmissionRequest, now: float) -> Queued | Rejected:
+        """Park a request its tenant's lease here does not cover (no entry yet, or one
+        below the quota) until the grant the early refresh brings. Admitting it unasked
+        could put the fleet over the quota while other gateways hold it; refusing it
+        would refuse a tenant whose lease is only catching up with its demand."""
+        c = req.priority
+        q = self._awaiting[c]
+        deadline = min(now + self._timeouts[c], _INF if req.deadline is None else req.deadline)
+        if deadline <= now:
+            return self._reject(req, RejectReason.QUEUE_TIMEOUT, "deadline already passed", 1.0)
+        if q.size >= q.limit:
+            return self._reject(
+                req, RejectReason.QUEUE_FULL, f"P{int(c)} queue full ({q.limit})", 1.0
+            )
+        q.push(req, now, deadline)  # no tenant slot: nothing granted it one yet
+        self._queued_total += 1
+        return Queued(request_id=req.request_id, deadline=deadline, priority=c)
 
     def _drop_slot(self, tenant: str) -> None:
         slots = self._tenant_slots
@@ -280,11 +313,19 @@ class Stage1Limiter:
         return Queued(request_id=req.request_id, deadline=deadline, priority=c)
 
     def _forget(
-        self, entry: QueueEntry, reason: RejectReason, message: str, retry_after_s: float
+        self,
+        entry: QueueEntry,
+        reason: RejectReason,
+        message: str,
+        retry_after_s: float,
+        *,
+        slot: bool = True,
     ) -> Rejected:
-        """A queued entry leaves without a credit: free its tenant slot, say why."""
+        """A queued entry leaves without a credit: free its tenant slot (a parked one
+        holds none), say why."""
         self._queued_total -= 1
-        self._drop_slot(entry.request.tenant)
+        if slot:
+            self._drop_slot(entry.request.tenant)
         return self._reject(entry.request, reason, message, retry_after_s)
 
     def _fits(self, c: int) -> bool:
@@ -331,10 +372,9 @@ class Stage1Limiter:
         self._p2_rejected = lim.p2_rejected
         self._degraded = lim.degraded
         self._next_transition = self._book.next_transition
-        keep = self._tenant_slots.keys() | self._reported_active
-        self._tenant_limits = {
-            t: v for t, v in self._book.tenant_limits().items() if v > 0 or t in keep
-        }
+        # zeros too: the grant names the tenants in use anywhere in the fleet, and one
+        # at 0 here is not new (a first-sight allowance would put the fleet over)
+        self._tenant_limits = dict(self._book.tenant_limits())
         if lim.p2_rejected and self._queues[2].size:
             for entry in self._queues[2].drain():
                 self._pending.append(
@@ -345,35 +385,6 @@ class Stage1Limiter:
                         self.config.safe_mode.retry_after_s,
                     )
                 )
-
-    # ================================================================= driver API
-    def poll(self, now: float) -> list[Admitted | Rejected]:
-        """Queue deadlines, lease transitions, evictions; dispatch if capacity grew."""
-        self._advance(now)
-        self._breaker.tick(now)
-        out: list[Admitted | Rejected] = []
-        if self._pending:
-            out.extend(self._pending)
-            self._pending = []
-        if self._queued_total:
-            for q in self._queues:
-                for entry in q.expire(now):
-                    out.append(
-                        self._forget(entry, RejectReason.QUEUE_TIMEOUT, "queue timeout", 1.0)
-                    )
-            if self._queued_total:
-                out.extend(self._dispatch(now))
-        return out
-
-    def cancel(self, request_id: str, now: float) -> bool:
-        """The client of a queued request went away; True if it was queued here."""
-        for q in self._queues:
-            entry = q.remove(request_id)
-            if entry is not None:
-                self._queued_total -= 1
-                self._drop_slot(entry.request.tenant)
-                return True
-        return False
 
 
 def _too_long(total: int, output: int, max_seq_len: int | None) -> str:

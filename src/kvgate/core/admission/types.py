@@ -255,6 +255,9 @@ class LeaseGrant:
     p0_reserve: int = 0
     bypass: int = 0
     tenant_grants: Mapping[str, int] = field(default_factory=dict)
+    # reported tenants whose quota the fleet's requests fill (in flight or queued at
+    # the gateways): a request its lease does not cover is refused, not kept waiting
+    tenant_full: frozenset[str] = frozenset()
     ttl_s: float
     refresh_s: float
     safe_capacity: int  # class capacity / live gateways: the SAFE-mode ceiling
