@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-from kvgate.core.admission import AdmissionConfig, InProcessCoordinator
+from kvgate.core.admission import AdmissionConfig, InProcessCoordinator, LeaseConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.core.controller import Controller
-from kvgate.core.decisions import Dispatch, Reject
+from kvgate.core.decisions import Dispatch, Hold, Reject
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId, TenantId
 from kvgate.core.nodes import NodeSpec
@@ -156,3 +156,53 @@ def test_the_window_must_be_a_finite_number_of_seconds() -> None:
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(ConfigError, match="tenant_confine_s"):
             ControllerConfig(tenant_confine_s=bad)
+
+
+def test_in_a_fleet_every_gateway_confines_a_pressing_tenant_to_the_same_home_node() -> None:
+    """Each gateway sees only its own requests; confining a flood to them would spread it
+    over as many node sets as there are gateways. In a fleet a pressing tenant goes to
+    its home node, the same at every gateway, and the other tenants discount it there."""
+    adm = AdmissionConfig(
+        budget=256, tenant_quotas={"flood": 16}, lease=LeaseConfig(expected_gateways=2)
+    )
+    coord = InProcessCoordinator(adm)
+    gateways = []
+    for g in range(2):
+        ctl = Controller(
+            ControllerConfig(hasher="trace", admission=adm, policy_params={"epsilon": 0}),
+            rng=random.Random(g),
+            gateway_id=f"gw{g}",
+        )
+        for nid in NODES:
+            ctl.add_node(NodeSpec(node_id=nid), 0.0)
+            ctl.on_load_report(nid, waiting=0, running=0, kv_util=0.0, now=0.0)
+        gateways.append(ctl)
+    for t in (0.0, 0.01):
+        for ctl in gateways:
+            ctl.refresh_with(coord, t)
+    homes, firsts = set(), set()
+    for g, ctl in enumerate(gateways):
+        for nid in NODES:  # only NODES[g] is free: the tenant's first request goes there
+            busy = 0 if nid == NODES[g] else 50
+            ctl.on_load_report(nid, waiting=busy, running=busy, kv_util=0.0, now=0.05)
+        # the tenant waits for its lease entry (a fleet asks), then runs where load says
+        assert isinstance(ctl.on_arrival(_req(f"g{g}-0", "flood", 1), 0.1), Hold)
+        (first,) = ctl.refresh_with(coord, 0.1)
+        assert isinstance(first, Dispatch) and first.node_id == NODES[g]
+        firsts.add(first.node_id)
+        for nid in NODES:
+            ctl.on_load_report(nid, waiting=0, running=0, kv_util=0.0, now=0.25)
+        ctl.admission.pressed.note(TenantId("flood"), 0.2)  # refused over its quota
+        d = send(ctl, f"g{g}-1", "flood", 2, 0.3)
+        assert isinstance(d, Dispatch)
+        homes.add(d.node_id)
+        other = send(ctl, f"g{g}-o", "other", 99, 0.3)
+        assert isinstance(other, Dispatch) and other.node_id != d.node_id
+    assert len(firsts) == 2 and len(homes) == 1  # one node, whichever gateway sent it
+
+
+def _req(rid: str, tenant: str, block: int) -> RequestArrived:
+    return RequestArrived(
+        request_id=RequestId(rid), tenant=TenantId(tenant), block_ids=(block,),
+        prompt_tokens=20_000,
+    )

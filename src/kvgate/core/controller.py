@@ -27,7 +27,9 @@ A tenant that stage 1 refused for asking more than its quota (``admission.presse
 is confined for ``tenant_confine_s``: its requests go only to the nodes already
 holding its requests (any node if those cannot take them), and there the other
 tenants' cache counts ``evicting_cache_weight``, so a flood held to its quota stalls
-a few nodes that everybody else avoids, not every node.
+a few nodes that everybody else avoids, not every node. In a fleet (several gateways,
+each seeing only its own requests) it is the tenant's home node instead, the same at
+every gateway.
 
 When a node is marked down (health probes, or ejection after failures in a row) the
 attempts on it that have no first byte yet will not get one (a hung or dead engine):
@@ -40,6 +42,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+
+from xxhash import xxh3_64_intdigest
 
 from kvgate.core.admission import (
     NOT_RUN_FAILURES,
@@ -118,6 +122,8 @@ class Controller:
         self.hot = HotPrefixTracker(window_s=cfg.hot_window_s)
         self.policy = make_policy(cfg.policy, cfg.policy_params)
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
+        # one gateway of several: a pressing tenant is confined to its home node
+        self._fleet = cfg.admission.lease.expected_gateways > 1
         self.retry_policy = RetryPolicy(cfg.admission)
         self.stats = ControllerStats()
         self._requests: dict[RequestId, _Request] = {}
@@ -363,7 +369,8 @@ class Controller:
         record.ticket = ticket
         decision = None
         tenant = record.arrived.tenant
-        if (confined := self._confinement(tenant, record.excluded, now)) is not None:
+        confined = self._confinement(tenant, record.ctx.model, record.excluded, now)
+        if confined is not None:
             decision = self.route(record.ctx, now, confined)
             self.stats.confined_dispatches += decision is not None
         if decision is None:
@@ -419,37 +426,55 @@ class Controller:
         return Dispatch(request_id=record.request_id, route=decision, attempt=record.attempts)
 
     def _confinement(
-        self, tenant: str, excluded: set[NodeId], now: float
+        self, tenant: str, model: str, excluded: set[NodeId], now: float
     ) -> set[NodeId] | None:
         """The nodes to exclude so that a tenant refused lately for asking more than its
         quota stays where its requests already run (``tenant_confine_s``): None when it is
         not pressing its quota or has nothing in flight here. Its flood then slows the
         few nodes it holds, which the scores steer the other tenants away from, instead
-        of every node; the fallback to every candidate keeps it served if those fail."""
+        of every node; the fallback to every candidate keeps it served if those fail.
+        In a fleet each gateway sees only its own requests, so there it is the tenant's
+        home node instead, the same at every gateway (:meth:`_flood_home`)."""
         window = self.config.tenant_confine_s
         if window <= 0.0:
             return None
         pressed = self.admission.pressed.at(tenant)
         if pressed is None or now - pressed > window:
             return None
+        if self._fleet:
+            home = self._flood_home(tenant, model)
+            if home is None:
+                return None
+            return {s.spec.node_id for s in self.nodes if s is not home} | excluded
         others = {s.spec.node_id for s in self.nodes if not s.tenant_inflight.get(tenant)}
         if len(others) == len(self.nodes):
             return None  # nothing in flight: it goes where the policy says
         return others | excluded
+
+    def _flood_home(self, tenant: str, model: str) -> NodeState | None:
+        """Where every gateway of a fleet confines a pressing tenant, without a word
+        between them: the eligible node with the highest rendezvous hash of (tenant, node)."""
+        pool, _ = self.nodes.eligible(model)
+        return max(
+            pool,
+            key=lambda s: xxh3_64_intdigest(f"{tenant}\0{s.spec.node_id}".encode()),
+            default=None,
+        )
 
     def _route_around_floods(self, record: _Request, now: float) -> RouteDecision | None:
         """Route with the cache of the nodes other tenants' floods are confined to counted
         at ``evicting_cache_weight`` (the request's ``cache_discount``): the request
         leaves them (a miss) rather than waits behind the flood."""
         ctx = record.ctx
-        if held := self._flood_nodes(record.arrived.tenant, now):
+        if held := self._flood_nodes(record.arrived.tenant, record.ctx.model, now):
             weight = self.config.evicting_cache_weight
             ctx = replace(ctx, cache_discount={s.spec.node_id: weight for s in held})
         return self.route(ctx, now, record.excluded)
 
-    def _flood_nodes(self, tenant: str, now: float) -> list[NodeState]:
+    def _flood_nodes(self, tenant: str, model: str, now: float) -> list[NodeState]:
         """The nodes holding requests of tenants other than ``tenant`` that pressed their
-        quota within ``tenant_confine_s`` (where confinement keeps their floods)."""
+        quota within ``tenant_confine_s`` (where confinement keeps their floods), and in
+        a fleet their home nodes (where the other gateways keep them)."""
         window = self.config.tenant_confine_s
         if window <= 0.0:
             return []
@@ -461,7 +486,13 @@ class Controller:
         if not floods:
             return []
         # each node's tenants in flight are few: at most its requests
-        return [s for s in self.nodes if not floods.isdisjoint(s.tenant_inflight)]
+        held = [s for s in self.nodes if not floods.isdisjoint(s.tenant_inflight)]
+        if self._fleet:
+            for flood in sorted(floods):
+                home = self._flood_home(flood, model)
+                if home is not None and home not in held:
+                    held.append(home)
+        return held
 
     def _finish_rejected(self, record: _Request, now: float) -> Decision:
         """No node can take the request: give the credit back and say overloaded."""
