@@ -62,3 +62,25 @@ def test_scan_catches_a_forbidden_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import time\nfrom asyncio import sleep\nfrom . import x\n")
     assert _imported_roots(bad) & FORBIDDEN == {"time", "asyncio"}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize(
+    "path", sorted((SRC / "engine").rglob("*.py")), ids=lambda p: str(p.relative_to(SRC))
+)
+def test_the_engine_does_not_import_the_gateway(path: Path) -> None:
+    """The simulated engine stands in for vLLM: it shares the HTTP edge (kvgate.edge) and
+    the wire formats with the gateway, never the gateway itself."""
+    mods = _imported_modules(path)
+    bad = {m for m in mods if m == "kvgate.gateway" or m.startswith("kvgate.gateway.")}
+    assert not bad, f"{path.relative_to(SRC)} imports {sorted(bad)}"

@@ -52,6 +52,7 @@ from typing import Any, Literal
 import zmq
 from aiohttp import web
 
+from kvgate.edge import EdgeRunner
 from kvgate.engine.api import EngineConfig, EngineRequest, FinishedRequest, RejectedRequest
 from kvgate.engine.engine import SimEngine
 from kvgate.engine.kv_events import KvEvent
@@ -77,7 +78,6 @@ from kvgate.engine.server_tokens import (
     generated_text,
     tokenize_body,
 )
-from kvgate.gateway.edge import EdgeRunner
 from kvgate.protocol import (
     KVEvent,
     ProtocolError,

@@ -34,10 +34,10 @@ from kvgate.core.errors import AuthError, ClientRequestError, ConfigError, Kvgat
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeState
 from kvgate.core.stats import DecisionRecord
+from kvgate.edge import json_response
 from kvgate.gateway.body import read_body
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.config_load import parse_node
-from kvgate.gateway.errors import json_response
 
 if TYPE_CHECKING:
     from kvgate.gateway.app import Gateway

@@ -35,12 +35,12 @@ from aiohttp import web
 from kvgate.core.admission import AdmissionConfig, InProcessCoordinator
 from kvgate.core.controller import Controller
 from kvgate.core.nodes import NodeTable
+from kvgate.edge import EdgeRunner, json_response
 from kvgate.gateway.admin import register_admin
 from kvgate.gateway.config import DEFAULT_GATEWAY_ID, GatewayConfig
 from kvgate.gateway.dashboard import register_dashboard
 from kvgate.gateway.driver import Driver, InProcessLeaseClient, LeaseClient, RemoteLeaseClient
-from kvgate.gateway.edge import EdgeRunner
-from kvgate.gateway.errors import edge_middleware, json_response
+from kvgate.gateway.errors import edge_middleware
 from kvgate.gateway.identity import Authenticator
 from kvgate.gateway.metrics_text import GatewayMetrics, render
 from kvgate.gateway.node_watcher import NodeWatcher

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kvgate.core.config import PREFIX_BUCKETS
+from kvgate.edge import json_response
 from kvgate.gateway.admin import admission_view, decisions_view, nodes_view
-from kvgate.gateway.errors import json_response
 from kvgate.protocol import server_error_body
 
 if TYPE_CHECKING:

@@ -17,7 +17,6 @@ turn the controller's ``Reject`` / ``Fail`` decisions into responses with
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 from collections import Counter
@@ -29,6 +28,7 @@ from aiohttp import web
 from kvgate.core.admission import Rejected
 from kvgate.core.decisions import Fail
 from kvgate.core.errors import AuthError, KvgateError
+from kvgate.edge import json_response
 from kvgate.protocol import (
     ProtocolError,
     error_body,
@@ -50,17 +50,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Set by a handler that saw its client go away after the response started (a write
 # failed): what it returns is counted as a 499, as when the disconnect cancels it.
 CLIENT_GONE: web.RequestKey[bool] = web.RequestKey("kvgate_client_gone", bool)
-
-
-def json_response(
-    status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
-) -> web.Response:
-    return web.Response(
-        status=status,
-        body=json.dumps(body, separators=(",", ":")).encode("utf-8"),
-        content_type="application/json",
-        headers=headers,
-    )
 
 
 def retry_after(seconds: float) -> str:

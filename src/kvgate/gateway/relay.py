@@ -36,6 +36,7 @@ from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
 from kvgate.core.errors import InvariantViolation
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
+from kvgate.edge import json_response
 from kvgate.gateway.driver import Driver
 from kvgate.gateway.errors import (
     CLIENT_GONE,
@@ -43,7 +44,6 @@ from kvgate.gateway.errors import (
     REASON_HEADER,
     REQUEST_ID_HEADER,
     fail_response,
-    json_response,
     reject_response,
 )
 from kvgate.gateway.metrics_text import GatewayMetrics

@@ -1,4 +1,4 @@
-"""The HTTP/1.1 connection below the app (the gateway's, and the simulated engine's):
+"""The HTTP/1.1 connection below both apps (the gateway's and the simulated engine's):
 aiohttp's ``RequestHandler`` with three fixes.
 
 aiohttp answers what its parser rejects (an oversized header, a junk request line,
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -46,8 +47,19 @@ from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
-from kvgate.gateway.errors import json_response
 from kvgate.protocol import error_body, invalid_request_body, server_error_body
+
+
+def json_response(
+    status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """A compact JSON response (both apps answer errors this way)."""
+    return web.Response(
+        status=status,
+        body=json.dumps(body, separators=(",", ":")).encode("utf-8"),
+        content_type="application/json",
+        headers=headers,
+    )
 
 log = logging.getLogger("kvgate.gateway")
 
