@@ -106,6 +106,20 @@ def test_idle_capacity_is_lent_as_headroom_and_the_p0_reserve_is_kept() -> None:
     assert flood("b", 0, 0.6) == ((44, 80, 0), 0, 44, 3)  # converged: reserve 44 each
 
 
+def test_idle_headroom_waits_for_the_expected_gateways_not_seen_yet() -> None:
+    """A fleet of four starting: the first gateway to report is lent a quarter of the
+    idle capacity, not all of it (the others' first requests would wait for its next
+    refresh to give it back); once the four are live each holds a quarter."""
+    cfg = AdmissionConfig(budget=256, lease=LeaseConfig(expected_gateways=4))  # K = 249
+    coord = InProcessCoordinator(cfg)
+    first = coord.refresh(report("a"), 0.0)
+    assert first.headroom == 161 // 4  # the idle 161 over a and 3 unseen gateways
+    for i, gid in enumerate(("b", "c", "d")):
+        coord.refresh(report(gid), 0.1 * (i + 1))
+    shares = [coord.refresh(report(g), 0.5).headroom for g in "abcd"]
+    assert sum(shares) <= 161 and min(shares) >= 161 // 4 - 1
+
+
 def test_gateway_expiry_frees_its_lease_and_release_is_immediate() -> None:
     coord = InProcessCoordinator(_one_class(100))
     coord.refresh(report("a", 100, inuse0=100, has=100), 0.0)

@@ -125,9 +125,12 @@ def _race(coord: InProcessCoordinator) -> int:
     """A's refresh is in flight while A keeps admitting on its old lease; B asks then."""
     cfg = coord.config
     a, b = GatewayAdmission(cfg, "a"), GatewayAdmission(cfg, "b")
-    a.apply_grant(coord.refresh(a.make_refresh(0.0), 0.0), 0.0)
-    assert a.lease_total == 10
-    fill(a, 5, 0, 0.0)
+    first = [a.admit(req(0), 0.0) for _ in range(10)]  # before a grant: 1 runs, 9 wait
+    got = a.apply_grant(coord.refresh(a.make_refresh(0.0), 0.0), 0.0)  # wants 10: all
+    assert a.lease_total == 10 and a.inuse_total == 10
+    for d in [*first[:1], *got[:4]]:
+        assert isinstance(d, Admitted)
+        a.release(d.ticket, 0.05)  # 5 left
     b.apply_grant(coord.refresh(b.make_refresh(0.1), 0.1), 0.1)
     report = a.make_refresh(0.2)  # inuse 5, has 10
     new_a = coord.refresh(report, 0.2)  # A's lease shrinks at the coordinator ...
@@ -144,8 +147,8 @@ def test_held_counts_the_lease_a_gateway_still_admits_against() -> None:
     # expected_gateways=10: a gateway without a grant yet holds 1 credit (K / 10)
     assert _race(InProcessCoordinator(_p0_only(10, expected_gateways=10))) == 10
     assert (
-        _race(NoHasCoordinator(_p0_only(10, expected_gateways=10))) == 12
-    )  # max(lease, inuse) alone overshoots
+        _race(NoHasCoordinator(_p0_only(10, expected_gateways=10))) == 15
+    )  # max(lease, inuse) alone overshoots: B is granted the 5 A still admits against
 
 
 def test_no_assignment_allowance_bounds() -> None:

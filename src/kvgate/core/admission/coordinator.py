@@ -14,19 +14,17 @@ code on state it loads and stores per refresh: ``gateway/redis_coordinator.py``)
    unlendable reserve (spread over the live gateways: burst room for P0 everywhere),
    P1 is capped by the SLO ceiling, P2 gets only what is idle.
 4. The caller's grant per class: a max-min fair share of B[c] by wants (Doorman
-   FAIR_SHARE); capacity nobody wants is spread evenly as ``headroom``. Then the
-   clamps, with **held = max(lease granted, lease the gateway reports it holds,
-   inuse)** for every other gateway:
+   FAIR_SHARE); capacity nobody wants is spread evenly as ``headroom`` (over the live
+   gateways and the expected ones not seen yet). Then the clamps, with **held =
+   max(lease granted, lease the gateway reports it holds, inuse)** for every other:
 
    - grant[c] <= B[c] - sum of the others' held[c];
    - sum(grant) + headroom <= K - sum of the others' held totals (headroom is cut
      first, then P2, P1, P0);
    - bypass grant <= R - the others' held bypass; tenant t's grant <= quota(t) - the
-     others' held for t, its fair part being a max-min share of quota(t) by the
-     gateways' wants with what nobody wants spread over every live gateway. The grant
-     also names the tenants whose quota the gateways' reported requests fill, so a
-     gateway refuses at once what its lease does not cover, instead of waiting for
-     another gateway to give part of its lease back.
+     others' held for t, its fair part a max-min share of quota(t) by wants, what
+     nobody wants spread like the headroom. The grant names the tenants whose quota
+     the reported requests fill: a gateway refuses what its lease does not cover.
 
    Why "reported has" on top of the brief's max(lease, inuse): a refresh is
    asynchronous, and until the new grant lands the gateway keeps admitting against
@@ -43,12 +41,12 @@ gets nothing. It runs
 - for a gateway still reporting an older epoch, one TTL from its first such report;
 - for the first TTL after the coordinator starts, if ``learn_on_start``: a fresh
   coordinator cannot know what gateways admitted in NO_ASSIGNMENT, and without
-  learning the first gateway to report is lent all idle capacity while the others
-  still run on their start-up allowance.
+  learning the first gateway to report is lent its share of the idle capacity (that
+  over the expected gateways) while the others still run on their start-up allowance.
 - after an outage: when every gateway's record has lapsed unrefreshed (nobody reached
   the coordinator for a whole TTL), for one TTL from the first refresh after it. The
   gateways kept running what they admitted (on their last lease, then in SAFE), and
-  without learning the first one back is lent all of it.
+  without learning the first one back would be lent what they run.
 
 Start-up bounds. With ``learn_on_start`` and ``expected_gateways`` at least the real
 gateway count, the sum of in-flight never exceeds C from the first request on. Without
@@ -248,17 +246,21 @@ class InProcessCoordinator:
             learning=learning,
         )
 
+    def _unseen(self, live: list[GatewayRecord]) -> list[str]:
+        """Placeholders for the expected gateways not live, so at start-up the first to
+        report is not lent everything idle (the others' requests would wait for it)."""
+        return [f"\0unseen-{i}" for i in range(self.config.lease.expected_gateways - len(live))]
+
     def _tenants_full(self, rec: GatewayRecord) -> frozenset[str]:
         """The tenants ``rec`` reports whose quota the requests every gateway reports
         (in flight or queued there) already fill."""
-        full = set()
-        for tenant in rec.tenants:
-            quota = self.config.quota_for(tenant)
-            if quota is not None and quota <= sum(
-                r.tenants[tenant].inuse for r in self.records.values() if tenant in r.tenants
-            ):
-                full.add(tenant)
-        return frozenset(full)
+        recs = self.records.values()
+        return frozenset(
+            t
+            for t in rec.tenants
+            if (quota := self.config.quota_for(t)) is not None
+            and quota <= sum(r.tenants[t].inuse for r in recs if t in r.tenants)
+        )
 
     def _echo(self, rec: GatewayRecord) -> LeaseGrant:
         """Learning mode: what the gateway says it has (or uses), clamped by the others.
@@ -329,7 +331,8 @@ class InProcessCoordinator:
             fair = max_min_share(view.budgets[c], wants_by_class[c])[gid]
             free = view.budgets[c] - sum(self._held(o, c) for o in others)
             grant[c] = max(0, min(fair, free))
-        headroom = spread(view.idle, (r.gateway_id for r in live))[gid]
+        lenders = [*(r.gateway_id for r in live), *self._unseen(live)]
+        headroom = spread(view.idle, lenders)[gid]
         room = max(0, view.k - sum(self._held_total(o) for o in others))
         over = grant[0] + grant[1] + grant[2] + headroom - room
         cut = min(headroom, max(0, over))
@@ -365,7 +368,7 @@ class InProcessCoordinator:
                 continue
             wants = {
                 r.gateway_id: r.tenants[tenant].wants if tenant in r.tenants else 0 for r in live
-            }
+            } | dict.fromkeys(self._unseen(live), 0)
             fair = share_with_slack(quota, wants).get(rec.gateway_id, 0)
             free = quota - sum(o.held_tenant(tenant) for o in others)
             out[tenant] = max(0, min(fair, free))
