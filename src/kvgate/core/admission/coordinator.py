@@ -357,12 +357,12 @@ class InProcessCoordinator:
         self, rec: GatewayRecord, others: list[GatewayRecord], live: list[GatewayRecord]
     ) -> dict[str, int]:
         """Each quota tenant in use anywhere (or reported here): a max-min share of its
-        quota by wants, and what nobody wants spread over every live gateway, so a
+        quota by wants, what nobody wants spread over the fleet (live or expected), so a
         gateway that sees the tenant next already holds a lease for it (it would
         otherwise wait for the others' next refreshes to give some back)."""
         out: dict[str, int] = {}
         in_use = {t for r in live for t, u in r.tenants.items() if u.wants > 0 or u.inuse > 0}
-        for tenant in rec.tenants.keys() | in_use:
+        for tenant in sorted(rec.tenants.keys() | in_use):
             quota = self.config.quota_for(tenant)
             if quota is None:
                 continue
