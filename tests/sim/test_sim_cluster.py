@@ -114,10 +114,12 @@ from kvgate.sim.runner import SeededRng, compare
 from kvgate.sim.synthetic import multi_turn_chat
 from kvgate.sim.cluster import STALL_S, ClusterConfig, SimCluster
 from kvgate.core.config import ControllerConfig
-from kvgate.core.admission import AdmissionConfig
+from kvgate.core.admission import AdmissionConfig, LeaseConfig
 w = multi_turn_chat(rng=SeededRng(5), arrivals=1.5, num_sessions=25)
+# a fleet of two with a tenant quota: leases, parked requests, a pressing tenant's home
+adm = AdmissionConfig(budget=96, default_tenant_quota=4, lease=LeaseConfig(expected_gateways=2))
 cfg = ClusterConfig(nodes=3, cache_blocks=300, gateways=2,
-    controller=ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=96)))
+    controller=ControllerConfig(hasher="trace", admission=adm))
 rep = compare(w, cfg, ["kvgate", "power_of_two", "dynamo_cost"], seed=11)
 sys.stdout.write(json.dumps(rep, sort_keys=True))
 """
@@ -137,7 +139,8 @@ def test_same_seed_same_report_bytes_across_processes() -> None:
         )
         outs.append(res.stdout)
     assert outs[0] == outs[1]
-    assert json.loads(outs[0])["policies"]["kvgate"]["completed"] > 0
+    kvgate = json.loads(outs[0])["policies"]["kvgate"]
+    assert kvgate["completed"] > 0 and kvgate["rejects_by_reason"].get("tenant_quota", 0) > 0
 
 
 def test_closed_loop_request_arrives_its_think_time_after_the_answer() -> None:
