@@ -190,34 +190,26 @@ class GatewayAdmission(Stage1Limiter):
         A tenant the grant leaves out (the coordinator knows no quota for it) gets an
         even share, as without a coordinator."""
         out: list[Admitted] = []
-        asks, asked_at = self._book.asks_coordinator, self._book.asked_at
-        grant = self._book.grant
-        full = grant.tenant_full if grant is not None else frozenset()
+        book = self._book
+        asks, asked_at = book.asks_coordinator, book.asked_at
+        full = book.grant.tenant_full if book.grant is not None else frozenset()
         for q in self._awaiting:
-            if not q.size:
-                continue
             for entry in q.drain():
                 req, tenant = entry.request, entry.request.tenant
-                limit = self._tenant_limits.get(tenant)
                 quota = self._quotas.get(tenant, self._default_quota)
-                if asks and entry.enqueued_at > asked_at:
-                    q.push(req, entry.enqueued_at, entry.deadline)  # not asked yet
+                limit = None if quota is None else self._tenant_limits.get(tenant)
+                if limit is None and quota is not None:  # absent from the grant: an even share
+                    limit = book.tenant_fair_share(quota)
+                over = limit is not None and self._tenant_slots.get(tenant, 0) >= limit
+                # not asked yet, or the quota has room held in other gateways' leases until
+                # their next refresh gives it back: wait for a later grant
+                if asks and (entry.enqueued_at > asked_at or (over and tenant not in full)):
+                    q.push(req, entry.enqueued_at, entry.deadline)
                     continue
                 self._queued_total -= 1
-                if quota is not None and limit is None:
-                    limit = self._book.tenant_fair_share(quota)
                 req = replace(req, deadline=entry.deadline)
-                if (
-                    quota is not None
-                    and limit is not None
-                    and self._tenant_slots.get(tenant, 0) >= limit
-                ):
-                    if asks and tenant not in full:
-                        # the quota has room, held in other gateways' leases until their
-                        # next refresh gives it back: wait for a later grant
-                        q.push(req, entry.enqueued_at, entry.deadline)
-                        self._queued_total += 1
-                        continue
+                if over:
+                    assert quota is not None and limit is not None
                     self._pending.append(self._refuse_tenant(req, quota, limit, now))
                     continue
                 verdict = self._admit_credit(req, now)

@@ -59,7 +59,6 @@ from kvgate.core.errors import InvariantViolation
 from kvgate.core.rng import Rng
 
 _CLOSED = BreakerState.CLOSED
-_INF = math.inf
 
 
 class Stage1Limiter:
@@ -156,14 +155,13 @@ class Stage1Limiter:
         quota = self._quotas.get(tenant, self._default_quota)
         if quota is not None:
             limit = self._tenant_limits.get(tenant)
-            # a live lease below the quota may grow: ask the coordinator before refusing
-            ask = (limit is None or limit < quota) and self._book.asks_coordinator
             if limit is None:
                 limit = self._unseen_tenant(quota)
             slots = self._tenant_slots.get(tenant, 0)
             if slots >= limit:
-                if ask and slots + sum(q.depth(tenant) for q in self._awaiting) < quota:
-                    return self._await_grant(req, now)
+                grows = limit < quota and self._book.asks_coordinator  # a live lease may grow
+                if grows and slots + sum(q.depth(tenant) for q in self._awaiting) < quota:
+                    return self._await_grant(req, now)  # ask the coordinator first
                 return self._refuse_tenant(req, quota, limit, now)
         return self._admit_credit(req, now)
 
@@ -270,7 +268,7 @@ class Stage1Limiter:
         would refuse a tenant whose lease is only catching up with its demand."""
         c = req.priority
         q = self._awaiting[c]
-        deadline = min(now + self._timeouts[c], _INF if req.deadline is None else req.deadline)
+        deadline = self._queue_deadline(req, now)
         if deadline <= now:
             return self._reject(req, RejectReason.QUEUE_TIMEOUT, "deadline already passed", 1.0)
         if q.size >= q.limit:
@@ -289,12 +287,15 @@ class Stage1Limiter:
         else:
             del slots[tenant]
 
+    def _queue_deadline(self, req: AdmissionRequest, now: float) -> float:
+        """Its class's queue timeout from now, or the client's own deadline if sooner."""
+        deadline = now + self._timeouts[req.priority]
+        return deadline if req.deadline is None or req.deadline >= deadline else req.deadline
+
     def _enqueue(self, req: AdmissionRequest, now: float) -> Queued | Rejected:
         c = req.priority
         q = self._queues[c]
-        deadline = now + self._timeouts[c]
-        if req.deadline is not None and req.deadline < deadline:
-            deadline = req.deadline
+        deadline = self._queue_deadline(req, now)
         if deadline <= now:
             return self._reject(req, RejectReason.QUEUE_TIMEOUT, "deadline already passed", 1.0)
         if q.size >= q.limit:
