@@ -247,8 +247,7 @@ class InProcessCoordinator:
         )
 
     def _unseen(self, live: list[GatewayRecord]) -> list[str]:
-        """Placeholders for the expected gateways not live, so at start-up the first to
-        report is not lent everything idle (the others' requests would wait for it)."""
+        """Placeholders for the expected gateways not live: at start-up they hold shares."""
         return [f"\0unseen-{i}" for i in range(self.config.lease.expected_gateways - len(live))]
 
     def _tenants_full(self, rec: GatewayRecord) -> frozenset[str]:
@@ -362,13 +361,14 @@ class InProcessCoordinator:
         otherwise wait for the others' next refreshes to give some back)."""
         out: dict[str, int] = {}
         in_use = {t for r in live for t, u in r.tenants.items() if u.wants > 0 or u.inuse > 0}
+        unseen = dict.fromkeys(self._unseen(live), 0)  # the same for every tenant
         for tenant in sorted(rec.tenants.keys() | in_use):
             quota = self.config.quota_for(tenant)
             if quota is None:
                 continue
             wants = {
                 r.gateway_id: r.tenants[tenant].wants if tenant in r.tenants else 0 for r in live
-            } | dict.fromkeys(self._unseen(live), 0)
+            } | unseen
             fair = share_with_slack(quota, wants).get(rec.gateway_id, 0)
             free = quota - sum(o.held_tenant(tenant) for o in others)
             out[tenant] = max(0, min(fair, free))
