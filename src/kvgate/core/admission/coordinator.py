@@ -247,7 +247,7 @@ class InProcessCoordinator:
         )
 
     def _unseen(self, live: list[GatewayRecord]) -> list[str]:
-        """Placeholders for the expected gateways not live: at start-up they hold shares."""
+        """Placeholders for expected gateways not live: the first to report gets not all."""
         return [f"\0unseen-{i}" for i in range(self.config.lease.expected_gateways - len(live))]
 
     def _tenants_full(self, rec: GatewayRecord) -> frozenset[str]:
