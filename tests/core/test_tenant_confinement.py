@@ -199,6 +199,19 @@ def test_in_a_fleet_every_gateway_confines_a_pressing_tenant_to_the_same_home_no
         other = send(ctl, f"g{g}-o", "other", 99, 0.3)
         assert isinstance(other, Dispatch) and other.node_id != d.node_id
     assert len(firsts) == 2 and len(homes) == 1  # one node, whichever gateway sent it
+    # the home goes down: the next home, again the same at every gateway
+    (home,) = homes
+    moved = set()
+    for g, ctl in enumerate(gateways):
+        state = ctl.nodes.get(home)
+        assert state is not None
+        ctl.nodes.set_healthy(state, False)
+        confined = ctl.stats.confined_dispatches
+        d = send(ctl, f"g{g}-2", "flood", 3, 0.4)
+        assert isinstance(d, Dispatch) and d.node_id != home
+        assert ctl.stats.confined_dispatches == confined + 1  # to the new home, not around
+        moved.add(d.node_id)
+    assert len(moved) == 1
 
 
 def _req(rid: str, tenant: str, block: int) -> RequestArrived:

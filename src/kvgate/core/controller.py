@@ -124,6 +124,8 @@ class Controller:
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
         # one gateway of several: a pressing tenant is confined to its home node
         self._fleet = cfg.admission.lease.expected_gateways > 1
+        # (tenant, model) -> (the eligible pool it was picked from, its home node)
+        self._homes: dict[tuple[str, str], tuple[tuple[NodeState, ...], NodeState | None]] = {}
         self.retry_policy = RetryPolicy(cfg.admission)
         self.stats = ControllerStats()
         self._requests: dict[RequestId, _Request] = {}
@@ -454,12 +456,19 @@ class Controller:
     def _flood_home(self, tenant: str, model: str) -> NodeState | None:
         """Where every gateway of a fleet confines a pressing tenant, without a word
         between them: the eligible node with the highest rendezvous hash of (tenant, node)."""
-        pool, _ = self.nodes.eligible(model)
-        return max(
+        pool, _ = self.nodes.eligible(model)  # the same tuple until the pool changes
+        hit = self._homes.get((tenant, model))
+        if hit is not None and hit[0] is pool:
+            return hit[1]
+        home = max(
             pool,
             key=lambda s: xxh3_64_intdigest(f"{tenant}\0{s.spec.node_id}".encode()),
             default=None,
         )
+        if len(self._homes) >= 1024:  # pressing tenants are few; bound it anyway
+            self._homes.clear()
+        self._homes[(tenant, model)] = (pool, home)
+        return home
 
     def _route_around_floods(self, record: _Request, now: float) -> RouteDecision | None:
         """Route with the cache of the nodes other tenants' floods are confined to counted
