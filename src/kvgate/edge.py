@@ -49,24 +49,24 @@ from aiohttp.web_protocol import RequestHandler
 
 from kvgate.protocol import error_body, invalid_request_body, server_error_body
 
-
-def json_response(
-    status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
-) -> web.Response:
-    """A compact JSON response (both apps answer errors this way)."""
-    return web.Response(
-        status=status,
-        body=json.dumps(body, separators=(",", ":")).encode("utf-8"),
-        content_type="application/json",
-        headers=headers,
-    )
-
 log = logging.getLogger("kvgate.gateway")
 
 # Distinct limits so a LineTooLong says which was exceeded: the request line (URL,
 # 414) or a header field (431). 8190 is aiohttp's default for both.
 MAX_LINE_SIZE = 8192
 MAX_FIELD_SIZE = 8190
+
+
+def json_response(
+    status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """A compact JSON response: how both apps (gateway and engine) answer."""
+    return web.Response(
+        status=status,
+        body=json.dumps(body, separators=(",", ":")).encode("utf-8"),
+        content_type="application/json",
+        headers=headers,
+    )
 
 
 def parse_error(exc: HttpProcessingError, line_limit: int = MAX_LINE_SIZE,

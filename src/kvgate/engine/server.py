@@ -53,6 +53,7 @@ import zmq
 from aiohttp import web
 
 from kvgate.edge import EdgeRunner
+from kvgate.edge import json_response as _json  # the gateway's compact JSON answers
 from kvgate.engine.api import EngineConfig, EngineRequest, FinishedRequest, RejectedRequest
 from kvgate.engine.engine import SimEngine
 from kvgate.engine.kv_events import KvEvent
@@ -112,10 +113,6 @@ class _Failed:
 
 
 _Item = int | FinishedRequest | RejectedRequest | _Failed
-
-
-def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(body, status=status, headers=headers)
 
 
 def _reject_response(kind: RejectKind, reason: str, headers: dict[str, str]) -> web.Response:
