@@ -10,7 +10,7 @@ from kvgate.core.errors import ConfigError
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
 from kvgate.core.routing.base import RouteContext, RouteReason
-from kvgate.core.routing.kvgate import KvgatePolicy
+from kvgate.core.routing.kvgate import KvgatePolicy, _TailLevel
 
 NOW = 10.0
 
@@ -177,6 +177,10 @@ def test_bad_config() -> None:
         {"decode_s_per_context_token": -1e-5},
         {"max_cache_wait_s": -1.0},
         {"max_cache_wait_s": float("nan")},
+        {"tail_quantile": 1.0},
+        {"tail_quantile": -0.1},
+        {"tail_quantile": float("nan")},
+        {"tail_window": 0},
     ):
         with pytest.raises(ConfigError):
             KvgatePolicy(**bad)  # type: ignore[arg-type]
@@ -621,3 +625,76 @@ def test_ttft_form_counts_attention_work_of_long_prompts() -> None:
     t.on_sent(c[0], now=NOW, key=1, prefill_tokens=1000, prefill_pairs=1000 * 500.0)
     d = p.select(ctx(blocks=200), c, {}, t, FixedRng(0.9), NOW)
     assert d is not None and d.parts["penalty"] == pytest.approx(0.1 + 1e-8 * 500_000)
+
+
+# --- the tail guard ----------------------------------------------------------------------
+
+# a 1000 tokens/s prefill and nothing else: predicted first token = wait + prefill left
+GUARD_KW: dict[str, float] = {
+    "epsilon": 0, "prefill_tokens_per_s": 1000.0, "cache_gain": 5.0, "decode_s": 0.0,
+    "attention_s_per_pair": 0.0, "blocking_cost": 0.0, "kv_pressure_s": 0.0,
+    "decode_s_per_context_token": 0.0, "affinity_slack_s": 10.0, "tail_quantile": 0.9,
+    "tail_window": 4,
+}
+
+
+def test_tail_level_is_the_quantile_of_the_last_window() -> None:
+    level = _TailLevel(quantile=0.5, window=4)
+    for seconds in (4.0, 1.0, 3.0):
+        level.add(seconds)
+        assert level.level() == float("inf")  # fewer than a window seen: no tail yet
+    level.add(2.0)
+    assert level.level() == 3.0  # of 1, 2, 3, 4
+    level.add(0.5)  # 4.0, the oldest, leaves
+    assert level.level() == 2.0  # of 0.5, 1, 2, 3
+
+
+def test_tail_guard_moves_a_request_its_cache_wait_would_make_one_of_the_slowest() -> None:
+    """The score keeps a half-cached 20-block prompt (1.28 s of prefill, 0.64 s of it
+    cached) on its holder behind 3 s of queue: 5 x 0.64 - 3 = 0.2 against the idle
+    node's 0, a first token at 3.64 s against 1.28 s. Once the policy has seen a window
+    of requests (the level: 1.92 s, the full prefill of its 30-block ones), 3.64 s is
+    past it and 1.28 s is not: the idle node takes it. Before the window is full, and
+    with the guard off, the holder keeps it."""
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=3000)
+    m = {NodeId("holder"): 10}
+    for quantile, want in ((0.9, ["holder", "idle", "idle"]), (0.0, ["holder"] * 3)):
+        p = KvgatePolicy(**{**GUARD_KW, "tail_quantile": quantile})
+        for _ in range(3):  # three 30-block requests nobody holds
+            p.select(ctx(blocks=30), c, {}, t, FixedRng(0.9), NOW)
+        got = [p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW) for _ in range(3)]
+        assert [d.node_id for d in got if d is not None] == want, quantile
+    p = KvgatePolicy(**GUARD_KW)
+    for _ in range(4):
+        p.select(ctx(blocks=30), c, {}, t, FixedRng(0.9), NOW)
+    moved = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert moved is not None and moved.node_id == "idle" and moved.reason is RouteReason.LOAD
+    assert moved.matched_blocks == 0 and moved.best_matched_blocks == 10
+    assert moved.score == 0.0 and moved.parts["bonus"] == 0.0
+
+
+def test_tail_guard_prefers_a_holder_under_the_level_and_spares_long_prompts() -> None:
+    """"deep" (15 blocks, 6 s queued) keeps a 20-block prompt by the affinity slack,
+    its first token at 6.32 s; the level is 1.92 s. Under it: "mid" (10 blocks, 1 s
+    queued: 1.64 s, score 2.2) and the idle node (1.28 s, score 0): "mid" takes it. A
+    100-block prompt (6.4 s of prefill anywhere) is one of the slowest wherever it
+    goes: the guard leaves its decision alone."""
+    t, c = table({"deep": (0, 0.0), "mid": (0, 0.0), "idle": (0, 0.0)})
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=6000)
+    t.on_sent(c[1], now=NOW, key=2, prefill_tokens=1000)
+    m = {NodeId("deep"): 15, NodeId("mid"): 10}
+    guarded = KvgatePolicy(**GUARD_KW)
+    unguarded = KvgatePolicy(**{**GUARD_KW, "tail_quantile": 0.0})
+    for p in (guarded, unguarded):
+        for _ in range(4):
+            p.select(ctx(blocks=30), c, {}, t, FixedRng(0.9), NOW)
+    d = unguarded.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "deep"
+    d = guarded.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "mid" and d.matched_blocks == 10
+    assert d.score == pytest.approx(5 * 0.64 - 1.0)
+    long_prompt = {NodeId("deep"): 60, NodeId("mid"): 10}
+    want = unguarded.select(ctx(blocks=100), c, long_prompt, t, FixedRng(0.9), NOW)
+    got = guarded.select(ctx(blocks=100), c, long_prompt, t, FixedRng(0.9), NOW)
+    assert got == want and got is not None and got.node_id == "deep"

@@ -46,6 +46,8 @@ class Reference:
     tripped: set[NodeId]
     # node -> (saved prefill seconds, as of): the cache value, decayed over its tau
     value: dict[NodeId, tuple[float, float]] = field(default_factory=dict)
+    # the predicted full prefill of every ttft-form request so far, for the tail guard
+    fulls: list[float] = field(default_factory=list)
 
     def value_now(self, nid: NodeId, now: float) -> float:
         seconds, at = self.value.get(nid, (0.0, now))
@@ -128,6 +130,7 @@ class Reference:
         idle: NodeState | None = None
         idle_util = float("inf")
         scored: list[tuple[NodeState, int, float, int, float]] = []  # state, q, penalty, m, bonus
+        waits: dict[NodeId, float] = {}  # ttft form: predicted seconds before a prefill starts
         open_holders: list[tuple[NodeState, int, float, float]] = []  # state, q, penalty, bonus
         for s in candidates:
             q = nodes.queue(s, now)
@@ -147,6 +150,7 @@ class Reference:
                     )
                     # what the head has done, or how far it overran its prediction
                     prefill = prefill - e if e <= head else prefill + (e - 2.0 * head)
+                waits[s.node_id] = prefill
                 penalty = (
                     prefill
                     + p.decode_s * u
@@ -247,6 +251,33 @@ class Reference:
                     _, s, q, penalty, bonus, cost = kept
                     best, best_key = s, (p.cache_gain * bonus - penalty - cost, -q, -s.slot)
                     best_bonus, best_penalty, best_queue = bonus, penalty, q
+            # tail guard: a winner whose predicted first token (wait + the prefill its
+            # cache leaves) is past the tail_quantile of the last tail_window requests'
+            # full prefills gives way to the best scored node under it, if any: an open
+            # holder with its bonus or a non-holder
+            if p.tail_quantile > 0:
+                fulls = self.fulls
+                level = float("inf")
+                if len(fulls) >= p.tail_window:
+                    ranked = sorted(fulls[-p.tail_window :])
+                    level = ranked[min(len(ranked) - 1, int(p.tail_quantile * len(ranked)))]
+                fulls.append(self.uncached_s(prompt, 0))
+                del fulls[: -p.tail_window]
+
+                def first_token(s: NodeState) -> float:
+                    return waits[s.node_id] + self.uncached_s(
+                        prompt, matches.get(s.node_id, 0) * tpb
+                    )
+
+                if first_token(best) > level:
+                    under = [
+                        ((p.cache_gain * b - pen - blocking(s), -q, -s.slot), s, q, pen, b)
+                        for s, q, pen, m, b in scored
+                        if (b > 0 or not m) and first_token(s) <= level
+                    ]
+                    if under:
+                        best_key, s, q, penalty, bonus = max(under, key=lambda r: r[0])
+                        best, best_bonus, best_penalty, best_queue = s, bonus, penalty, q
         chosen, chosen_match = best, matches.get(best.node_id, 0)
         if chosen_match and best_bonus > 0:
             single = chosen_match >= best_match and holders_at_best == 1
@@ -358,6 +389,8 @@ policy_st = st.builds(
     explore_max_loss_s=st.sampled_from([0.0, 0.05, 1.0, 1e9]),
     decode_s_per_context_token=st.sampled_from([0.0, 1.74e-5, 1e-3]),
     max_cache_wait_s=st.sampled_from([0.0, 1.0, 10.0, 1e9]),
+    tail_quantile=st.sampled_from([0.0, 0.5, 0.99]),
+    tail_window=st.sampled_from([1, 3, 1000]),
 )
 
 
@@ -522,13 +555,18 @@ def test_candidates_outside_the_table_are_scored_like_the_reference() -> None:
         assert got == ref.select(ctx, cands, matches, table, 0.9, 2.0)
 
 
-@pytest.mark.parametrize("max_cache_wait_s", [10.0, 0.3])
-def test_same_decisions_as_the_reference_while_prefill_drains(max_cache_wait_s: float) -> None:
+@pytest.mark.parametrize(
+    ("max_cache_wait_s", "tail_quantile"), [(10.0, 0.0), (0.3, 0.0), (20.0, 0.9)]
+)
+def test_same_decisions_as_the_reference_while_prefill_drains(
+    max_cache_wait_s: float, tail_quantile: float
+) -> None:
     """A long random walk of sends, first tokens (of heads and of later requests),
     abandoned prefills and small steps of time, with a selection after each: the
     scores of nodes with queued prefill move with the drain clock (and past a head's
     predicted end) exactly as the one-loop scorer computes them. A short bounded wait
-    (0.3 s) makes the winner give way to the soonest node in many of the decisions."""
+    (0.3 s) makes the winner give way to the soonest node in many of the decisions; the
+    tail guard (prompts of three sizes, the level over the last 50) in others."""
     rnd = random.Random(7)
     table = NodeTable(stale_after_s=3.0)
     for nid in NAMES:
@@ -540,10 +578,11 @@ def test_same_decisions_as_the_reference_while_prefill_drains(max_cache_wait_s: 
         attention_s_per_pair=1e-7,
         decode_s_per_context_token=1e-4,
         max_cache_wait_s=max_cache_wait_s,
+        tail_quantile=tail_quantile,
+        tail_window=50,
     )
     ref = Reference(p=policy, tripped=set())
     now, sends = 10.0, 0
-    ctx = RouteContext(chain=tuple(range(12)), prompt_tokens=12 * 64 - 10, tokens_per_block=64)
     for _ in range(3000):
         state = table.get(rnd.choice(NAMES))
         assert state is not None
@@ -570,6 +609,10 @@ def test_same_decisions_as_the_reference_while_prefill_drains(max_cache_wait_s: 
                 table.report(nid, waiting=0, running=0, kv_util=rnd.choice([0.1, 0.5]), now=now)
         now += rnd.choice([0.0, 0.001, 0.004, 0.013, 0.2, 0.7])
         matches = {nid: rnd.randrange(0, 12) for nid in rnd.sample(NAMES, 3)}
+        blocks = rnd.choice([4, 8, 12])
+        ctx = RouteContext(
+            chain=tuple(range(blocks)), prompt_tokens=blocks * 64 - 10, tokens_per_block=64
+        )
         cands = list(table.eligible()[0])
         want = ref.select(ctx, cands, matches, table, 0.5, now)
         got = policy.select(ctx, cands, matches, table, FixedRng(0.5), now)

@@ -116,6 +116,28 @@ Three more rules of the ttft form look past the request itself:
   TTFT mean: 1.417 s with 20 s against 1.360 s with 10 s (dynamo_cost 1.396 s), for a
   hit ratio of 0.1800 against 0.1762.
 
+* **Tail guard.** The cache's pull (``cache_gain``, the slack, the bounded wait) trades
+  a request's seconds for prefill its hit saves; it must not make the request one of
+  the slowest. The tail level is the ``tail_quantile`` (0.99) of the predicted full
+  prefill times (no cache anywhere) of the last ``tail_window`` (1 000) requests this
+  policy routed: how long the slowest requests take wherever they go. When the chosen
+  node's predicted first token (its queued prefill still to run, plus what this
+  request's prefill leaves after its cache there) is past the level and some candidate's
+  is not, the best scored of those under the level gets the request (an open holder
+  with its bonus, or a non-holder). A prompt that is slow everywhere keeps its choice;
+  until a window of requests is seen there is no level. On the conversation trace the
+  slowest 1 % are 80k-120k-token prompts (17-33 s of prefill wherever they run), and
+  the waits the slack allowed put short and medium turns among them (a 13k-token turn,
+  all of it cached, 17.8 s behind its holder's 97k-token prefill while a node sat
+  idle; 9 such requests above 17 s at 0.8 of saturation, none for dynamo_cost, whose
+  TTFT p99 kvgate then lost by 0.1 s). Over the four replays at 0.8 / 0.95 of
+  saturation the guard moved 11-14 requests a run and took kvgate's TTFT p99 from
+  17.15 / 17.53 s to 17.00 / 17.23 s (dynamo_cost 17.14 / 18.27 s), its hit ratio from
+  0.1755 / 0.1730 to 0.1750 / 0.1717 (sglang_cache_aware 0.1739 / 0.1703). A level at
+  the 0.985 quantile moved twice as many and lost more hits; a window of 3 000 or a
+  slack and bound of 25 s under the guard did worse on both. On the synthetic workloads
+  (about 1 000 requests each) the guard has barely begun when the run ends.
+
 On top of the score, in this order:
 
 1. **Breaker per holder.** A node whose queue reaches ``breaker_open_queue`` loses
@@ -193,6 +215,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
@@ -229,6 +252,7 @@ class _Load:
 
     __slots__ = (
         "moving", "node_id", "penalty", "queue", "rank", "score", "slot", "state", "util",
+        "wait",
     )
 
     def __init__(
@@ -241,6 +265,7 @@ class _Load:
         self.queue = queue
         self.util = util
         self.moving = False  # the penalty changes as the drain clock moves
+        self.wait = 0.0  # predicted seconds before a newcomer's prefill starts (ttft form)
         if ttft:
             # seconds of prefill queued here (as the node works through it), plus a
             # KV-pressure term that grows from 0 at 80 % utilisation to kv_pressure_s
@@ -256,6 +281,7 @@ class _Load:
                         prefill -= elapsed  # done of the head so far
                     else:  # overdue: the head is larger than predicted, so is what is left
                         prefill += elapsed - 2.0 * head
+            self.wait = prefill
             self.penalty = (
                 prefill
                 + decode_s * util
@@ -427,6 +453,33 @@ class _CacheValue:
                 del saved[nid]
 
 
+class _TailLevel:
+    """The ``quantile`` of the last ``window`` requests' predicted full prefill times
+    (no cache anywhere): how long the slowest requests take however they are routed.
+    Memory and time per request are bounded by ``window`` (a ring and a sorted list)."""
+
+    __slots__ = ("_ring", "_sorted", "quantile", "window")
+
+    def __init__(self, quantile: float, window: int) -> None:
+        self.quantile = quantile
+        self.window = window
+        self._ring: deque[float] = deque()
+        self._sorted: list[float] = []
+
+    def level(self) -> float:
+        s = self._sorted
+        if len(s) < self.window:
+            return _INF  # not enough seen yet to say what the tail is
+        return s[min(len(s) - 1, int(self.quantile * len(s)))]
+
+    def add(self, seconds: float) -> None:
+        self._ring.append(seconds)
+        insort(self._sorted, seconds)
+        if len(self._ring) > self.window:
+            old = self._ring.popleft()
+            del self._sorted[bisect_left(self._sorted, old)]
+
+
 class KvgatePolicy:
     name: ClassVar[str] = "kvgate"
     uses_cache: ClassVar[bool] = True
@@ -460,6 +513,8 @@ class KvgatePolicy:
         explore_max_loss_s: float = 1.0,
         decode_s_per_context_token: float = 1.74e-5,
         max_cache_wait_s: float = 20.0,
+        tail_quantile: float = 0.99,
+        tail_window: int = 1000,
     ) -> None:
         if form not in ("ttft", "brief"):
             raise ConfigError("kvgate policy: form must be 'ttft' or 'brief'")
@@ -489,6 +544,10 @@ class KvgatePolicy:
             )
         if cache_value_tau_s <= 0:
             raise ConfigError("kvgate policy: cache_value_tau_s must be > 0")
+        if not 0.0 <= tail_quantile < 1.0:
+            raise ConfigError("kvgate policy: tail_quantile must be in [0, 1) (0: no tail guard)")
+        if tail_window < 1:
+            raise ConfigError("kvgate policy: tail_window must be >= 1")
         self.w_cache = w_cache
         self.w_load = w_load
         self.max_prefix_len = max_prefix_len
@@ -515,6 +574,10 @@ class KvgatePolicy:
         self.decode_s_per_context_token = decode_s_per_context_token
         self.max_cache_wait_s = max_cache_wait_s
         self._cache_value = _CacheValue(cache_value_tau_s)
+        self.tail_quantile = tail_quantile
+        self.tail_window = tail_window
+        # the tail guard's level (None: the guard is off)
+        self._tail = _TailLevel(tail_quantile, tail_window) if tail_quantile > 0 else None
         self._tripped: set[NodeId] = set()  # holders whose breaker is open
         self._loads = _LoadScores()
 
@@ -603,8 +666,8 @@ class KvgatePolicy:
         holders_at_best = 0
         best_match_tripped = False
         hot_holders = 0
-        # the open holders and their bonus, for the affinity slack (only if it is on)
-        track_open = ttft and self.affinity_slack_s > 0.0
+        # the open holders and their bonus, for the affinity slack and the tail guard
+        track_open = ttft and (self.affinity_slack_s > 0.0 or self._tail is not None)
         open_holders: list[tuple[_Load, float]] = []
         # the soonest predicted first token: (penalty less bonus, queue, slot), its bonus
         soonest: _Load | None = None
@@ -681,6 +744,14 @@ class KvgatePolicy:
                 kept := self._within_slack(best, best_bonus, open_holders, costs, latest)
             ) is not None:
                 (best, best_bonus), moved = kept, True
+            if self._tail is not None:
+                level = self._tail.level()
+                self._tail.add(self._uncached_s(prompt, 0))
+                under = self._under_tail(
+                    best, loads, cands, matches, open_holders, costs, w_cache, prompt, tpb, level
+                )
+                if under is not None:
+                    (best, best_bonus), moved = under, True
             if moved:
                 win_score = w_cache * best_bonus - best.penalty - costs.get(best.node_id, 0.0)
         chosen = best.state
@@ -776,6 +847,41 @@ class KvgatePolicy:
             if ttft <= limit and (key := (bonus, -ttft, -load.slot)) > kept_key:
                 kept, kept_key = (load, bonus), key
         return kept
+
+    def _under_tail(
+        self,
+        best: _Load,
+        loads: _LoadScores,
+        cands: frozenset[NodeState],
+        matches: Mapping[NodeId, int],
+        open_holders: list[tuple[_Load, float]],
+        costs: Mapping[NodeId, float],
+        w_cache: float,
+        prompt: int,
+        tpb: int,
+        level: float,
+    ) -> tuple[_Load, float] | None:
+        """The tail guard: when the winner's predicted first token (its wait plus the
+        prefill its cache leaves) is past ``level``, the best scored (then the lower
+        queue, then the lower slot) of the candidates whose first token is not, open
+        holders with their bonus, non-holders with none; and its bonus. None when the
+        winner is under the level or no candidate is."""
+        if best.wait + self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) <= level:
+            return None
+        top: tuple[_Load, float] | None = None
+        top_key = (-_INF, 0, 0)
+        for load, bonus in open_holders:
+            if load.wait + self._uncached_s(prompt, matches[load.node_id] * tpb) <= level:
+                score = w_cache * bonus - load.penalty - costs.get(load.node_id, 0.0)
+                if (key := (score, -load.queue, -load.slot)) > top_key:
+                    top, top_key = (load, bonus), key
+        full = self._uncached_s(prompt, 0)
+        for _, q, slot, load in loads.order:
+            if load.wait + full <= level and load.state in cands and not matches.get(load.node_id):
+                key = (-load.penalty - costs.get(load.node_id, 0.0), -q, -slot)
+                if key > top_key:
+                    top, top_key = (load, 0.0), key
+        return top
 
     def _no_later_at(self, idle: _Load, best: _Load, loss: float, prompt: int, now: float) -> bool:
         """Whether the idle node would answer no later than the winner: its penalty, plus
