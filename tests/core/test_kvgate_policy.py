@@ -640,13 +640,10 @@ GUARD_KW: dict[str, float] = {
 
 def test_tail_level_is_the_quantile_of_the_last_window() -> None:
     level = _TailLevel(quantile=0.5, window=4)
-    for seconds in (4.0, 1.0, 3.0):
-        level.add(seconds)
-        assert level.level() == float("inf")  # fewer than a window seen: no tail yet
-    level.add(2.0)
-    assert level.level() == 3.0  # of 1, 2, 3, 4
-    level.add(0.5)  # 4.0, the oldest, leaves
-    assert level.level() == 2.0  # of 0.5, 1, 2, 3
+    # fewer than a window seen: no tail yet
+    assert [level.observe(s) for s in (4.0, 1.0, 3.0, 2.0)] == [float("inf")] * 4
+    assert level.observe(0.5) == 3.0  # of 1, 2, 3, 4; then 4.0, the oldest, leaves
+    assert level.observe(9.0) == 2.0  # of 0.5, 1, 2, 3
 
 
 def test_tail_guard_moves_a_request_its_cache_wait_would_make_one_of_the_slowest() -> None:

@@ -458,26 +458,24 @@ class _TailLevel:
     (no cache anywhere): how long the slowest requests take however they are routed.
     Memory and time per request are bounded by ``window`` (a ring and a sorted list)."""
 
-    __slots__ = ("_ring", "_sorted", "quantile", "window")
+    __slots__ = ("_rank", "_ring", "_sorted", "window")
 
     def __init__(self, quantile: float, window: int) -> None:
-        self.quantile = quantile
         self.window = window
+        self._rank = min(window - 1, int(quantile * window))  # the level's place in a full window
         self._ring: deque[float] = deque()
         self._sorted: list[float] = []
 
-    def level(self) -> float:
-        s = self._sorted
-        if len(s) < self.window:
-            return _INF  # not enough seen yet to say what the tail is
-        return s[min(len(s) - 1, int(self.quantile * len(s)))]
-
-    def add(self, seconds: float) -> None:
+    def observe(self, seconds: float) -> float:
+        """The level before this request (infinite until a window is seen); then the
+        request's ``seconds`` join the window."""
+        ordered = self._sorted
+        level = ordered[self._rank] if len(ordered) == self.window else _INF
         self._ring.append(seconds)
-        insort(self._sorted, seconds)
+        insort(ordered, seconds)
         if len(self._ring) > self.window:
-            old = self._ring.popleft()
-            del self._sorted[bisect_left(self._sorted, old)]
+            del ordered[bisect_left(ordered, self._ring.popleft())]
+        return level
 
 
 class KvgatePolicy:
@@ -744,11 +742,13 @@ class KvgatePolicy:
                 kept := self._within_slack(best, best_bonus, open_holders, costs, latest)
             ) is not None:
                 (best, best_bonus), moved = kept, True
-            if self._tail is not None:
-                level = self._tail.level()
-                self._tail.add(self._uncached_s(prompt, 0))
+            if self._tail is not None and (
+                (level := self._tail.observe(self._uncached_s(prompt, 0))) < _INF
+                and best.wait + self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb)
+                > level
+            ):
                 under = self._under_tail(
-                    best, loads, cands, matches, open_holders, costs, w_cache, prompt, tpb, level
+                    loads, cands, matches, open_holders, costs, w_cache, prompt, tpb, level
                 )
                 if under is not None:
                     (best, best_bonus), moved = under, True
@@ -850,7 +850,6 @@ class KvgatePolicy:
 
     def _under_tail(
         self,
-        best: _Load,
         loads: _LoadScores,
         cands: frozenset[NodeState],
         matches: Mapping[NodeId, int],
@@ -861,13 +860,10 @@ class KvgatePolicy:
         tpb: int,
         level: float,
     ) -> tuple[_Load, float] | None:
-        """The tail guard: when the winner's predicted first token (its wait plus the
-        prefill its cache leaves) is past ``level``, the best scored (then the lower
+        """The tail guard, once the winner's predicted first token (its wait plus the
+        prefill its cache leaves) is past ``level``: the best scored (then the lower
         queue, then the lower slot) of the candidates whose first token is not, open
-        holders with their bonus, non-holders with none; and its bonus. None when the
-        winner is under the level or no candidate is."""
-        if best.wait + self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) <= level:
-            return None
+        holders with their bonus, non-holders with none; and its bonus. None if none."""
         top: tuple[_Load, float] | None = None
         top_key = (-_INF, 0, 0)
         for load, bonus in open_holders:
