@@ -357,6 +357,7 @@ ops_st = st.lists(
             st.sampled_from([0.0, 3.0, 20.0]),  # hot_rate
             st.sampled_from(["pool", "list", "tuple"]),  # how the candidates come
             st.dictionaries(name_st, st.sampled_from([0.1, 0.5]), max_size=3),  # discounts
+            st.sampled_from([2, 6, 12, 40]),  # prompt blocks (the tail guard's level moves)
         ),
     ),
     min_size=1,
@@ -459,7 +460,7 @@ def test_same_decisions_as_the_reference(
             table.remove(op[1])  # type: ignore[arg-type]
             sent_at.pop(op[1], None)  # type: ignore[call-overload]
         else:
-            _, pick, matches, draw, hot_blocks, hot_rate, how, discount = op
+            _, pick, matches, draw, hot_blocks, hot_rate, how, discount, blocks = op
             pool, _ = table.eligible()
             if how == "pool":
                 cands: Sequence[NodeState] = list(pool)
@@ -467,8 +468,8 @@ def test_same_decisions_as_the_reference(
                 chosen = [s for s in table if pick[NAMES.index(s.node_id)]]  # type: ignore[index]
                 cands = tuple(chosen) if how == "tuple" else chosen
             ctx = RouteContext(
-                chain=tuple(range(12)),
-                prompt_tokens=12 * 64 - 10,
+                chain=tuple(range(blocks)),  # type: ignore[arg-type]
+                prompt_tokens=blocks * 64 - 10,  # type: ignore[operator]
                 tokens_per_block=64,
                 hot_key=1 if hot_blocks else None,
                 hot_blocks=hot_blocks,  # type: ignore[arg-type]
