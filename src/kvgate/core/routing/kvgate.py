@@ -61,7 +61,7 @@ TPOT target). Alone it also moves
 conversations off their holders (the conversation trace's hit ratio falls by up to
 0.007); the affinity slack below more than wins that back.
 
-Three more rules of the ttft form look past the request itself:
+Four more rules of the ttft form look past the request itself:
 
 * **Blocking cost.** A long uncached prefill (at least ``blocking_min_s`` at the
   winner, e.g. a 12k-token prompt nobody holds) stalls its node's queue while it
@@ -212,8 +212,11 @@ may have gone stale (``now`` passed the oldest fresh report's bound), or on a
 membership change. Per request, only the holders (the nodes in ``matches``,
 usually a few) are scored in Python; the best non-holder is the first candidate
 non-holder in that order. Replication and exploration targets are looked for
-only when those branches can fire. Decisions are the same as scoring every
-candidate in one loop (tests/core/test_kvgate_reference.py checks this).
+only when those branches can fire, and so are the tail guard's (every candidate,
+for a request whose choice is past the level: about one in a hundred); its level
+costs an insertion into a sorted list of ``tail_window`` entries per request.
+Decisions are the same as scoring every candidate in one loop
+(tests/core/test_kvgate_reference.py checks this).
 """
 
 from __future__ import annotations
