@@ -109,7 +109,7 @@ class GatewayAdmission(Stage1Limiter):
         self._reported_active = active
         window, p99 = self._ttft.last(now)
         inuse = self._inuse
-        queued = [q.size + a.size for q, a in zip(self._queues, self._awaiting, strict=True)]
+        queued = self._waiting_per_class()
         return RefreshRequest(
             gateway_id=self.gateway_id,
             epoch=self._book.epoch,
@@ -154,8 +154,7 @@ class GatewayAdmission(Stage1Limiter):
             out.extend(self._pending)
             self._pending = []
         if self._queued_total:
-            for q in (*self._queues, *self._awaiting):
-                slot = q in self._queues
+            for q, slot in self._all_queues():
                 for entry in q.expire(now):
                     out.append(
                         self._forget(
@@ -168,14 +167,22 @@ class GatewayAdmission(Stage1Limiter):
 
     def cancel(self, request_id: str, now: float) -> bool:
         """The client of a queued request went away; True if it was queued here."""
-        for q in (*self._queues, *self._awaiting):
+        for q, slot in self._all_queues():
             entry = q.remove(request_id)
             if entry is not None:
                 self._queued_total -= 1
-                if q in self._queues:  # a parked request holds no tenant slot
+                if slot:  # a parked request holds no tenant slot
                     self._drop_slot(entry.request.tenant)
                 return True
         return False
+
+    def _all_queues(self) -> list[tuple[FairQueue, bool]]:
+        """Every queue, and whether its entries hold a tenant slot (parked ones do not)."""
+        return [(q, True) for q in self._queues] + [(q, False) for q in self._awaiting]
+
+    def _waiting_per_class(self) -> list[int]:
+        """Requests waiting per class: queued, or parked awaiting a grant."""
+        return [q.size + a.size for q, a in zip(self._queues, self._awaiting, strict=True)]
 
     def count_rejection(self, reason: RejectReason, priority: Priority) -> None:
         """Count a request turned away after stage 1 (routing found no node for it), so
@@ -267,7 +274,7 @@ class GatewayAdmission(Stage1Limiter):
 
     def stats(self) -> AdmissionStats:
         queued_by_tenant = _by_tenant((*self._queues, *self._awaiting))
-        waiting = [q.size + a.size for q, a in zip(self._queues, self._awaiting, strict=True)]
+        waiting = self._waiting_per_class()
         inuse, adm = self._inuse, self._admitted
         grant = self._book.grant
         return AdmissionStats(

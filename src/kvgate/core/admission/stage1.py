@@ -161,7 +161,10 @@ class Stage1Limiter:
             if slots >= limit:
                 grows = limit < quota and self._book.asks_coordinator  # a live lease may grow
                 if grows and slots + sum(q.depth(tenant) for q in self._awaiting) < quota:
-                    return self._await_grant(req, now)  # ask the coordinator first
+                    # ask the coordinator first: admitting it unasked could put the fleet
+                    # over the quota while other gateways hold it; refusing it would refuse
+                    # a tenant whose lease is only catching up with its demand
+                    return self._enqueue(req, now, parked=True)
                 return self._refuse_tenant(req, quota, limit, now)
         return self._admit_credit(req, now)
 
@@ -261,24 +264,6 @@ class Stage1Limiter:
             self.config.tenant_retry_after_s,
         )
 
-    def _await_grant(self, req: AdmissionRequest, now: float) -> Queued | Rejected:
-        """Park a request its tenant's lease here does not cover (no entry yet, or one
-        below the quota) until the grant the early refresh brings. Admitting it unasked
-        could put the fleet over the quota while other gateways hold it; refusing it
-        would refuse a tenant whose lease is only catching up with its demand."""
-        c = req.priority
-        q = self._awaiting[c]
-        deadline = self._queue_deadline(req, now)
-        if deadline <= now:
-            return self._reject(req, RejectReason.QUEUE_TIMEOUT, "deadline already passed", 1.0)
-        if q.size >= q.limit:
-            return self._reject(
-                req, RejectReason.QUEUE_FULL, f"P{int(c)} queue full ({q.limit})", 1.0
-            )
-        q.push(req, now, deadline)  # no tenant slot: nothing granted it one yet
-        self._queued_total += 1
-        return Queued(request_id=req.request_id, deadline=deadline, priority=c)
-
     def _drop_slot(self, tenant: str) -> None:
         slots = self._tenant_slots
         n = slots[tenant] - 1
@@ -292,14 +277,20 @@ class Stage1Limiter:
         deadline = now + self._timeouts[req.priority]
         return deadline if req.deadline is None or req.deadline >= deadline else req.deadline
 
-    def _enqueue(self, req: AdmissionRequest, now: float) -> Queued | Rejected:
+    def _enqueue(
+        self, req: AdmissionRequest, now: float, *, parked: bool = False
+    ) -> Queued | Rejected:
+        """Queue ``req`` in its class's queue, holding a tenant slot; or, ``parked``, in
+        its class's awaiting queue, holding none (its tenant's lease here does not cover
+        it yet: no entry, or one below the quota), until the grant the early refresh
+        brings. Only the class queue evicts to make room."""
         c = req.priority
-        q = self._queues[c]
+        q = (self._awaiting if parked else self._queues)[c]
         deadline = self._queue_deadline(req, now)
         if deadline <= now:
             return self._reject(req, RejectReason.QUEUE_TIMEOUT, "deadline already passed", 1.0)
         if q.size >= q.limit:
-            victim = q.victim_for(req.tenant)
+            victim = None if parked else q.victim_for(req.tenant)
             if victim is None:
                 return self._reject(
                     req, RejectReason.QUEUE_FULL, f"P{int(c)} queue full ({q.limit})", 1.0
@@ -310,7 +301,8 @@ class Stage1Limiter:
             )
         q.push(req, now, deadline)
         self._queued_total += 1
-        self._tenant_slots[req.tenant] = self._tenant_slots.get(req.tenant, 0) + 1
+        if not parked:
+            self._tenant_slots[req.tenant] = self._tenant_slots.get(req.tenant, 0) + 1
         return Queued(request_id=req.request_id, deadline=deadline, priority=c)
 
     def _forget(
