@@ -751,12 +751,12 @@ class KvgatePolicy:
             ) is not None:
                 (best, best_bonus), moved = kept, True
             if self._tail is not None and (
-                (level := self._tail.observe(self._uncached_s(prompt, 0))) < _INF
+                (level := self._tail.observe(full := self._uncached_s(prompt, 0))) < _INF
                 and best.wait + self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb)
                 > level
             ):
                 under = self._under_tail(
-                    loads, cands, matches, open_holders, costs, w_cache, prompt, tpb, level
+                    loads, cands, matches, open_holders, costs, w_cache, prompt, tpb, full, level
                 )
                 if under is not None:
                     (best, best_bonus), moved = under, True
@@ -866,12 +866,14 @@ class KvgatePolicy:
         w_cache: float,
         prompt: int,
         tpb: int,
+        full: float,
         level: float,
     ) -> tuple[_Load, float] | None:
         """The tail guard, once the winner's predicted first token (its wait plus the
         prefill its cache leaves) is past ``level``: the best scored (then the lower
         queue, then the lower slot) of the candidates whose first token is not, open
-        holders with their bonus, non-holders with none; and its bonus. None if none."""
+        holders with their bonus, non-holders with none; and its bonus. None if none.
+        ``full`` is the request's prefill with nothing cached."""
         top: tuple[_Load, float] | None = None
         top_key = (-_INF, 0, 0)
         for load, bonus in open_holders:
@@ -879,7 +881,6 @@ class KvgatePolicy:
                 score = w_cache * bonus - load.penalty - costs.get(load.node_id, 0.0)
                 if (key := (score, -load.queue, -load.slot)) > top_key:
                     top, top_key = (load, bonus), key
-        full = self._uncached_s(prompt, 0)
         for _, q, slot, load in loads.order:
             if load.wait + full <= level and load.state in cands and not matches.get(load.node_id):
                 key = (-load.penalty - costs.get(load.node_id, 0.0), -q, -slot)
