@@ -72,3 +72,36 @@ def test_tally_counts_the_runs_each_check_held() -> None:
     assert summary["runs"] == 3 and summary["all"] == 2
     assert summary["held"]["hit_ratio"] == 2 and summary["held"]["ttft_p99_s"] == 3
     assert "hit_ratio 2/3" in format_tally(summary)
+
+
+def _misses(ttft: int = 0, tpot: int = 0) -> dict[str, int]:
+    return {"ttft": ttft, "tpot": tpot, "both": 0, "not_completed": 0}
+
+
+def test_a_lost_goodput_says_whether_misses_or_the_span_made_it() -> None:
+    ours = _row(1.0, 0.5, 8.68, 0.18) | {"slo_misses": _misses(tpot=124), "span_s": 137.17}
+    theirs = _row(2.0, 0.6, 9.45, 0.17) | {"slo_misses": _misses(ttft=2, tpot=17), "span_s": 137.17}
+    result = ordering(_report(kvgate=ours, dynamo_cost=theirs))
+    assert result is not None
+    check = result["checks"]["goodput_rps"]
+    assert not check["ok"] and check["misses"]["tpot"] == 124
+    assert check["other_misses"] == _misses(ttft=2, tpot=17)
+    text = format_ordering(result)
+    assert "SLO misses: kvgate 124 (tpot 124); dynamo_cost 19 (ttft 2, tpot 17)" in text
+    assert "the span alone" not in text
+
+    # nobody missed anything: the last request's end decided it
+    ours = _row(1.0, 0.5, 35.0, 0.18) | {"slo_misses": _misses(), "span_s": 29.24}
+    theirs = _row(2.0, 0.6, 35.6, 0.17) | {"slo_misses": _misses(), "span_s": 28.74}
+    result = ordering(_report(kvgate=ours, dynamo_cost=theirs))
+    assert result is not None
+    text = format_ordering(result)
+    assert "SLO misses: kvgate 0; dynamo_cost 0; span 29.24 s against 28.74 s" in text
+    assert "(as many misses: the span alone differs)" in text
+
+    # a won goodput, or rows without the parts (an older report), add no line
+    won = ordering(_report(kvgate=ours | {"goodput_rps": 36.0}, dynamo_cost=theirs))
+    assert won is not None and "SLO misses" not in format_ordering(won)
+    bare = ordering(_report(kvgate=_row(1.0, 0.5, 3.0, 0.18), dynamo_cost=_row(2, 0.6, 3.1, 0.1)))
+    assert bare is not None and "misses" not in bare["checks"]["goodput_rps"]
+    assert "SLO misses" not in format_ordering(bare)

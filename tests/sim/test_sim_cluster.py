@@ -14,6 +14,7 @@ from kvgate.core.admission import AdmissionConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.sim.cluster import STALL_S, ClusterConfig, SimCluster
 from kvgate.sim.loop import EventLoop
+from kvgate.sim.report import SLO_MISS_KINDS, Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
 from kvgate.sim.synthetic import multi_turn_chat, shared_prefix_groups
 
@@ -88,8 +89,27 @@ def test_report_has_the_documented_keys() -> None:
         "throughput_rps",
         "output_tokens_per_s",
         "ttft_p90_s",
+        "slo_misses",
     }
     assert keys <= rep["policies"]["kvgate"].keys()  # type: ignore[index]
+
+
+def test_goodput_is_the_requests_that_missed_nothing_over_the_span() -> None:
+    # a TTFT target no first token meets and a TPOT target every decode misses
+    w = gsp(60)
+    for slo, kind in (
+        (Slo(ttft_s=1e-9, tpot_s=10.0), "ttft"),
+        (Slo(ttft_s=60.0, tpot_s=1e-9), "tpot"),
+    ):
+        _, rep = run_policy(w, small_config(), "kvgate", seed=1, slo=slo)
+        misses = rep["slo_misses"]
+        assert isinstance(misses, dict) and set(misses) == set(SLO_MISS_KINDS)
+        assert misses[kind] == 60 and sum(misses.values()) == 60
+        assert rep["goodput_rps"] == 0.0
+    _, rep = run_policy(w, small_config(), "kvgate", seed=1, slo=Slo(ttft_s=60.0, tpot_s=10.0))
+    assert rep["slo_misses"] == dict.fromkeys(SLO_MISS_KINDS, 0)
+    # every request completed and met it: goodput is the throughput
+    assert rep["completed"] == 60 and rep["goodput_rps"] == rep["throughput_rps"]
 
 
 def test_funnel_accounts_for_every_prompt_block() -> None:

@@ -10,7 +10,9 @@ The hit-ratio check also says when the baseline's hit ratio is above the balance
 bound (:mod:`kvgate.sim.balanced_bound`): then no policy within the load limit can
 match it, and the two checks conflict.
 Each check names the policy it is measured against, so a failure says where a
-baseline wins. Pure: report in, JSON-able dict out.
+baseline wins; a goodput check also carries both sides' SLO misses by kind and their
+spans, so a lost goodput says whether the other policy met the SLO more often or only
+finished its last request sooner. Pure: report in, JSON-able dict out.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def ordering(report: Mapping[str, Any], policy: str = "kvgate") -> dict[str, Any
         rival_value = others[rival][key]
         ok = value > rival_value if higher else value < rival_value
         checks[key] = {"value": value, "against": rival, "other": rival_value, "ok": ok}
+        if key == "goodput_rps":
+            checks[key].update(_goodput_parts(ours, others[rival]))
     load = ours["load_max_over_mean"]
     checks["load_max_over_mean"] = {
         "value": load,
@@ -92,6 +96,38 @@ def ordering(report: Mapping[str, Any], policy: str = "kvgate") -> dict[str, Any
     }
 
 
+def _goodput_parts(ours: Mapping[str, Any], rival: Mapping[str, Any]) -> dict[str, Any]:
+    """What a goodput comparison is made of, when the rows say: each side's SLO misses
+    (``slo_misses``) and span (goodput is requests less misses over the span)."""
+    parts: dict[str, Any] = {}
+    if "slo_misses" in ours and "slo_misses" in rival:
+        parts["misses"] = dict(ours["slo_misses"])
+        parts["other_misses"] = dict(rival["slo_misses"])
+    if "span_s" in ours and "span_s" in rival:
+        parts["span_s"], parts["other_span_s"] = ours["span_s"], rival["span_s"]
+    return parts
+
+
+def _why_goodput(policy: str, c: Mapping[str, Any]) -> str | None:
+    """A line saying where a goodput difference comes from: SLO misses (and which part
+    of the SLO they missed) or, when both sides missed as many, the span alone."""
+    if "misses" not in c:
+        return None
+    ours, theirs = c["misses"], c["other_misses"]
+
+    def said(name: str, misses: Mapping[str, int]) -> str:
+        total = sum(misses.values())
+        kinds = ", ".join(f"{k} {n}" for k, n in misses.items() if n)
+        return f"{name} {total}" + (f" ({kinds})" if kinds else "")
+
+    line = f"SLO misses: {said(policy, ours)}; {said(c['against'], theirs)}"
+    if "span_s" in c:
+        line += f"; span {c['span_s']} s against {c['other_span_s']} s"
+        if sum(ours.values()) == sum(theirs.values()):
+            line += " (as many misses: the span alone differs)"
+    return line
+
+
 # decimals shown per check (the table's precision)
 _DECIMALS = {"ttft_p99_s": 3, "ttft_mean_s": 3, "goodput_rps": 3, "load_max_over_mean": 3}
 
@@ -121,6 +157,8 @@ def format_ordering(result: Mapping[str, Any]) -> str:
             rel = ">=" if c["ok"] else "<"
             tail = f"{rel} {c['floor']:.4f} ({POOLED_LRU_SHARE:.0%} of the pooled-LRU bound)"
         lines.append(f"  {mark} {key.removesuffix('_vs_pooled_lru'):<20} {value:>9}  {tail}")
+        if key == "goodput_rps" and not c["ok"] and (why := _why_goodput(policy, c)):
+            lines.append(f"       {'':<20} {'':>9}  {why}")
     return "\n".join(lines)
 
 

@@ -3,7 +3,9 @@
 Definitions follow `vllm bench serve` (research/workloads.md section 4):
 TTFT = arrival to first token; TPOT = (E2E - TTFT) / (output - 1); goodput =
 requests per second that met every SLO, counted against *all* offered requests
-(a rejected or failed request is an SLO miss). Hit ratios are block-weighted
+(a rejected or failed request is an SLO miss), over the run's span (first arrival
+to last end, as ``vllm bench serve`` divides by the benchmark's duration);
+``slo_misses`` says what the others missed. Hit ratios are block-weighted
 like the trace bounds: cached blocks / prompt blocks (the trace's partial last
 block counts in the denominator, as in the pooled-LRU bound).
 
@@ -68,11 +70,27 @@ def tpot(o: RequestOutcome) -> float | None:
 
 
 def meets(o: RequestOutcome, slo: Slo) -> bool:
+    return slo_miss(o, slo) is None
+
+
+# why a request missed the SLO: the keys of a report's ``slo_misses``
+SLO_MISS_KINDS = ("ttft", "tpot", "both", "not_completed")
+
+
+def slo_miss(o: RequestOutcome, slo: Slo) -> str | None:
+    """None when ``o`` met ``slo``; else which part it missed (one of SLO_MISS_KINDS):
+    a rejected or failed request is ``not_completed``."""
     t = ttft(o)
-    if t is None or t > slo.ttft_s:
-        return False
+    if t is None:
+        return "not_completed"
     p = tpot(o)
-    return p is None or p <= slo.tpot_s
+    late = t > slo.ttft_s
+    slow = p is not None and p > slo.tpot_s
+    if late and slow:
+        return "both"
+    if late:
+        return "ttft"
+    return "tpot" if slow else None
 
 
 def latency_summary(outcomes: Iterable[RequestOutcome]) -> dict[str, float]:
@@ -138,6 +156,7 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
     by_tenant = {t: latency_summary(tenants[t]) for t in sorted(tenants)}
 
     out_tokens = sum(o.output_tokens for o in done)
+    misses = Counter(kind for o in outs if (kind := slo_miss(o, slo)) is not None)
     return {
         "completed": len(done),
         "rejected": sum(1 for o in outs if o.status == "rejected"),
@@ -152,9 +171,12 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
         "e2e_p99_s": _r(pct(e2es, 0.99)),
         "throughput_rps": _r(len(done) / span),
         "output_tokens_per_s": _r(out_tokens / span, 1),
-        "goodput_rps": _r(sum(1 for o in outs if meets(o, slo)) / span),
+        "goodput_rps": _r((len(outs) - misses.total()) / span),
         "goodput_strict_rps": _r(sum(1 for o in outs if meets(o, STRICT_SLO)) / span),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        # the offered requests that missed the SLO, by what they missed: goodput is
+        # (requests - these) / span_s
+        "slo_misses": {kind: misses[kind] for kind in SLO_MISS_KINDS},
         "hit_ratio": _r(sum(hit_blocks.values()) / total_blocks) if total_blocks else 0.0,
         "hit_ratio_by_bucket": by_bucket,
         "cache_loss_funnel": dict(sorted(cluster.funnel.items())),
