@@ -53,7 +53,7 @@ from kvgate.engine.node_admission import (
     can_enter_scheduler,
     decide_admission,
 )
-from kvgate.engine.profiles import DEFAULT_PROFILE, PROFILES, EngineProfile, step_time
+from kvgate.engine.profiles import DEFAULT_PROFILE, PROFILES, EngineProfile, step_time_of_sums
 from kvgate.engine.scheduler import Plan, Scheduler
 from kvgate.engine.sequence import ReqStatus, SeqState
 
@@ -176,36 +176,44 @@ class SimEngine:
         return self._update(plan, now, duration)
 
     def _duration(self, plan: Plan) -> float:
-        prefills: list[tuple[int, int]] = []
-        decodes: list[int] = []
+        # step_time's sums in one pass over the plan (once per step: no lists)
+        num_tokens = 0
+        pairs = 0.0
+        ctx_total = 0
         for chunk in plan.chunks.values():
             if chunk.is_decode:
-                decodes.append(chunk.num_computed + 1)  # context incl. the fed-in token
+                num_tokens += 1
+                ctx_total += chunk.num_computed + 1  # context incl. the fed-in token
             else:
-                prefills.append((chunk.num_new, chunk.num_computed))
-        return step_time(self.profile, prefills, decodes) * self._faults.slow_factor
+                q = chunk.num_new
+                num_tokens += q
+                pairs += q * (chunk.num_computed + q / 2)
+        duration = step_time_of_sums(self.profile, num_tokens, pairs, ctx_total)
+        return duration * self._faults.slow_factor
 
     def _update(self, plan: Plan, now: float, duration: float) -> StepOutput:
         first: list[str] = []
         tokens: dict[str, int] = {}
         finished: list[FinishedRequest] = []
         num_prefill = num_decode = 0
+        # once per scheduled sequence per step: the simulator's hottest loop
         for chunk in plan.chunks.values():
             seq = chunk.seq
             if chunk.is_decode:
                 num_decode += 1
             else:
                 num_prefill += chunk.num_new
-            seq.num_computed_tokens += chunk.num_new
-            if seq.num_computed_tokens < seq.num_tokens:
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + chunk.num_new
+            if computed < seq.num_tokens:
                 continue  # a prefill chunk that is not the last one
-            seq.append_token()
-            tokens[seq.request_id] = 1
-            self._num_generation_tokens += 1
-            if seq.num_output_tokens == 1:
-                first.append(seq.request_id)
-                self._num_prompt_tokens += seq.request.prompt_tokens
-            if seq.num_output_tokens >= seq.request.max_tokens:
+            seq.num_tokens += 1  # one sampled token: known and output tokens both grow
+            out = seq.num_output_tokens = seq.num_output_tokens + 1
+            request = seq.request
+            tokens[request.request_id] = 1
+            if out == 1:
+                first.append(request.request_id)
+                self._num_prompt_tokens += request.prompt_tokens
+            if out >= request.max_tokens:
                 self._sched.finish(seq)
                 del self._seqs[seq.request_id]
                 self._num_finished += 1
@@ -218,6 +226,7 @@ class SimEngine:
                         num_preemptions=seq.num_preemptions,
                     )
                 )
+        self._num_generation_tokens += len(tokens)  # one per sequence that sampled
         return StepOutput(
             start=now,
             duration_s=duration,

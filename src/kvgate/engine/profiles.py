@@ -138,9 +138,17 @@ def step_time(
             raise ValueError(f"negative decode context {ctx}")
         num_decodes += 1
         ctx_total += ctx
+    return step_time_of_sums(profile, num_tokens + num_decodes, pairs, ctx_total)
+
+
+def step_time_of_sums(
+    profile: EngineProfile, num_tokens: int, pairs: float, ctx_total: int
+) -> float:
+    """:func:`step_time` from its sums: N (prefill tokens plus decodes), the prefill
+    chunks' sum of q*(h + q/2) (added in chunk order) and the decodes' contexts."""
     return (
         profile.t0_s
-        + profile.a_s_per_token * (num_tokens + num_decodes)
+        + profile.a_s_per_token * num_tokens
         + profile.c_s_per_pair * pairs
         + profile.k_s_per_ctx_token * ctx_total
     )

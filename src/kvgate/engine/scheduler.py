@@ -88,22 +88,33 @@ class Scheduler:
         plan = Plan()
         limit = self.profile.max_num_batched_tokens
         block_size = self.pool.block_size
+        running_status = ReqStatus.RUNNING
         decoding: list[SeqState] = []
         prefilling: list[SeqState] = []
         for seq in self.running:
-            (decoding if _is_decoding(seq) else prefilling).append(seq)
+            # decoding: it has sampled a token and only that token is not in KV yet
+            if seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1:
+                decoding.append(seq)
+            else:
+                prefilling.append(seq)
+        # The loop below runs once per running sequence per step: the simulator's
+        # hottest code, so Plan.add is inlined.
+        chunks = plan.chunks
         for is_decode, group in ((True, decoding), (False, prefilling)):
             for seq in group:
-                if seq.status is not ReqStatus.RUNNING:
+                if seq.status is not running_status:
                     continue  # preempted earlier in this loop
                 budget = limit - plan.num_tokens
                 if budget <= 0:
                     break
                 num_computed = seq.num_computed_tokens
-                num_new = min(seq.num_tokens - num_computed, budget)
+                num_new = seq.num_tokens - num_computed
+                if num_new > budget:
+                    num_new = budget
                 fits = num_computed + num_new <= len(seq.blocks) * block_size
                 if fits or self._grow(seq, num_new, plan):
-                    plan.add(ScheduledChunk(seq, num_new, num_computed, is_decode))
+                    chunks[seq] = ScheduledChunk(seq, num_new, num_computed, is_decode)
+                    plan.num_tokens += num_new
         if not plan.preempted:
             self._admit_waiting(plan, limit)
         return plan
@@ -210,10 +221,6 @@ class Scheduler:
         seq.blocks = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
-
-
-def _is_decoding(seq: SeqState) -> bool:
-    return seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:

@@ -109,11 +109,6 @@ class SeqState:
     def request_id(self) -> str:
         return self.request.request_id
 
-    def append_token(self) -> None:
-        """Record one sampled output token."""
-        self.num_output_tokens += 1
-        self.num_tokens += 1
-
     @property
     def sort_key(self) -> tuple[int, float, int]:
         """Order under the "priority" policy: (priority, arrival, submission)."""

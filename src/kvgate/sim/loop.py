@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 
-@dataclass(order=True, slots=True)
 class _Entry:
-    at: float
-    seq: int
-    fn: Callable[[], None] = field(compare=False)
-    cancelled: bool = field(default=False, compare=False)
+    """A scheduled callback; the heap orders ``(at, seq, entry)`` tuples, so ordering
+    is a C-level tuple comparison that never reaches the entry (``seq`` is unique)."""
+
+    __slots__ = ("at", "cancelled", "fn")
+
+    def __init__(self, at: float, fn: Callable[[], None]) -> None:
+        self.at = at
+        self.fn = fn
+        self.cancelled = False
 
 
 class Timer:
@@ -39,7 +42,7 @@ class Timer:
 
 class EventLoop:
     def __init__(self) -> None:
-        self._heap: list[_Entry] = []
+        self._heap: list[tuple[float, int, _Entry]] = []
         self._seq = 0
         self.now = 0.0
         self.events_run = 0
@@ -47,8 +50,8 @@ class EventLoop:
     def at(self, when: float, fn: Callable[[], None]) -> Timer:
         """Run ``fn`` at virtual time ``when`` (never in the past)."""
         self._seq += 1
-        entry = _Entry(max(when, self.now), self._seq, fn)
-        heapq.heappush(self._heap, entry)
+        entry = _Entry(max(when, self.now), fn)
+        heapq.heappush(self._heap, (entry.at, self._seq, entry))
         return Timer(entry)
 
     def after(self, delay: float, fn: Callable[[], None]) -> Timer:
@@ -56,17 +59,18 @@ class EventLoop:
 
     def run(self, until: float | None = None) -> None:
         heap = self._heap
+        pop = heapq.heappop
         while heap:
-            entry = heap[0]
-            if until is not None and entry.at > until:
+            at, _, entry = heap[0]
+            if until is not None and at > until:
                 self.now = until
                 return
-            heapq.heappop(heap)
+            pop(heap)
             if entry.cancelled:
                 continue
-            self.now = entry.at
+            self.now = at
             self.events_run += 1
             entry.fn()
 
     def pending(self) -> int:
-        return sum(1 for e in self._heap if not e.cancelled)
+        return sum(1 for _, _, e in self._heap if not e.cancelled)
