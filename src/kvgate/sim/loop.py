@@ -12,9 +12,10 @@ import heapq
 from collections.abc import Callable
 
 
-class _Entry:
-    """A scheduled callback; the heap orders ``(at, seq, entry)`` tuples, so ordering
-    is a C-level tuple comparison that never reaches the entry (``seq`` is unique)."""
+class Timer:
+    """A scheduled callback, and the handle to cancel it. The heap orders ``(at, seq,
+    timer)`` tuples, so ordering is a C-level tuple comparison that never reaches the
+    timer (``seq`` is unique)."""
 
     __slots__ = ("at", "cancelled", "fn")
 
@@ -23,26 +24,13 @@ class _Entry:
         self.fn = fn
         self.cancelled = False
 
-
-class Timer:
-    """A handle to cancel a scheduled callback."""
-
-    __slots__ = ("_entry",)
-
-    def __init__(self, entry: _Entry) -> None:
-        self._entry = entry
-
     def cancel(self) -> None:
-        self._entry.cancelled = True
-
-    @property
-    def at(self) -> float:
-        return self._entry.at
+        self.cancelled = True
 
 
 class EventLoop:
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, _Entry]] = []
+        self._heap: list[tuple[float, int, Timer]] = []
         self._seq = 0
         self.now = 0.0
         self.events_run = 0
@@ -50,9 +38,9 @@ class EventLoop:
     def at(self, when: float, fn: Callable[[], None]) -> Timer:
         """Run ``fn`` at virtual time ``when`` (never in the past)."""
         self._seq += 1
-        entry = _Entry(max(when, self.now), fn)
-        heapq.heappush(self._heap, (entry.at, self._seq, entry))
-        return Timer(entry)
+        timer = Timer(max(when, self.now), fn)
+        heapq.heappush(self._heap, (timer.at, self._seq, timer))
+        return timer
 
     def after(self, delay: float, fn: Callable[[], None]) -> Timer:
         return self.at(self.now + delay, fn)
@@ -61,16 +49,16 @@ class EventLoop:
         heap = self._heap
         pop = heapq.heappop
         while heap:
-            at, _, entry = heap[0]
+            at, _, timer = heap[0]
             if until is not None and at > until:
                 self.now = until
                 return
             pop(heap)
-            if entry.cancelled:
+            if timer.cancelled:
                 continue
             self.now = at
             self.events_run += 1
-            entry.fn()
+            timer.fn()
 
     def pending(self) -> int:
-        return sum(1 for _, _, e in self._heap if not e.cancelled)
+        return sum(1 for _, _, t in self._heap if not t.cancelled)
