@@ -33,6 +33,8 @@ api.py), and `self._seqs` holds exactly the requests that have none yet.
 
 from __future__ import annotations
 
+from itertools import chain, repeat
+
 from kvgate.engine.api import (
     EngineConfig,
     EngineMetrics,
@@ -169,25 +171,23 @@ class SimEngine:
         self._evictor.poll(now)
         self._refresh_queue(now)
         plan = self._sched.schedule()
-        if not plan.chunks:
+        if not plan:
             return self._timer_only_output(now, plan)
         self._sched.commit(plan)
         duration = self._duration(plan)
         return self._update(plan, now, duration)
 
     def _duration(self, plan: Plan) -> float:
-        # step_time's sums in one pass over the plan (once per step: no lists)
-        num_tokens = 0
+        # step_time's sums, before the step is applied (once per step: no lists)
+        decodes = plan.decodes
+        num_tokens = len(decodes)
+        # each decode's context: what is in KV plus the fed-in token
+        ctx_total = sum(seq.num_computed_tokens for seq in decodes) + num_tokens
         pairs = 0.0
-        ctx_total = 0
         for chunk in plan.chunks.values():
-            if chunk.is_decode:
-                num_tokens += 1
-                ctx_total += chunk.num_computed + 1  # context incl. the fed-in token
-            else:
-                q = chunk.num_new
-                num_tokens += q
-                pairs += q * (chunk.num_computed + q / 2)
+            q = chunk.num_new
+            num_tokens += q
+            pairs += q * (chunk.num_computed + q / 2)
         duration = step_time_of_sums(self.profile, num_tokens, pairs, ctx_total)
         return duration * self._faults.slow_factor
 
@@ -195,15 +195,13 @@ class SimEngine:
         first: list[str] = []
         tokens: dict[str, int] = {}
         finished: list[FinishedRequest] = []
-        num_prefill = num_decode = 0
-        # once per scheduled sequence per step: the simulator's hottest loop
-        for chunk in plan.chunks.values():
-            seq = chunk.seq
-            if chunk.is_decode:
-                num_decode += 1
-            else:
-                num_prefill += chunk.num_new
-            computed = seq.num_computed_tokens = seq.num_computed_tokens + chunk.num_new
+        # once per scheduled sequence per step: the simulator's hottest loop. Decodes
+        # first (each computes its last known token and samples), then prefill chunks.
+        scheduled = chain(
+            zip(plan.decodes, repeat(1)), ((c.seq, c.num_new) for c in plan.chunks.values())
+        )
+        for seq, num_new in scheduled:
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + num_new
             if computed < seq.num_tokens:
                 continue  # a prefill chunk that is not the last one
             seq.num_tokens += 1  # one sampled token: known and output tokens both grow
@@ -235,12 +233,12 @@ class SimEngine:
             finished=tuple(finished),
             rejected=self._take_expired(),
             preempted=tuple(s.request_id for s in plan.preempted),
-            num_prefill_tokens=num_prefill,
-            num_decode_seqs=num_decode,
+            num_prefill_tokens=sum(c.num_new for c in plan.chunks.values()),
+            num_decode_seqs=len(plan.decodes),
         )
 
     def _timer_only_output(self, now: float, plan: Plan | None = None) -> StepOutput | None:
-        preempted = tuple(s.request_id for s in plan.preempted) if plan else ()
+        preempted = tuple(s.request_id for s in plan.preempted) if plan is not None else ()
         if not self._expired and not preempted:
             return None
         return StepOutput(

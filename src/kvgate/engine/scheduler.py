@@ -44,21 +44,27 @@ __all__ = ["Plan", "ScheduledChunk", "Scheduler"]
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """Tokens of one sequence computed in this step."""
+    """Prompt (or recompute) tokens of one sequence computed in this step."""
 
     seq: SeqState
     num_new: int
     num_computed: int  # tokens already in KV before this chunk (h of the cost model)
-    is_decode: bool
 
 
 @dataclass(slots=True)
 class Plan:
-    """One step's decision: chunks in scheduling order, and the victims."""
+    """One step's decision, in scheduling order: the decoding sequences (one token
+    each; their context is ``num_computed_tokens`` until the step is applied), then
+    the prefill chunks; and the victims. Decodes are a plain list because a step
+    schedules every running decode: the simulator's hottest data."""
 
+    decodes: list[SeqState] = field(default_factory=list)
     chunks: dict[SeqState, ScheduledChunk] = field(default_factory=dict)
     preempted: list[SeqState] = field(default_factory=list)
     num_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.chunks)
 
     def add(self, chunk: ScheduledChunk) -> None:
         self.chunks[chunk.seq] = chunk
@@ -68,6 +74,9 @@ class Plan:
         chunk = self.chunks.pop(seq, None)
         if chunk is not None:
             self.num_tokens -= chunk.num_new
+        elif seq in self.decodes:  # rare: a victim of preemption
+            self.decodes.remove(seq)
+            self.num_tokens -= 1
 
 
 class Scheduler:
@@ -97,24 +106,28 @@ class Scheduler:
                 decoding.append(seq)
             else:
                 prefilling.append(seq)
-        # The loop below runs once per running sequence per step: the simulator's
-        # hottest code, so Plan.add is inlined.
-        chunks = plan.chunks
-        for is_decode, group in ((True, decoding), (False, prefilling)):
-            for seq in group:
-                if seq.status is not running_status:
-                    continue  # preempted earlier in this loop
-                budget = limit - plan.num_tokens
-                if budget <= 0:
-                    break
-                num_computed = seq.num_computed_tokens
-                num_new = seq.num_tokens - num_computed
-                if num_new > budget:
-                    num_new = budget
-                fits = num_computed + num_new <= len(seq.blocks) * block_size
-                if fits or self._grow(seq, num_new, plan):
-                    chunks[seq] = ScheduledChunk(seq, num_new, num_computed, is_decode)
-                    plan.num_tokens += num_new
+        # The loops below run once per running sequence per step: the simulator's
+        # hottest code.
+        decodes = plan.decodes
+        for seq in decoding:
+            if seq.status is not running_status:
+                continue  # preempted earlier in this loop
+            if plan.num_tokens >= limit:
+                break
+            if seq.num_tokens <= len(seq.blocks) * block_size or self._grow(seq, 1, plan):
+                decodes.append(seq)
+                plan.num_tokens += 1
+        for seq in prefilling:
+            if seq.status is not running_status:
+                continue  # preempted earlier in this loop
+            budget = limit - plan.num_tokens
+            if budget <= 0:
+                break
+            num_computed = seq.num_computed_tokens
+            num_new = min(seq.num_tokens - num_computed, budget)
+            fits = num_computed + num_new <= len(seq.blocks) * block_size
+            if fits or self._grow(seq, num_new, plan):
+                plan.add(ScheduledChunk(seq, num_new, num_computed))
         if not plan.preempted:
             self._admit_waiting(plan, limit)
         return plan
@@ -149,7 +162,7 @@ class Scheduler:
             self.running.append(seq)
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_computed
-            plan.add(ScheduledChunk(seq, num_new, num_computed, False))
+            plan.add(ScheduledChunk(seq, num_new, num_computed))
 
     def _grow(self, seq: SeqState, num_new: int, plan: Plan) -> bool:
         """Give a running sequence room for `num_new` more tokens, preempting if needed."""
@@ -188,9 +201,11 @@ class Scheduler:
     def commit(self, plan: Plan) -> None:
         """Cache the blocks the final plan fills, emitting `BlockStored`."""
         block_size = self.pool.block_size
-        for chunk in plan.chunks.values():
-            seq = chunk.seq
-            num_full = (chunk.num_computed + chunk.num_new) // block_size
+        # decodes first (one token on top of what is in KV), then prefill chunks
+        filled = [(seq, seq.num_computed_tokens + 1) for seq in plan.decodes]
+        filled += [(c.seq, c.num_computed + c.num_new) for c in plan.chunks.values()]
+        for seq, num_in_kv in filled:
+            num_full = num_in_kv // block_size
             first = seq.num_cached_blocks
             if num_full <= first:
                 continue
