@@ -276,7 +276,7 @@ def test_funnel_evicted_counts_only_blocks_a_node_had_cached() -> None:
     )
 
     def evict_all(c: SimCluster) -> None:
-        c.nodes[0].engine.bulk_evict(1.0, c.loop.now)
+        c.bulk_evict(0, 1.0)
 
     cfg = small_config(nodes=1, eviction=EvictionConfig(announce_lead_s=None))
     cluster = SimCluster(cfg, w, rng=SeededRng(1))

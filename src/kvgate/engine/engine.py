@@ -44,6 +44,7 @@ from kvgate.engine.api import (
     StepOutput,
 )
 from kvgate.engine.block_pool import BlockPool
+from kvgate.engine.decode_run import DecodeRun, plan_run
 from kvgate.engine.eviction import BulkEvictor
 from kvgate.engine.faults import FaultState
 from kvgate.engine.kv_events import KvEvent
@@ -84,6 +85,7 @@ class SimEngine:
         self._num_aborted = 0
         self._num_rejected = 0
         self._num_failed = 0
+        self._run: DecodeRun | None = None  # the decode run in progress (run_decodes)
 
     # ------------------------------------------------------------ admission
     def submit(self, req: EngineRequest, now: float) -> NodeAdmission:
@@ -166,6 +168,7 @@ class SimEngine:
     # ----------------------------------------------------------------- step
     def step(self, now: float) -> StepOutput | None:
         """Run one iteration starting at `now`; None when there is nothing to do."""
+        self._run = None
         if self._faults.crashed:
             return self._timer_only_output(now)
         self._evictor.poll(now)
@@ -176,6 +179,76 @@ class SimEngine:
         self._sched.commit(plan)
         duration = self._duration(plan)
         return self._update(plan, now, duration)
+
+    def run_decodes(self, now: float) -> StepOutput | None:
+        """Run at once the decode-only steps that ``step()`` would run back to back
+        from ``now`` if nothing came in (decode_run.py): every running sequence
+        decodes, nothing waits or is queued, no eviction batch is pending; the run
+        stops before a sequence would finish, fill a block or need one. None when
+        fewer than two steps qualify: call ``step()``.
+
+        The output reads as the steps' sum: ``tokens`` maps each request to the
+        tokens it decoded, ``num_decode_seqs`` counts sequence-steps, and ``start``
+        and ``duration_s`` are the last step's, so ``end`` is the float the steps one
+        by one end at. Before anything reaches the engine during the run (a submit,
+        an abort, a fault), call ``settle(now)``. For simulators; a server streaming
+        tokens calls ``step()``."""
+        self._run = None
+        if (
+            self._faults.crashed
+            or len(self._sched.waiting)
+            or len(self._queue)
+            or self._expired
+            or self._evictor.next_due() is not None
+        ):
+            return None
+        run = plan_run(
+            self._sched.running,
+            now=now,
+            profile=self.profile,
+            block_size=self.pool.block_size,
+            slow_factor=self._faults.slow_factor,
+        )
+        if run is None:
+            return None
+        self._advance(run.seqs, run.steps)
+        self._run = run
+        return self._run_output(run)
+
+    def settle(self, now: float) -> StepOutput | None:
+        """Take back the steps of the decode run in progress that have not started by
+        ``now``; the run's new output when some were, else None (nothing changed)."""
+        run = self._run
+        if run is None:
+            return None
+        dropped = run.cut(now)
+        if not dropped:
+            return None
+        self._advance(run.seqs, -dropped)
+        return self._run_output(run)
+
+    @property
+    def decode_run(self) -> DecodeRun | None:
+        """The decode run in progress, if the last step call was a run."""
+        return self._run
+
+    def _advance(self, seqs: list[SeqState], steps: int) -> None:
+        """Apply (or, negative, take back) ``steps`` decode steps of ``seqs``."""
+        for seq in seqs:
+            seq.num_computed_tokens += steps
+            seq.num_tokens += steps
+            seq.num_output_tokens += steps
+        self._num_generation_tokens += len(seqs) * steps
+
+    @staticmethod
+    def _run_output(run: DecodeRun) -> StepOutput:
+        steps = run.steps
+        return StepOutput(
+            start=run.starts[-1],
+            duration_s=run.durations[-1],
+            tokens={seq.request.request_id: steps for seq in run.seqs},
+            num_decode_seqs=len(run.seqs) * steps,
+        )
 
     def _duration(self, plan: Plan) -> float:
         # step_time's sums, before the step is applied (once per step: no lists)

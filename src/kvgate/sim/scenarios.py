@@ -169,7 +169,7 @@ def mass_eviction(
 
     def evict(c: SimCluster) -> None:
         node = max(c.nodes, key=lambda n: (n.engine.pool.num_cached_blocks, -n.index))
-        node.engine.bulk_evict(0.9, c.loop.now, "memory-pressure purge")
+        c.bulk_evict(node.index, 0.9, "memory-pressure purge")
         c._kick(node)
 
     ev = config.eviction if announce else replace(config.eviction, announce_lead_s=None)
