@@ -10,7 +10,8 @@ from kvgate.core.errors import ConfigError
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
 from kvgate.core.routing.base import RouteContext, RouteReason
-from kvgate.core.routing.kvgate import KvgatePolicy, _TailLevel
+from kvgate.core.routing.kvgate import KvgatePolicy
+from kvgate.core.routing.kvgate_memory import CacheValue, TailLevel
 
 NOW = 10.0
 
@@ -598,18 +599,16 @@ def test_ttft_form_can_weigh_the_decode_batch_contexts() -> None:
 
 
 def test_cache_value_decays_and_forgets() -> None:
-    from kvgate.core.routing.kvgate import _CacheValue
-
-    v = _CacheValue(tau_s=10.0)
+    v = CacheValue(tau_s=10.0)
     v.add(NodeId("a"), 5.0, now=0.0)
     assert v.rate(NodeId("a"), 0.0) == pytest.approx(0.5)
     assert v.rate(NodeId("a"), 10.0) == pytest.approx(0.5 / 2.718281828, rel=1e-6)
     assert v.rate(NodeId("a"), -1.0) == pytest.approx(0.5)  # time moving back: no growth
     v.add(NodeId("a"), 5.0, now=10.0)
     assert v.rate(NodeId("a"), 10.0) == pytest.approx(0.5 / 2.718281828 + 0.5, rel=1e-6)
-    for i in range(_CacheValue._MAX_NODES + 1):  # bounded: decayed entries are dropped
+    for i in range(CacheValue._MAX_NODES + 1):  # bounded: decayed entries are dropped
         v.add(NodeId(f"n{i}"), 1.0, now=float(i))
-    assert len(v._saved) <= _CacheValue._MAX_NODES + 1
+    assert len(v._saved) <= CacheValue._MAX_NODES + 1
 
 
 def test_ttft_form_counts_attention_work_of_long_prompts() -> None:
@@ -639,7 +638,7 @@ GUARD_KW: dict[str, float] = {
 
 
 def test_tail_level_is_the_quantile_of_the_last_window() -> None:
-    level = _TailLevel(quantile=0.5, window=4)
+    level = TailLevel(quantile=0.5, window=4)
     # fewer than a window seen: no tail yet
     assert [level.observe(s) for s in (4.0, 1.0, 3.0, 2.0)] == [float("inf")] * 4
     assert level.observe(0.5) == 3.0  # of 1, 2, 3, 4; then 4.0, the oldest, leaves

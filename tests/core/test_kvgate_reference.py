@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
-from kvgate.core.routing.kvgate import KvgatePolicy, drain_clock
+from kvgate.core.routing.kvgate import KvgatePolicy
+from kvgate.core.routing.kvgate_loads import drain_clock
 
 NAMES = [NodeId(f"n{i}") for i in range(8)]
 

@@ -204,27 +204,26 @@ the same decisions whatever the cluster state.
 
 Cost
 ----
-Routing runs per request over every candidate, so the load part of the score is
-kept per node (:class:`_LoadScores`) in best-first order and recomputed only for
-nodes whose load changed (the node table's load journal), for nodes with prefill
-queued when the drain clock ticks, when a fresh report
-may have gone stale (``now`` passed the oldest fresh report's bound), or on a
-membership change. Per request, only the holders (the nodes in ``matches``,
-usually a few) are scored in Python; the best non-holder is the first candidate
-non-holder in that order. Replication and exploration targets are looked for
-only when those branches can fire, and so are the tail guard's (every candidate,
-for a request whose choice is past the level: about one in a hundred); its level
-costs an insertion into a sorted list of ``tail_window`` entries per request.
-Decisions are the same as scoring every candidate in one loop
+Routing runs per request over every candidate, so the load part of the score is kept
+per node in best-first order (:mod:`kvgate.core.routing.kvgate_loads`) and
+recomputed only for nodes whose load changed (the node table's load journal), for
+nodes with prefill queued when the drain clock ticks, when a fresh report may have
+gone stale (``now`` passed the oldest fresh report's bound), or on a membership
+change. What the policy remembers across requests (each node's cache value, the tail
+level) is in :mod:`kvgate.core.routing.kvgate_memory`. Per request, only the holders
+(the nodes in ``matches``, usually a few) are scored in Python; the best non-holder
+is the first candidate non-holder in that order. Replication and exploration targets
+are looked for only when those branches can fire, and so are the tail guard's (every
+candidate, for a request whose choice is past the level: about one in a hundred);
+its level costs an insertion into a sorted list of ``tail_window`` entries per
+request. Decisions are the same as scoring every candidate in one loop
 (tests/core/test_kvgate_reference.py checks this).
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from kvgate.core.errors import ConfigError
@@ -232,258 +231,10 @@ from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeState, NodeTable
 from kvgate.core.rng import Rng
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
+from kvgate.core.routing.kvgate_loads import PRESSURE_UTIL, Load, LoadScores
+from kvgate.core.routing.kvgate_memory import CacheValue, TailLevel
 
 _INF = float("inf")
-
-# (w_load, max_queue, util_weight, stale_after_s, ttft form?, prefill tokens/s,
-# kv_pressure_s, decode_s, attention_s_per_pair, decode_s_per_context_token): what the
-# scores were computed with
-_Params = tuple[float, int, float, float, bool, float, float, float, float, float]
-
-# More load changes than this since the last request: rescore every node instead.
-_MAX_INCREMENTAL = 16
-# The prefill a node has already done is counted on a clock of this resolution, so the
-# scores of busy nodes move at most this often however many requests arrive.
-DRAIN_TICK_S = 0.01
-# KV utilisation above which a node risks preemptions: the KV-pressure term grows from
-# here, and the affinity slack does not hold requests on such a holder.
-PRESSURE_UTIL = 0.8
-
-
-def drain_clock(now: float) -> float:
-    """``now`` rounded down to the drain clock's tick."""
-    return (now // DRAIN_TICK_S) * DRAIN_TICK_S
-
-
-class _Load:
-    """One node's load terms at the time they were computed."""
-
-    __slots__ = (
-        "moving", "node_id", "penalty", "queue", "rank", "score", "slot", "state", "util",
-        "wait",
-    )
-
-    def __init__(
-        self, state: NodeState, queue: int, util: float, params: _Params, clock: float
-    ) -> None:
-        w_load, max_queue, util_weight, _, ttft, rate, kv_pressure_s, decode_s, attn, ctx_s = params
-        self.state = state
-        self.node_id = state.spec.node_id
-        self.slot = state.slot
-        self.queue = queue
-        self.util = util
-        self.moving = False  # the penalty changes as the drain clock moves
-        self.wait = 0.0  # predicted seconds before a newcomer's prefill starts (ttft form)
-        if ttft:
-            # seconds of prefill queued here (as the node works through it), plus a
-            # KV-pressure term that grows from 0 at 80 % utilisation to kv_pressure_s
-            # when full (preemptions)
-            prefill = state.pending_prefill_tokens / rate + state.pending_prefill_pairs * attn
-            if prefill > 0.0:
-                self.moving = True
-                elapsed = clock - state.prefill_since
-                if elapsed > 0.0:
-                    head_tokens, head_pairs = state.head_prefill
-                    head = head_tokens / rate + head_pairs * attn
-                    if elapsed <= head:
-                        prefill -= elapsed  # done of the head so far
-                    else:  # overdue: the head is larger than predicted, so is what is left
-                        prefill += elapsed - 2.0 * head
-            self.wait = prefill
-            self.penalty = (
-                prefill
-                + decode_s * util
-                + kv_pressure_s * max(0.0, (util - PRESSURE_UTIL) * 5.0)  # 0 at 80 %, 1 full
-                + ctx_s * state.inflight_context_tokens  # the decode batch's contexts
-            )
-        else:
-            self.penalty = min(queue / max_queue, 1.0) + util_weight * util
-        # the score of a node that matches nothing (the ttft form has no weights)
-        self.score = -(1.0 if ttft else w_load) * self.penalty
-        # Sorted ascending, ranks run from the best non-holder to the worst under the
-        # policy's tie-break (higher score, then lower queue, then lower slot). Slots
-        # are unique in a table, so comparisons never reach the _Load.
-        self.rank = (-self.score, queue, state.slot, self)
-
-
-class _LoadScores:
-    """The load terms of every node of one :class:`NodeTable`, kept best first.
-
-    Valid for any ``now`` from the latest one it was computed at until the oldest
-    fresh report becomes stale: ``now - report_time`` only grows with ``now``, so a
-    stale node stays stale, and no fresh node turns stale before the oldest one.
-    """
-
-    __slots__ = (
-        "by_id",
-        "clock",
-        "draining",
-        "load_seq",
-        "now",
-        "oldest_fresh",
-        "order",
-        "params",
-        "pool",
-        "pool_list",
-        "pool_set",
-        "states",
-        "table",
-        "version",
-    )
-
-    def __init__(self) -> None:
-        self.table: NodeTable | None = None
-        self.version = -1
-        self.load_seq = -1
-        self.params: _Params | None = None
-        self.now = -_INF
-        self.clock = -_INF  # the drain clock the penalties were computed at
-        self.oldest_fresh = _INF  # the oldest report_time among fresh nodes
-        # the scored nodes whose penalty moves with the drain clock (prefill queued)
-        self.draining: dict[NodeId, NodeState] = {}
-        self.by_id: dict[NodeId, _Load] = {}
-        self.states: frozenset[NodeState] = frozenset()  # every scored state
-        self.order: list[tuple[float, int, int, _Load]] = []  # the ranks, ascending
-        # the table's eligible pool last seen, as a list and as a set
-        self.pool: tuple[NodeState, ...] | None = None
-        self.pool_list: list[NodeState] = []
-        self.pool_set: frozenset[NodeState] = frozenset()
-
-    def sync(self, nodes: NodeTable, now: float, params: _Params) -> None:
-        """Bring the scores up to date for ``now``."""
-        if (
-            nodes is not self.table
-            or nodes.version != self.version
-            or params != self.params
-            or now < self.now
-            or now - self.oldest_fresh > params[3]
-        ):
-            self.rebuild(nodes, nodes, now, params)
-            return
-        if nodes.load_seq != self.load_seq:
-            changed = nodes.load_changes_since(self.load_seq)
-            if changed is None or len(changed) > _MAX_INCREMENTAL:
-                self.rebuild(nodes, nodes, now, params)
-                return
-        else:
-            changed = []
-        clock = drain_clock(now)
-        if clock != self.clock:
-            self.clock = clock
-            for state in list(self.draining.values()):  # busy nodes got on with their prefill
-                self._update(nodes, state, now, params)
-        if changed:
-            for state in dict.fromkeys(changed):  # a node may appear many times
-                self._update(nodes, state, now, params)
-            self.load_seq = nodes.load_seq
-        self.now = now
-
-    def rebuild(
-        self, nodes: NodeTable, states: Iterable[NodeState], now: float, params: _Params
-    ) -> None:
-        """Score ``states`` (the table's nodes, or foreign candidates) from scratch."""
-        self.table = nodes if states is nodes else None
-        self.version = nodes.version
-        self.load_seq = nodes.load_seq
-        self.params = params
-        self.now = now
-        self.clock = drain_clock(now)
-        self.oldest_fresh = _INF
-        self.draining = {}
-        self.by_id = {s.spec.node_id: self._load(nodes, s, now, params) for s in states}
-        self.states = frozenset(load.state for load in self.by_id.values())
-        self.order = sorted(load.rank for load in self.by_id.values())
-
-    def candidate_set(self, nodes: NodeTable, model: str) -> frozenset[NodeState]:
-        """The set of the table's eligible nodes for ``model``, kept while it is the same."""
-        pool = nodes.eligible(model)[0]
-        if pool is not self.pool:
-            self.pool, self.pool_list, self.pool_set = pool, list(pool), frozenset(pool)
-        return self.pool_set
-
-    def _load(self, nodes: NodeTable, state: NodeState, now: float, params: _Params) -> _Load:
-        if not nodes.is_stale(state, now):
-            rt = state.report_time
-            assert rt is not None
-            self.oldest_fresh = min(self.oldest_fresh, rt)
-        clock = self.clock
-        load = _Load(state, nodes.queue(state, now), nodes.utilisation(state, now), params, clock)
-        if load.moving:
-            self.draining[load.node_id] = state
-        else:
-            self.draining.pop(load.node_id, None)
-        return load
-
-    def _update(self, nodes: NodeTable, state: NodeState, now: float, params: _Params) -> None:
-        old = self.by_id.get(state.spec.node_id)
-        if old is None or old.state is not state:
-            self.draining.pop(state.spec.node_id, None)
-            return  # not a node of this snapshot (removed since)
-        new = self._load(nodes, state, now, params)
-        if new.rank[:3] != old.rank[:3] or new.util != old.util:
-            order = self.order
-            del order[bisect_left(order, old.rank)]
-            insort(order, new.rank)
-            self.by_id[new.node_id] = new
-
-
-class _CacheValue:
-    """Per node, the prefill seconds our hits there saved, decayed with time: how much
-    traffic depends on that node's cache right now."""
-
-    __slots__ = ("_saved", "tau_s")
-
-    # More nodes remembered than this: forget those whose value has decayed away.
-    _MAX_NODES = 4096
-
-    def __init__(self, tau_s: float) -> None:
-        self.tau_s = tau_s
-        self._saved: dict[NodeId, tuple[float, float]] = {}  # node -> (seconds, as of)
-
-    def _decayed(self, entry: tuple[float, float], now: float) -> float:
-        seconds, at = entry
-        return seconds * math.exp(-max(0.0, now - at) / self.tau_s)
-
-    def rate(self, node_id: NodeId, now: float) -> float:
-        """Saved prefill seconds per second (a decayed average over ``tau_s``)."""
-        entry = self._saved.get(node_id)
-        return self._decayed(entry, now) / self.tau_s if entry is not None else 0.0
-
-    def forget(self, node_id: NodeId) -> None:
-        self._saved.pop(node_id, None)
-
-    def add(self, node_id: NodeId, seconds: float, now: float) -> None:
-        saved = self._saved
-        entry = saved.get(node_id)
-        saved[node_id] = ((self._decayed(entry, now) if entry else 0.0) + seconds, now)
-        if len(saved) > self._MAX_NODES:
-            for nid in [n for n, e in saved.items() if self._decayed(e, now) < 1e-6]:
-                del saved[nid]
-
-
-class _TailLevel:
-    """The ``quantile`` of the last ``window`` requests' predicted full prefill times
-    (no cache anywhere): how long the slowest requests take however they are routed.
-    Memory and time per request are bounded by ``window`` (a ring and a sorted list)."""
-
-    __slots__ = ("_rank", "_ring", "_sorted", "window")
-
-    def __init__(self, quantile: float, window: int) -> None:
-        self.window = window
-        self._rank = min(window - 1, int(quantile * window))  # the level's place in a full window
-        self._ring: deque[float] = deque()
-        self._sorted: list[float] = []
-
-    def observe(self, seconds: float) -> float:
-        """The level before this request (infinite until a window is seen); then the
-        request's ``seconds`` join the window."""
-        ordered = self._sorted
-        level = ordered[self._rank] if len(ordered) == self.window else _INF
-        self._ring.append(seconds)
-        insort(ordered, seconds)
-        if len(self._ring) > self.window:
-            del ordered[bisect_left(ordered, self._ring.popleft())]
-        return level
 
 
 class KvgatePolicy:
@@ -579,13 +330,13 @@ class KvgatePolicy:
         self.explore_max_loss_s = explore_max_loss_s
         self.decode_s_per_context_token = decode_s_per_context_token
         self.max_cache_wait_s = max_cache_wait_s
-        self._cache_value = _CacheValue(cache_value_tau_s)
+        self._cache_value = CacheValue(cache_value_tau_s)
         self.tail_quantile = tail_quantile
         self.tail_window = tail_window
         # the tail guard's level (None: the guard is off)
-        self._tail = _TailLevel(tail_quantile, tail_window) if tail_quantile > 0 else None
+        self._tail = TailLevel(tail_quantile, tail_window) if tail_quantile > 0 else None
         self._tripped: set[NodeId] = set()  # holders whose breaker is open
-        self._loads = _LoadScores()
+        self._loads = LoadScores()
 
     @property
     def uses_hot_rate(self) -> bool:
@@ -645,7 +396,7 @@ class KvgatePolicy:
             if len(cands) != len(candidates) or not cands <= loads.states:
                 # Outside the contract (candidates are distinct nodes of the table):
                 # score just these, by the same rules, without touching the cache.
-                loads = _LoadScores()
+                loads = LoadScores()
                 loads.rebuild(nodes, candidates, now, params)
         by_id = loads.by_id
         tpb = ctx.tokens_per_block
@@ -664,7 +415,7 @@ class KvgatePolicy:
         tripped_set, open_queue = self._tripped, self.breaker_open_queue
         discount = ctx.cache_discount  # usually empty
 
-        best: _Load | None = None
+        best: Load | None = None
         best_key = (-_INF, 0, 0)  # (score, -queue, -slot): the highest wins
         best_score = -_INF  # best_key[0]
         best_bonus = 0.0
@@ -674,9 +425,9 @@ class KvgatePolicy:
         hot_holders = 0
         # the open holders and their bonus, for the affinity slack and the tail guard
         track_open = ttft and (self.affinity_slack_s > 0.0 or self._tail is not None)
-        open_holders: list[tuple[_Load, float]] = []
+        open_holders: list[tuple[Load, float]] = []
         # the soonest predicted first token: (penalty less bonus, queue, slot), its bonus
-        soonest: _Load | None = None
+        soonest: Load | None = None
         soonest_key = (_INF, 0, 0)
         soonest_bonus = 0.0
         # The holders: the only candidates whose score depends on the request.
@@ -829,12 +580,12 @@ class KvgatePolicy:
 
     def _within_slack(
         self,
-        best: _Load,
+        best: Load,
         best_bonus: float,
-        open_holders: list[tuple[_Load, float]],
+        open_holders: list[tuple[Load, float]],
         costs: Mapping[NodeId, float],
         latest: float,
-    ) -> tuple[_Load, float] | None:
+    ) -> tuple[Load, float] | None:
         """The open holder that saves the most prefill (then the sooner first token,
         then the lower slot) among those saving at least ``affinity_min_gain_s`` more
         than the winner whose predicted TTFT is within ``affinity_slack_s`` of the
@@ -846,7 +597,7 @@ class KvgatePolicy:
         prefill the blocking rule rescored also carries its blocking cost there."""
         limit = (best.penalty - best_bonus + costs.get(best.node_id, 0.0)) + self.affinity_slack_s
         floor = best_bonus + self.affinity_min_gain_s
-        kept: tuple[_Load, float] | None = None
+        kept: tuple[Load, float] | None = None
         kept_key = (-_INF, -_INF, 0)
         for load, bonus in open_holders:
             if bonus <= floor or load.util > PRESSURE_UTIL or load.penalty - bonus > latest:
@@ -858,23 +609,23 @@ class KvgatePolicy:
 
     def _under_tail(
         self,
-        loads: _LoadScores,
+        loads: LoadScores,
         cands: frozenset[NodeState],
         matches: Mapping[NodeId, int],
-        open_holders: list[tuple[_Load, float]],
+        open_holders: list[tuple[Load, float]],
         costs: Mapping[NodeId, float],
         w_cache: float,
         prompt: int,
         tpb: int,
         full: float,
         level: float,
-    ) -> tuple[_Load, float] | None:
+    ) -> tuple[Load, float] | None:
         """The tail guard, once the winner's predicted first token (its wait plus the
         prefill its cache leaves) is past ``level``: the best scored (then the lower
         queue, then the lower slot) of the candidates whose first token is not, open
         holders with their bonus, non-holders with none; and its bonus. None if none.
         ``full`` is the request's prefill with nothing cached."""
-        top: tuple[_Load, float] | None = None
+        top: tuple[Load, float] | None = None
         top_key = (-_INF, 0, 0)
         for load, bonus in open_holders:
             if load.wait + self._uncached_s(prompt, matches[load.node_id] * tpb) <= level:
@@ -888,7 +639,7 @@ class KvgatePolicy:
                     top, top_key = (load, 0.0), key
         return top
 
-    def _no_later_at(self, idle: _Load, best: _Load, loss: float, prompt: int, now: float) -> bool:
+    def _no_later_at(self, idle: Load, best: Load, loss: float, prompt: int, now: float) -> bool:
         """Whether the idle node would answer no later than the winner: its penalty, plus
         the prefill the lost hit would have saved, plus the blocking cost of the whole
         prefill there (the idle node's own sessions come back to its cache and queue
@@ -930,7 +681,7 @@ class KvgatePolicy:
 
     def _rescore_blocking(
         self,
-        loads: _LoadScores,
+        loads: LoadScores,
         cands: frozenset[NodeState],
         matches: Mapping[NodeId, int],
         prompt: int,
@@ -938,12 +689,12 @@ class KvgatePolicy:
         w_cache: float,
         discount: Mapping[NodeId, float],
         now: float,
-    ) -> tuple[_Load, float, float, dict[NodeId, float]]:
+    ) -> tuple[Load, float, float, dict[NodeId, float]]:
         """Every candidate scored with the blocking cost of this request's prefill there:
         the winner, its score, its bonus and every candidate's blocking cost."""
         inv_rate = 1.0 / self.prefill_tokens_per_s
         attn_half = self.attention_s_per_pair / 2
-        top: _Load | None = None
+        top: Load | None = None
         top_key = (-_INF, 0, 0)
         top_bonus = 0.0
         costs: dict[NodeId, float] = {}
@@ -982,7 +733,7 @@ class KvgatePolicy:
 
 
 def _least_loaded(
-    candidates: Sequence[NodeState], matches: Mapping[NodeId, int], by_id: Mapping[NodeId, _Load]
+    candidates: Sequence[NodeState], matches: Mapping[NodeId, int], by_id: Mapping[NodeId, Load]
 ) -> NodeState | None:
     """The non-holder candidate with the lowest penalty, then the lowest slot."""
     least: NodeState | None = None
@@ -998,7 +749,7 @@ def _least_loaded(
 def _most_idle(
     candidates: Sequence[NodeState],
     matches: Mapping[NodeId, int],
-    by_id: Mapping[NodeId, _Load],
+    by_id: Mapping[NodeId, Load],
     idle_queue: int,
     max_util: float,
 ) -> NodeState | None:
