@@ -99,6 +99,11 @@ def test_a_lost_goodput_says_whether_misses_or_the_span_made_it() -> None:
     assert "SLO misses: kvgate 0; dynamo_cost 0; span 29.24 s against 28.74 s" in text
     assert "(as many misses: the span alone differs)" in text
 
+    # as many misses over the same span: a tie, which is not beating
+    tied = ordering(_report(kvgate=ours, dynamo_cost=ours | {"ttft_p99_s": 2.0}))
+    assert tied is not None and not tied["checks"]["goodput_rps"]["ok"]
+    assert "span 29.24 s against 29.24 s (a tie)" in format_ordering(tied)
+
     # a won goodput, or rows without the parts (an older report), add no line
     won = ordering(_report(kvgate=ours | {"goodput_rps": 36.0}, dynamo_cost=theirs))
     assert won is not None and "SLO misses" not in format_ordering(won)

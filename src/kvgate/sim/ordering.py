@@ -124,7 +124,8 @@ def _why_goodput(policy: str, c: Mapping[str, Any]) -> str | None:
     if "span_s" in c:
         line += f"; span {c['span_s']} s against {c['other_span_s']} s"
         if sum(ours.values()) == sum(theirs.values()):
-            line += " (as many misses: the span alone differs)"
+            same_span = c["span_s"] == c["other_span_s"]
+            line += " (a tie)" if same_span else " (as many misses: the span alone differs)"
     return line
 
 
