@@ -42,10 +42,6 @@ class DecodeRun:
     def steps(self) -> int:
         return len(self.starts)
 
-    @property
-    def end(self) -> float:
-        return self.starts[-1] + self.durations[-1]
-
     def cut(self, now: float) -> int:
         """Keep the steps that have started by ``now`` (the first always has: it
         started when the run was planned); returns how many steps were taken back.
@@ -80,9 +76,9 @@ def plan_run(
     steps = -1  # no bound yet
     ctx_total = 0
     for seq in running:
-        computed = seq.num_computed_tokens
-        if seq.num_output_tokens == 0 or seq.num_tokens - computed != 1:
+        if not seq.is_decoding:
             return None  # a prefill chunk is due
+        computed = seq.num_computed_tokens
         ctx_total += computed + 1  # the context of its next token, itself included
         # steps that sample without finishing, without filling the block being written
         # and within the blocks held

@@ -251,17 +251,16 @@ class SimEngine:
         )
 
     def _duration(self, plan: Plan) -> float:
-        # step_time's sums, before the step is applied (once per step: no lists)
+        # step_time's sums, before the step is applied (once per step: no lists); the
+        # plan counts its tokens (prefill tokens plus one per decode)
         decodes = plan.decodes
-        num_tokens = len(decodes)
         # each decode's context: what is in KV plus the fed-in token
-        ctx_total = sum(seq.num_computed_tokens for seq in decodes) + num_tokens
+        ctx_total = sum(seq.num_computed_tokens for seq in decodes) + len(decodes)
         pairs = 0.0
         for chunk in plan.chunks.values():
             q = chunk.num_new
-            num_tokens += q
             pairs += q * (chunk.num_computed + q / 2)
-        duration = step_time_of_sums(self.profile, num_tokens, pairs, ctx_total)
+        duration = step_time_of_sums(self.profile, plan.num_tokens, pairs, ctx_total)
         return duration * self._faults.slow_factor
 
     def _update(self, plan: Plan, now: float, duration: float) -> StepOutput:
@@ -306,7 +305,7 @@ class SimEngine:
             finished=tuple(finished),
             rejected=self._take_expired(),
             preempted=tuple(s.request_id for s in plan.preempted),
-            num_prefill_tokens=sum(c.num_new for c in plan.chunks.values()),
+            num_prefill_tokens=plan.num_tokens - len(plan.decodes),
             num_decode_seqs=len(plan.decodes),
         )
 

@@ -101,11 +101,7 @@ class Scheduler:
         decoding: list[SeqState] = []
         prefilling: list[SeqState] = []
         for seq in self.running:
-            # decoding: it has sampled a token and only that token is not in KV yet
-            if seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1:
-                decoding.append(seq)
-            else:
-                prefilling.append(seq)
+            (decoding if seq.is_decoding else prefilling).append(seq)
         # The loops below run once per running sequence per step: the simulator's
         # hottest code.
         decodes = plan.decodes
@@ -201,22 +197,30 @@ class Scheduler:
     def commit(self, plan: Plan) -> None:
         """Cache the blocks the final plan fills, emitting `BlockStored`."""
         block_size = self.pool.block_size
-        # decodes first (one token on top of what is in KV), then prefill chunks
-        filled = [(seq, seq.num_computed_tokens + 1) for seq in plan.decodes]
-        filled += [(c.seq, c.num_computed + c.num_new) for c in plan.chunks.values()]
-        for seq, num_in_kv in filled:
-            num_full = num_in_kv // block_size
-            first = seq.num_cached_blocks
-            if num_full <= first:
-                continue
-            indices = range(first, num_full)
-            self.pool.cache_full_blocks(
-                seq.blocks[first:num_full],
-                [seq.block_hash(i) for i in indices],
-                seq.block_hash(first - 1) if first else None,
-                [seq.block_token_ids(i, block_size) for i in indices],
-            )
-            seq.num_cached_blocks = num_full
+        # decodes first (one token on top of what is in KV; rarely a block's last),
+        # then prefill chunks
+        for seq in plan.decodes:
+            if (seq.num_computed_tokens + 1) // block_size > seq.num_cached_blocks:
+                self._cache_full_blocks(seq, seq.num_computed_tokens + 1)
+        for c in plan.chunks.values():
+            self._cache_full_blocks(c.seq, c.num_computed + c.num_new)
+
+    def _cache_full_blocks(self, seq: SeqState, num_in_kv: int) -> None:
+        """Register the blocks of ``seq`` that ``num_in_kv`` tokens fill and that are not
+        registered yet."""
+        block_size = self.pool.block_size
+        num_full = num_in_kv // block_size
+        first = seq.num_cached_blocks
+        if num_full <= first:
+            return
+        indices = range(first, num_full)
+        self.pool.cache_full_blocks(
+            seq.blocks[first:num_full],
+            [seq.block_hash(i) for i in indices],
+            seq.block_hash(first - 1) if first else None,
+            [seq.block_token_ids(i, block_size) for i in indices],
+        )
+        seq.num_cached_blocks = num_full
 
     # ----------------------------------------------------------- lifecycle
     def finish(self, seq: SeqState) -> None:

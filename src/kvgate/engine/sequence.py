@@ -110,6 +110,12 @@ class SeqState:
         return self.request.request_id
 
     @property
+    def is_decoding(self) -> bool:
+        """It has sampled a token and only that token is not in KV yet: its next step
+        is a decode (one token), not a prefill chunk."""
+        return self.num_output_tokens > 0 and self.num_tokens - self.num_computed_tokens == 1
+
+    @property
     def sort_key(self) -> tuple[int, float, int]:
         """Order under the "priority" policy: (priority, arrival, submission)."""
         return (self.request.priority, self.request.arrival, self.seq_no)
