@@ -146,6 +146,39 @@ def test_the_other_tenants_leave_a_flood_node_rather_than_wait_for_their_cache()
     assert outcomes[10.0] == (False, 0)  # on: it goes to an idle node
 
 
+def test_a_flood_node_that_only_decodes_keeps_the_other_tenants_cache() -> None:
+    """Once the flood's prefill there is done, nobody would wait behind it for a first
+    token: another tenant's context is not thrown away for its decode batch, which the
+    load terms already count."""
+    for prefilled, stays in ((False, False), (True, True)):
+        ctl = cluster()
+        context = (500, 501, 502, 503, 504, 505)  # 6 blocks of 512 tokens
+        o0 = ctl.on_arrival(
+            RequestArrived(request_id=RequestId("o0"), tenant=TenantId("other"),
+                           block_ids=context, prompt_tokens=3072),
+            1.0,
+        )
+        assert isinstance(o0, Dispatch)
+        ctl.on_finished(o0.request_id, 1.0)
+        # a long flood prompt: its decode steps attend over 14k tokens of context
+        first = send(ctl, "f1", "flood", 1, 1.0, tokens=14_000)
+        assert isinstance(first, Dispatch) and first.node_id == o0.node_id
+        held = [send(ctl, f"f{i}", "flood", i, 1.0, tokens=4000) for i in (2, 3)]
+        assert isinstance(send(ctl, "f4", "flood", 4, 1.0), Reject)  # pressing from t=1
+        for d in held:
+            ctl.on_finished(d.request_id, 1.0)
+        if prefilled:
+            ctl.on_first_byte(first.request_id, 1.005)  # the flood's request now decodes
+        o1 = ctl.on_arrival(
+            RequestArrived(request_id=RequestId("o1"), tenant=TenantId("other"),
+                           block_ids=(*context, 600), prompt_tokens=3584),
+            1.01,
+        )
+        assert isinstance(o1, Dispatch)
+        assert (o1.node_id == first.node_id) is stays, prefilled
+        assert o1.route.matched_blocks == (6 if stays else 0)
+
+
 def test_the_window_must_be_a_finite_number_of_seconds() -> None:
     import math
 

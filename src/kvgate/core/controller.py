@@ -25,11 +25,12 @@ for good or is cancelled; a gateway retry reuses the same credit.
 
 A tenant that stage 1 refused for asking more than its quota (``admission.pressed``)
 is confined for ``tenant_confine_s``: its requests go only to the nodes already
-holding its requests (any node if those cannot take them), and there the other
-tenants' cache counts ``evicting_cache_weight``, so a flood held to its quota stalls
-a few nodes that everybody else avoids, not every node. In a fleet (several gateways,
-each seeing only its own requests) it is the tenant's home node instead, the same at
-every gateway.
+holding its requests (any node if those cannot take them), and there, while prefill
+is queued (what a newcomer's first token would wait behind), the other tenants' cache
+counts ``evicting_cache_weight``, so a flood held to its quota stalls a few nodes that
+everybody else avoids, not every node. In a fleet (several gateways, each seeing only
+its own requests) it is the tenant's home node instead, the same at every gateway,
+discounted whatever its queue (a gateway does not see the others' prefill).
 
 When a node is marked down (health probes, or ejection after failures in a row) the
 attempts on it that have no first byte yet will not get one (a hung or dead engine):
@@ -472,8 +473,9 @@ class Controller:
 
     def _route_around_floods(self, record: _Request, now: float) -> RouteDecision | None:
         """Route with the cache of the nodes other tenants' floods are confined to counted
-        at ``evicting_cache_weight`` (the request's ``cache_discount``): the request
-        leaves them (a miss) rather than waits behind the flood."""
+        at ``evicting_cache_weight`` (the request's ``cache_discount``) while they have
+        prefill queued: the request leaves them (a miss) rather than waits behind the
+        flood."""
         ctx = record.ctx
         if held := self._flood_nodes(record.arrived.tenant, record.ctx.model, now):
             weight = self.config.evicting_cache_weight
@@ -481,9 +483,10 @@ class Controller:
         return self.route(ctx, now, record.excluded)
 
     def _flood_nodes(self, tenant: str, model: str, now: float) -> list[NodeState]:
-        """The nodes holding requests of tenants other than ``tenant`` that pressed their
-        quota within ``tenant_confine_s`` (where confinement keeps their floods), and in
-        a fleet their home nodes (where the other gateways keep them)."""
+        """The nodes with prefill queued holding requests of tenants other than
+        ``tenant`` that pressed their quota within ``tenant_confine_s`` (where
+        confinement keeps their floods), and in a fleet their home nodes (where the
+        other gateways keep them)."""
         window = self.config.tenant_confine_s
         if window <= 0.0:
             return []
@@ -494,8 +497,14 @@ class Controller:
         floods.discard(tenant)
         if not floods:
             return []
-        # each node's tenants in flight are few: at most its requests
-        held = [s for s in self.nodes if not floods.isdisjoint(s.tenant_inflight)]
+        # each node's tenants in flight are few: at most its requests. A node where the
+        # flood only decodes makes nobody wait for a first token (the load terms count
+        # its decode batch): only one with prefill queued is routed around
+        held = [
+            s
+            for s in self.nodes
+            if s.pending_prefill_tokens > 0 and not floods.isdisjoint(s.tenant_inflight)
+        ]
         if self._fleet:
             for flood in sorted(floods):
                 home = self._flood_home(flood, model)
