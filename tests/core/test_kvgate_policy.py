@@ -11,7 +11,7 @@ from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
 from kvgate.core.routing.base import RouteContext, RouteReason
 from kvgate.core.routing.kvgate import KvgatePolicy
-from kvgate.core.routing.kvgate_memory import CacheValue, TailLevel
+from kvgate.core.routing.kvgate_memory import DecayedSeconds, TailLevel
 
 NOW = 10.0
 
@@ -182,6 +182,10 @@ def test_bad_config() -> None:
         {"tail_quantile": -0.1},
         {"tail_quantile": float("nan")},
         {"tail_window": 0},
+        {"session_spread_s": -0.1},
+        {"session_work_s": float("nan")},
+        {"session_min_shared_s": -1.0},
+        {"recent_work_tau_s": 0.0},
     ):
         with pytest.raises(ConfigError):
             KvgatePolicy(**bad)  # type: ignore[arg-type]
@@ -599,16 +603,16 @@ def test_ttft_form_can_weigh_the_decode_batch_contexts() -> None:
 
 
 def test_cache_value_decays_and_forgets() -> None:
-    v = CacheValue(tau_s=10.0)
+    v = DecayedSeconds(tau_s=10.0)
     v.add(NodeId("a"), 5.0, now=0.0)
     assert v.rate(NodeId("a"), 0.0) == pytest.approx(0.5)
     assert v.rate(NodeId("a"), 10.0) == pytest.approx(0.5 / 2.718281828, rel=1e-6)
     assert v.rate(NodeId("a"), -1.0) == pytest.approx(0.5)  # time moving back: no growth
     v.add(NodeId("a"), 5.0, now=10.0)
     assert v.rate(NodeId("a"), 10.0) == pytest.approx(0.5 / 2.718281828 + 0.5, rel=1e-6)
-    for i in range(CacheValue._MAX_NODES + 1):  # bounded: decayed entries are dropped
+    for i in range(DecayedSeconds._MAX_NODES + 1):  # bounded: decayed entries are dropped
         v.add(NodeId(f"n{i}"), 1.0, now=float(i))
-    assert len(v._saved) <= CacheValue._MAX_NODES + 1
+    assert len(v._saved) <= DecayedSeconds._MAX_NODES + 1
 
 
 def test_ttft_form_counts_attention_work_of_long_prompts() -> None:
@@ -694,3 +698,57 @@ def test_tail_guard_prefers_a_holder_under_the_level_and_spares_long_prompts() -
     want = unguarded.select(ctx(blocks=100), c, long_prompt, t, FixedRng(0.9), NOW)
     got = guarded.select(ctx(blocks=100), c, long_prompt, t, FixedRng(0.9), NOW)
     assert got == want and got is not None and got.node_id == "deep"
+
+
+# --- the new-session spread --------------------------------------------------------------
+
+# a 1000 tokens/s prefill and nothing else: equally loaded nodes score alike
+SPREAD_KW: dict[str, float] = {
+    "epsilon": 0,
+    "prefill_tokens_per_s": 1000.0,
+    "decode_s": 0.0,
+    "attention_s_per_pair": 0.0,
+    "blocking_cost": 0.0,
+    "kv_pressure_s": 0.0,
+    "decode_s_per_context_token": 0.0,
+    "tail_quantile": 0.0,
+}
+
+
+def _routed(p: KvgatePolicy, t: NodeTable, c: list[NodeState], m: dict, blocks: int) -> str:
+    d = p.select(ctx(blocks=blocks), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None
+    return str(d.node_id)
+
+
+def test_new_sessions_on_a_shared_prefix_go_where_sessions_worked_least() -> None:
+    """Three equally loaded nodes hold a 10-block system prompt (640 tokens, 0.64 s of
+    prefill). The score alone sends every new session to the lowest slot; the spread
+    counts each new session's expected work (4 s) where it went, so the next ones go to
+    the others. A continuation (a longer match only one node holds) is no new session,
+    nor is a request sharing only 2 blocks (0.13 s, under session_min_shared_s)."""
+    t, c = table({"a": (0, 0.0), "b": (0, 0.0), "c": (0, 0.0)})
+    shared = {NodeId(n): 10 for n in "abc"}
+    spread = KvgatePolicy(**SPREAD_KW)
+    plain = KvgatePolicy(**{**SPREAD_KW, "session_spread_s": 0.0})
+    assert [_routed(spread, t, c, shared, 14) for _ in range(3)] == ["a", "b", "c"]
+    assert [_routed(plain, t, c, shared, 14) for _ in range(3)] == ["a", "a", "a"]
+    # a continuation: "b" alone holds the session's 14 blocks
+    continuation = {**shared, NodeId("b"): 14}
+    assert _routed(spread, t, c, continuation, 20) == "b"
+    short = {NodeId(n): 2 for n in "abc"}
+    fresh = KvgatePolicy(**SPREAD_KW)
+    assert [_routed(fresh, t, c, short, 14) for _ in range(2)] == ["a", "a"]
+
+
+def test_the_spread_keeps_to_nodes_about_as_soon_and_spreads_cold_requests_too() -> None:
+    """"b" has 1 s of prefill queued, past session_spread_s (0.5 s) of the winner's first
+    token, so new sessions alternate between "a" and "c". A request no node holds
+    anything of spreads the same way over the non-holders."""
+    t, c = table({"a": (0, 0.0), "b": (0, 0.0), "c": (0, 0.0)})
+    t.on_sent(c[1], now=NOW, key=1, prefill_tokens=1000)
+    shared = {NodeId(n): 10 for n in "abc"}
+    p = KvgatePolicy(**SPREAD_KW)
+    assert [_routed(p, t, c, shared, 14) for _ in range(3)] == ["a", "c", "a"]
+    cold = KvgatePolicy(**SPREAD_KW)
+    assert [_routed(cold, t, c, {}, 14) for _ in range(3)] == ["a", "c", "a"]

@@ -49,10 +49,16 @@ class Reference:
     value: dict[NodeId, tuple[float, float]] = field(default_factory=dict)
     # the predicted full prefill of every ttft-form request so far, for the tail guard
     fulls: list[float] = field(default_factory=list)
+    # node -> (prefill seconds sent, new sessions counted ahead; as of): recent work
+    work: dict[NodeId, tuple[float, float]] = field(default_factory=dict)
 
     def value_now(self, nid: NodeId, now: float) -> float:
         seconds, at = self.value.get(nid, (0.0, now))
         return seconds * math.exp(-max(0.0, now - at) / self.p._cache_value.tau_s)
+
+    def work_now(self, nid: NodeId, now: float) -> float:
+        seconds, at = self.work.get(nid, (0.0, now))
+        return seconds * math.exp(-max(0.0, now - at) / self.p._recent_work.tau_s)
 
     def uncached_s(self, prompt: int, cached: int) -> float:
         saved = min(cached, prompt)
@@ -222,6 +228,38 @@ class Reference:
                     if key > best_key:
                         best, best_key = s, key
                         best_bonus, best_penalty, best_queue = bonus, penalty, q
+            # new-session spread: a request whose cache is nowhere (the winner holds
+            # nothing), or a shared prefix saving at least session_min_shared_s that two
+            # or more open holders hold in full (the winner's whole match), goes among the
+            # non-holders (or those holders) within session_spread_s of the winner's
+            # predicted first token to the one with the least recent work
+            new_session = False
+            if p.session_spread_s > 0 and not rescored:
+                m_best = matches.get(best.node_id, 0)
+                limit = best_penalty - best_bonus + p.session_spread_s
+                pool: list[tuple[NodeState, int, float, float]] | None = None
+                if not m_best:
+                    pool = [(s, q, pen, b) for s, q, pen, m, b in scored if not m]
+                else:
+                    shared = self.uncached_s(prompt, 0) - self.uncached_s(prompt, m_best * tpb)
+                    holders = [r for r in open_holders if matches.get(r[0].node_id) == m_best]
+                    if m_best == best_match and shared >= p.session_min_shared_s:
+                        pool = holders if len(holders) >= 2 else None
+                if pool is not None:
+                    new_session = True
+                    within = [r for r in pool if r[2] - r[3] <= limit]
+                    if within:
+                        s, q, penalty, bonus = min(
+                            within,
+                            key=lambda r: (
+                                self.work_now(r[0].node_id, now) / p._recent_work.tau_s,
+                                r[2] - r[3],
+                                r[0].slot,
+                            ),
+                        )
+                        if s is not best:
+                            best, best_key = s, (p.cache_gain * bonus - penalty, -q, -s.slot)
+                            best_bonus, best_penalty, best_queue = bonus, penalty, q
             # bounded wait: a winner whose predicted first token (penalty - bonus) comes
             # more than max_cache_wait_s after the soonest candidate's gives way to it
             soonest = min(scored, key=lambda r: (r[2] - r[4], r[1], r[0].slot))
@@ -311,6 +349,11 @@ class Reference:
             )
         ):
             chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
+        if p.form == "ttft" and p.session_spread_s > 0:
+            sent = self.uncached_s(prompt, chosen_match * tpb)
+            if new_session:
+                sent += p.session_work_s
+            self.work[chosen.node_id] = (self.work_now(chosen.node_id, now) + sent, now)
         if p.form == "ttft" and p.blocking_cost > 0 and chosen is best and best_bonus > 0:
             seconds = self.value_now(best.node_id, now)
             saved = min(chosen_match * tpb, prompt)
@@ -393,6 +436,10 @@ policy_st = st.builds(
     max_cache_wait_s=st.sampled_from([0.0, 1.0, 10.0, 1e9]),
     tail_quantile=st.sampled_from([0.0, 0.5, 0.99]),
     tail_window=st.sampled_from([1, 3, 1000]),
+    session_spread_s=st.sampled_from([0.0, 0.5, 1e9]),
+    session_work_s=st.sampled_from([0.0, 4.0]),
+    session_min_shared_s=st.sampled_from([0.0, 0.25, 1e9]),
+    recent_work_tau_s=st.sampled_from([0.5, 10.0]),
 )
 
 

@@ -22,10 +22,11 @@ NODES = [NodeId(f"n{i}") for i in range(4)]
 def cluster(confine_s: float = 10.0) -> Controller:
     adm = AdmissionConfig(budget=256, tenant_quotas={"flood": 3})
     ctl = Controller(
-        # load alone decides (no exploration): an unconfined flood goes to the idlest node
+        # load alone decides (no exploration, no new-session spread): an unconfined flood
+        # goes to the idlest node
         ControllerConfig(
             hasher="trace", admission=adm, tenant_confine_s=confine_s,
-            policy_params={"epsilon": 0},
+            policy_params={"epsilon": 0, "session_spread_s": 0.0},
         ),
         rng=random.Random(1),
     )

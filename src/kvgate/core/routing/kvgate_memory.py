@@ -1,6 +1,7 @@
-"""What the kvgate policy remembers across requests: each node's cache value (the
-blocking rule) and the tail level (the tail guard); see :mod:`kvgate.core.routing.kvgate`.
-Both are bounded in memory."""
+"""What the kvgate policy remembers across requests: per node, decayed seconds (the
+cache value of the blocking rule, the recent work of the new-session spread) and the
+tail level (the tail guard); see :mod:`kvgate.core.routing.kvgate`. All bounded in
+memory."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ from collections import deque
 
 from kvgate.core.ids import NodeId
 
-__all__ = ["CacheValue", "TailLevel"]
+__all__ = ["DecayedSeconds", "TailLevel"]
 
 _INF = float("inf")
 
 
-class CacheValue:
-    """Per node, the prefill seconds our hits there saved, decayed with time: how much
-    traffic depends on that node's cache right now."""
+class DecayedSeconds:
+    """Per node, seconds added over time and decayed with ``tau_s``; ``rate`` is their
+    decayed average per second. The policy keeps two: the prefill seconds our hits on a
+    node saved (how much traffic depends on its cache now) and the prefill seconds sent
+    to a node (how busy its recent sessions keep it)."""
 
     __slots__ = ("_saved", "tau_s")
 
@@ -33,7 +36,7 @@ class CacheValue:
         return seconds * math.exp(-max(0.0, now - at) / self.tau_s)
 
     def rate(self, node_id: NodeId, now: float) -> float:
-        """Saved prefill seconds per second (a decayed average over ``tau_s``)."""
+        """Seconds per second (a decayed average over ``tau_s``)."""
         entry = self._saved.get(node_id)
         return self._decayed(entry, now) / self.tau_s if entry is not None else 0.0
 
