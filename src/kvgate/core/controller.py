@@ -78,6 +78,20 @@ from kvgate.core.stats import ControllerStats, DecisionRecord
 # Failures before the first byte after which the node holds nothing of the prompt: it
 # refused the request, never received it, or was marked down before it answered.
 _NEVER_RAN = NOT_RUN_FAILURES | {FailureKind.CONNECT_ERROR, FailureKind.CLIENT_ERROR}
+# The failures the cluster breaker counts: faults of a node or of the way to it. A
+# client's own bad request says nothing of the cluster, and a node refusing for load
+# is working: its refusals are backpressure, which admission answers (the budget, the
+# class rules). Counted, a P2 flood refused at the nodes opened the breaker for every
+# class, P0 included. Node ejection counts the same faults but NODE_DOWN (the node is
+# already down).
+_FAULTS = frozenset(
+    {
+        FailureKind.CONNECT_ERROR,
+        FailureKind.NODE_DOWN,
+        FailureKind.UPSTREAM_ERROR,
+        FailureKind.TIMEOUT,
+    }
+)
 
 
 @dataclass(slots=True)
@@ -617,12 +631,12 @@ class Controller:
             return [decision, *self._take_deferred()]
         self._requests.pop(request_id, None)
         self.stats.outcomes["failed"] += 1
-        if failure is FailureKind.CLIENT_ERROR:
-            # The client's own bad request: neither the node nor the cluster failed,
-            # so one client's 400s never open the breaker for every tenant.
-            self.admission.record_ignored(now)
-        else:
+        if failure in _FAULTS:
             self.admission.record_outcome(False, now)
+        else:
+            # a client's bad request, or a node busy: one client's 400s or one class's
+            # flood never open the breaker for every tenant and class
+            self.admission.record_ignored(now)
         out: list[Decision] = [
             Fail(
                 request_id=request_id,
