@@ -113,6 +113,41 @@ def test_a_confined_tenant_whose_node_is_down_is_still_served() -> None:
     assert isinstance(d, Dispatch) and d.node_id != first.node_id
 
 
+def flood_on_the_others_cache(
+    ctl: Controller, context: tuple[int, ...], flood_tokens: int
+) -> Dispatch:
+    """Another tenant's ``context`` is cached on the lowest slot; then the flood's first
+    request (``flood_tokens`` long) takes that node, two more go elsewhere and end, and a
+    fourth is refused: the flood presses its quota, confined to that node. Returns the
+    flood's first request."""
+    o0 = ctl.on_arrival(
+        RequestArrived(request_id=RequestId("o0"), tenant=TenantId("other"),
+                       block_ids=context, prompt_tokens=512 * len(context)),
+        1.0,
+    )
+    assert isinstance(o0, Dispatch)
+    ctl.on_finished(o0.request_id, 1.0)
+    # all idle again: the flood's first request takes the same lowest slot
+    first = send(ctl, "f1", "flood", 1, 1.0, tokens=flood_tokens)
+    assert isinstance(first, Dispatch) and first.node_id == o0.node_id
+    held = [send(ctl, f"f{i}", "flood", i, 1.0, tokens=4000) for i in (2, 3)]
+    assert isinstance(send(ctl, "f4", "flood", 4, 1.0), Reject)  # pressing from t=1
+    for d in held:
+        ctl.on_finished(d.request_id, 1.0)
+    return first
+
+
+def the_others_next_turn(ctl: Controller, context: tuple[int, ...]) -> Dispatch:
+    """The other tenant's next request: its context and one block more."""
+    o1 = ctl.on_arrival(
+        RequestArrived(request_id=RequestId("o1"), tenant=TenantId("other"),
+                       block_ids=(*context, 600), prompt_tokens=512 * (len(context) + 1)),
+        1.01,
+    )
+    assert isinstance(o1, Dispatch)
+    return o1
+
+
 def test_the_other_tenants_leave_a_flood_node_rather_than_wait_for_their_cache() -> None:
     """On the node a flood is confined to, another tenant's cache counts a tenth: a short
     context is recomputed on an idle node instead of waiting behind the flood there."""
@@ -120,26 +155,8 @@ def test_the_other_tenants_leave_a_flood_node_rather_than_wait_for_their_cache()
     for confine_s in (10.0, 0.0):
         ctl = cluster(confine_s)
         context = (500, 501, 502)  # 3 blocks of 512 tokens
-        o0 = ctl.on_arrival(
-            RequestArrived(request_id=RequestId("o0"), tenant=TenantId("other"),
-                           block_ids=context, prompt_tokens=1536),
-            1.0,
-        )
-        assert isinstance(o0, Dispatch)
-        ctl.on_finished(o0.request_id, 1.0)
-        # all idle again: the flood's first request takes the same lowest slot
-        first = send(ctl, "f1", "flood", 1, 1.0, tokens=4000)
-        assert isinstance(first, Dispatch) and first.node_id == o0.node_id
-        held = [send(ctl, f"f{i}", "flood", i, 1.0, tokens=4000) for i in (2, 3)]
-        assert isinstance(send(ctl, "f4", "flood", 4, 1.0), Reject)  # pressing from t=1
-        for d in held:
-            ctl.on_finished(d.request_id, 1.0)
-        o1 = ctl.on_arrival(
-            RequestArrived(request_id=RequestId("o1"), tenant=TenantId("other"),
-                           block_ids=(*context, 600), prompt_tokens=2048),
-            1.01,
-        )
-        assert isinstance(o1, Dispatch)
+        first = flood_on_the_others_cache(ctl, context, flood_tokens=4000)
+        o1 = the_others_next_turn(ctl, context)
         outcomes[confine_s] = (o1.node_id == first.node_id, o1.route.matched_blocks)
         state = ctl.nodes.get(first.node_id)
         assert state is not None and state.cache_weight == 1.0  # the discount was per request
@@ -154,28 +171,11 @@ def test_a_flood_node_that_only_decodes_keeps_the_other_tenants_cache() -> None:
     for prefilled, stays in ((False, False), (True, True)):
         ctl = cluster()
         context = (500, 501, 502, 503, 504, 505)  # 6 blocks of 512 tokens
-        o0 = ctl.on_arrival(
-            RequestArrived(request_id=RequestId("o0"), tenant=TenantId("other"),
-                           block_ids=context, prompt_tokens=3072),
-            1.0,
-        )
-        assert isinstance(o0, Dispatch)
-        ctl.on_finished(o0.request_id, 1.0)
         # a long flood prompt: its decode steps attend over 14k tokens of context
-        first = send(ctl, "f1", "flood", 1, 1.0, tokens=14_000)
-        assert isinstance(first, Dispatch) and first.node_id == o0.node_id
-        held = [send(ctl, f"f{i}", "flood", i, 1.0, tokens=4000) for i in (2, 3)]
-        assert isinstance(send(ctl, "f4", "flood", 4, 1.0), Reject)  # pressing from t=1
-        for d in held:
-            ctl.on_finished(d.request_id, 1.0)
+        first = flood_on_the_others_cache(ctl, context, flood_tokens=14_000)
         if prefilled:
             ctl.on_first_byte(first.request_id, 1.005)  # the flood's request now decodes
-        o1 = ctl.on_arrival(
-            RequestArrived(request_id=RequestId("o1"), tenant=TenantId("other"),
-                           block_ids=(*context, 600), prompt_tokens=3584),
-            1.01,
-        )
-        assert isinstance(o1, Dispatch)
+        o1 = the_others_next_turn(ctl, context)
         assert (o1.node_id == first.node_id) is stays, prefilled
         assert o1.route.matched_blocks == (6 if stays else 0)
 
