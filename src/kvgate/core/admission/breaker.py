@@ -10,8 +10,9 @@ Independently, the breaker is forced open while no node is healthy (reason
 
 The breaker sees only outcomes (``record``) and admits (``allow``); it does not know
 which outcome belongs to which request, so in HALF_OPEN the next outcomes decide.
-An outcome that says nothing about the cluster (a client's own bad request) is
-``ignore``d: not counted, and in HALF_OPEN its probe is handed back.
+An outcome that says nothing about the cluster's health (a client's own bad request,
+a node refusing for load) is ``ignore``d: not counted, and in HALF_OPEN its probe is
+handed back.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class GatewayAdmission(Stage1Limiter):
         self._breaker.record(success, now)
 
     def record_ignored(self, now: float) -> None:
-        """An outcome the breaker must not count (the client's own bad request)."""
+        """An outcome the breaker must not count (the client's own bad request, a node
+        refusing for load)."""
         self._breaker.ignore(now)
 
     def record_ttft(self, priority: Priority, ttft_s: float, now: float) -> None:
