@@ -54,37 +54,30 @@ def test_client_errors_neither_open_the_breaker_nor_eject_the_node() -> None:
     assert isinstance(arrive(ctl, "good", 1.1), Dispatch)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [FailureKind.CONNECT_ERROR, FailureKind.NODE_DOWN, FailureKind.UPSTREAM_ERROR,
-     FailureKind.TIMEOUT],
-)
-def test_node_faults_open_the_breaker(kind: FailureKind) -> None:
-    ctl = cluster(eject_after_failures=1000)  # the error rate opens it, not "no node"
-    for i in range(20):
-        dispatch(ctl, f"r{i}", 1.0)
-        # after_first_byte: never retried, so each one is a final failure
-        ctl.on_failed(RequestId(f"r{i}"), kind, 1.0, before_first_byte=False)
-    assert ctl.admission.breaker_state is BreakerState.OPEN
-    assert all(s.healthy for s in ctl.nodes)
-    assert isinstance(arrive(ctl, "next", 1.1), Reject)
+NODE_FAULTS = [
+    FailureKind.CONNECT_ERROR, FailureKind.NODE_DOWN, FailureKind.UPSTREAM_ERROR,
+    FailureKind.TIMEOUT,
+]
+LOAD_REFUSALS = [
+    FailureKind.RETRY_ELSEWHERE, FailureKind.POOL_OVERLOADED, FailureKind.RATE_LIMITED,
+    FailureKind.HTTP_503,
+]
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [FailureKind.RETRY_ELSEWHERE, FailureKind.POOL_OVERLOADED, FailureKind.RATE_LIMITED,
-     FailureKind.HTTP_503],
-)
-def test_nodes_refusing_for_load_do_not_open_the_breaker(kind: FailureKind) -> None:
+@pytest.mark.parametrize("kind", NODE_FAULTS + LOAD_REFUSALS)
+def test_node_faults_open_the_breaker_and_refusals_for_load_do_not(kind: FailureKind) -> None:
     """A busy node's refusals are backpressure: a lower class flooding the nodes must
     not open the breaker, which would refuse every class, P0 included."""
-    ctl = cluster()
-    for i in range(40):  # well past the breaker's 20 outcomes at a 50 % error rate
+    ctl = cluster(eject_after_failures=1000)  # the error rate opens it, not "no node"
+    for i in range(20):  # the breaker's 20 outcomes, every one a failure
         dispatch(ctl, f"r{i}", 1.0, priority=1)
+        # after the first byte: never retried, so each one is a final failure
         out = ctl.on_failed(RequestId(f"r{i}"), kind, 1.0, before_first_byte=False)
         assert isinstance(out[0], Fail)
-    assert ctl.admission.breaker_state is BreakerState.CLOSED
-    assert isinstance(arrive(ctl, "p0", 1.1, priority=0), Dispatch)
+    opens = kind in NODE_FAULTS
+    assert (ctl.admission.breaker_state is BreakerState.OPEN) is opens
+    assert all(s.healthy for s in ctl.nodes)
+    assert isinstance(arrive(ctl, "p0", 1.1, priority=0), Reject if opens else Dispatch)
 
 
 def test_only_a_known_excluded_node_turns_off_the_gateway_retry() -> None:

@@ -82,8 +82,7 @@ _NEVER_RAN = NOT_RUN_FAILURES | {FailureKind.CONNECT_ERROR, FailureKind.CLIENT_E
 # client's own bad request says nothing of the cluster, and a node refusing for load
 # is working: its refusals are backpressure, which admission answers (the budget, the
 # class rules). Counted, a P2 flood refused at the nodes opened the breaker for every
-# class, P0 included. Node ejection counts the same faults but NODE_DOWN (the node is
-# already down).
+# class, P0 included.
 _FAULTS = frozenset(
     {
         FailureKind.CONNECT_ERROR,
@@ -92,6 +91,8 @@ _FAULTS = frozenset(
         FailureKind.TIMEOUT,
     }
 )
+# The faults that count toward ejecting a node: all but NODE_DOWN (it is down already).
+_EJECTING_FAULTS = _FAULTS - {FailureKind.NODE_DOWN}
 
 
 @dataclass(slots=True)
@@ -654,7 +655,7 @@ class Controller:
         return self.nodes.get(node.spec.node_id) is node
 
     def _note_node_failure(self, node: NodeState, failure: FailureKind, now: float) -> None:
-        if failure in (FailureKind.CONNECT_ERROR, FailureKind.UPSTREAM_ERROR, FailureKind.TIMEOUT):
+        if failure in _EJECTING_FAULTS:
             node.consecutive_failures += 1
             if node.consecutive_failures >= self.config.eject_after_failures and node.healthy:
                 self._ejected_until[node.spec.node_id] = now + self.config.eject_s
