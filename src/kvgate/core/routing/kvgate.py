@@ -726,9 +726,10 @@ class KvgatePolicy:
             shared_s = self._saved_s(prompt, m_best * tpb)
             if m_best != best_match or shared_s < self.session_min_shared_s:
                 return None
-            pool = [lb for lb in open_holders if matches[lb[0].node_id] == m_best]
-            if len(pool) < 2:
+            holders = [lb for lb in open_holders if matches[lb[0].node_id] == m_best]
+            if len(holders) < 2:
                 return None
+            pool = [lb for lb in holders if lb[0].penalty - lb[1] <= limit]
         else:
             pool = []
             for _, _, _, load in loads.order:  # ascending penalty among non-holders
@@ -738,7 +739,7 @@ class KvgatePolicy:
                     pool.append((load, 0.0))
         rate = self._recent_work.rate
         top = min(
-            (lb for lb in pool if lb[0].penalty - lb[1] <= limit),
+            pool,
             key=lambda lb: (rate(lb[0].node_id, now), lb[0].penalty - lb[1], lb[0].slot),
             default=None,
         )
