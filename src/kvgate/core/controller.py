@@ -104,6 +104,7 @@ class _Request:
     arrived: RequestArrived
     ticket: Ticket | None = None
     node: NodeState | None = None
+    arrived_at: float = 0.0  # when the gateway got it: the client's TTFT runs from here
     sent_at: float = 0.0
     attempts: int = 0
     excluded: set[NodeId] = field(default_factory=set)
@@ -307,7 +308,9 @@ class Controller:
             self.stats.rejects[verdict.reason.value] += 1
             return Reject(request_id=rid, rejected=verdict)
         ctx = self._context(chain, tokens, req, now)
-        record = _Request(request_id=rid, ctx=ctx, arrived=req, excluded=set(req.excluded_nodes))
+        record = _Request(
+            request_id=rid, ctx=ctx, arrived=req, excluded=set(req.excluded_nodes), arrived_at=now
+        )
         self._requests[rid] = record
         if isinstance(verdict, Queued):
             return Hold(request_id=rid, deadline=verdict.deadline)
@@ -554,7 +557,9 @@ class Controller:
         if record.node is not None:
             self.nodes.on_prefilled(record.node, record.request_id, now=now)
         if record.ticket is not None and record.attempts == 1:
-            self.admission.record_ttft(record.ticket.priority, now - record.sent_at, now)
+            # the SLO is the client's TTFT: a wait in our queue for a credit counts too
+            # (a P0 request queued behind credits P1 or P2 hold is what the loop must see)
+            self.admission.record_ttft(record.ticket.priority, now - record.arrived_at, now)
 
     def on_finished(
         self, request_id: RequestId, now: float, *, cached_tokens: int | None = None

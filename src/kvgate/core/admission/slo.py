@@ -1,6 +1,7 @@
 """The P0 TTFT SLO loop: gateways measure, the coordinator steers the P1 ceiling.
 
-Gateway side, :class:`TtftWindow`: P0 time-to-first-token samples go into a
+Gateway side, :class:`TtftWindow`: P0 time-to-first-token samples (from the
+request's arrival at the gateway, its wait in the local queue included) go into a
 log-bucketed histogram per window (``window_s``, aligned to multiples of it on the
 gateway's monotonic clock). A refresh carries the p99 of the last complete window
 and that window's index, so the coordinator counts each window once. Buckets are
