@@ -752,3 +752,26 @@ def test_the_spread_keeps_to_nodes_about_as_soon_and_spreads_cold_requests_too()
     assert [_routed(p, t, c, shared, 14) for _ in range(3)] == ["a", "c", "a"]
     cold = KvgatePolicy(**SPREAD_KW)
     assert [_routed(cold, t, c, {}, 14) for _ in range(3)] == ["a", "c", "a"]
+
+
+@pytest.mark.parametrize("form", ["brief", "ttft"])
+def test_a_holder_at_its_capacity_loses_its_bonus(form: str) -> None:
+    """Running or waiting as many requests as it serves well, a holder's cache does not
+    pull more: its queue says nothing of the decodes it runs."""
+    # the queue breaker out of the way: only the capacity rule is left to trip
+    p = KvgatePolicy(form=form, epsilon=0, breaker_open_queue=10_000)  # type: ignore[arg-type]
+    t, c = table({"holder": (0, 0.2), "other": (0, 0.2)})
+    m = {NodeId("holder"): 100}
+    capacity = c[0].spec.capacity
+    t.report(NodeId("holder"), waiting=0, running=capacity - 1, kv_util=0.2, now=NOW)
+    d = p.select(ctx(), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "holder" and d.reason is RouteReason.CACHE_HIT
+    t.report(NodeId("holder"), waiting=1, running=capacity - 1, kv_util=0.2, now=NOW)
+    d = p.select(ctx(), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "other" and d.reason is RouteReason.BREAKER
+    # our own requests in flight count too, whatever the node last reported
+    t.report(NodeId("holder"), waiting=0, running=0, kv_util=0.2, now=NOW)
+    for i in range(capacity):
+        t.on_sent(c[0], now=NOW, key=f"r{i}", prefill_tokens=0, prefill_pairs=0.0)
+    d = p.select(ctx(), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "other"

@@ -171,7 +171,9 @@ class Reference:
             if m:
                 if ctx.hot_blocks and m >= ctx.hot_blocks:
                     hot_holders += 1
-                tripped = self.breaker_open(s.node_id, q)
+                # a holder running or queueing its capacity loses its bonus as well
+                occupied = max(s.inflight, s.reported_running + s.reported_waiting)
+                tripped = self.breaker_open(s.node_id, q) or occupied >= s.spec.capacity
                 if m > best_match:
                     best_match, best_match_tripped, holders_at_best = m, tripped, 1
                 elif m == best_match:
@@ -450,7 +452,8 @@ def test_same_decisions_as_the_reference(
 ) -> None:
     table = NodeTable(stale_after_s=3.0)
     for nid in NAMES[:start]:
-        table.add(NodeSpec(node_id=nid))
+        # a small capacity: holders at it (running and waiting, or ours in flight) too
+        table.add(NodeSpec(node_id=nid, capacity=4))
     ref = Reference(p=policy, tripped=set())
     now = 10.0
     sends = 0
@@ -503,7 +506,7 @@ def test_same_decisions_as_the_reference(
             if state is not None:
                 table.set_healthy(state, op[2])  # type: ignore[arg-type]
         elif kind == "add":
-            table.add(NodeSpec(node_id=op[1]))  # type: ignore[arg-type]
+            table.add(NodeSpec(node_id=op[1], capacity=4))  # type: ignore[arg-type]
         elif kind == "remove":
             table.remove(op[1])  # type: ignore[arg-type]
             sent_at.pop(op[1], None)  # type: ignore[call-overload]

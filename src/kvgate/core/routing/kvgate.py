@@ -172,7 +172,14 @@ On top of the score, in this order:
 
 1. **Breaker per holder.** A node whose queue reaches ``breaker_open_queue`` loses
    its cache bonus until its queue falls to ``breaker_close_queue`` (hysteresis, so
-   a holder hovering at the threshold does not flap).
+   a holder hovering at the threshold does not flap); so does, while it lasts, a node
+   with as many requests running or waiting as its ``capacity`` (the concurrency it
+   serves well, its share of the budget): ours in flight there, or what it reported
+   when that is more (other gateways' too). The queue counts only prefill not yet
+   started, so without the second rule a holder gathers decodes without bound: under
+   a P2 flood at 0.8 of saturation (chat, seed 0) the P0 sessions that followed their
+   caches put 150-250 requests on two or three nodes while the others ran 1-7, and
+   their slower decode held the credits that P0 arrivals then queued for.
 2. **Spread.** Several holders of the same prefix compete on load through the same
    score (equal bonus, different penalty), so the prefix is spread among its
    holders before affinity is given up.
@@ -480,7 +487,10 @@ class KvgatePolicy:
             q = load.queue
             if hot_blocks and m >= hot_blocks:
                 hot_holders += 1
-            tripped = (q >= open_queue or nid in tripped_set) and self._breaker_open(nid, q)
+            # the queue's breaker first: its hysteresis follows the queue either way
+            tripped = (
+                (q >= open_queue or nid in tripped_set) and self._breaker_open(nid, q)
+            ) or _at_capacity(load.state)
             if m > best_match:
                 best_match, best_match_tripped, holders_at_best = m, tripped, 1
             elif m == best_match:
@@ -809,7 +819,7 @@ class KvgatePolicy:
                 continue
             m = matches.get(load.node_id, 0)
             bonus = 0.0
-            if m and load.node_id not in self._tripped:
+            if m and load.node_id not in self._tripped and not _at_capacity(load.state):
                 saved = min(m * tpb, prompt)
                 weight = load.state.cache_weight * discount.get(load.node_id, 1.0)
                 bonus = (saved * inv_rate + attn_half * saved * saved) * weight
@@ -875,3 +885,10 @@ def _most_idle(
             ):
                 idle, idle_util = s, load.util
     return idle
+
+
+def _at_capacity(state: NodeState) -> bool:
+    """Whether a node runs (or queues) as many requests as it serves well: ours in
+    flight there, or what it last reported when that is more (other gateways' too)."""
+    occupied = max(state.inflight, state.reported_running + state.reported_waiting)
+    return occupied >= state.spec.capacity
