@@ -90,6 +90,8 @@ BAD: list[dict[str, Any]] = [
     {"slo": SloConfig(decrease=1.2)},
     {"slo": SloConfig(floor=0.0)},
     {"slo": SloConfig(healthy_windows=0)},
+    {"slo": SloConfig(p2_start=0.0)},
+    {"slo": SloConfig(p2_start=1.5)},
 ]
 
 

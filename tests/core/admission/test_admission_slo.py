@@ -51,15 +51,36 @@ def test_floor_and_cap() -> None:
     assert ctl.p1_ceiling == 1.0
 
 
-def test_p2_off_from_the_first_breach_until_three_healthy_windows() -> None:
+def test_p2_slow_start_and_off_from_the_first_breach_until_three_healthy_windows() -> None:
     ctl = SloController(SLO)
-    assert ctl.ceilings == (1.0, 1.0, 1.0)
+    assert ctl.ceilings == (1.0, 1.0, 0.1)  # start-up: a tenth of the idle capacity
+    seen = []
+    for _ in range(5):
+        ctl.observe_window(H)
+        seen.append(ctl.ceilings[2])
+    assert seen == pytest.approx([0.2, 0.4, 0.8, 1.0, 1.0])  # doubling per healthy window
     ctl.observe_window(B)
     assert ctl.ceilings[2] == 0.0 and ctl.ceilings[1] == 1.0
+    ctl.observe_window(H)
+    ctl.observe_window(N)  # the band restarts the count
     ctl.observe_window(H)
     ctl.observe_window(H)
     assert ctl.ceilings[2] == 0.0
     ctl.observe_window(H)
+    assert ctl.ceilings[2] == pytest.approx(0.1)  # back at the slow start's first step
+    ctl.observe_window(H)
+    assert ctl.ceilings[2] == pytest.approx(0.2)
+    ctl.observe_window(N)  # the band neither grows nor stops it
+    assert ctl.ceilings[2] == pytest.approx(0.2)
+
+
+def test_p2_all_at_once_when_the_slow_start_is_off() -> None:
+    ctl = SloController(SloConfig(p2_start=1.0))
+    assert ctl.ceilings == (1.0, 1.0, 1.0)
+    ctl.observe_window(B)
+    assert ctl.ceilings[2] == 0.0
+    for _ in range(3):
+        ctl.observe_window(H)
     assert ctl.ceilings[2] == 1.0
 
 

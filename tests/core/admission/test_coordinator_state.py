@@ -56,7 +56,7 @@ def test_a_stored_coordinator_grants_exactly_what_one_in_memory_does(seed: int) 
 def test_state_keeps_records_tenants_learning_and_slo() -> None:
     cfg = AdmissionConfig(budget=50, tenant_quotas={"t": 5})
     coord = InProcessCoordinator(cfg, epoch="e1", learn_on_start=True)
-    coord.slo.p1_ceiling, coord.slo.p2_on = 0.5, False
+    coord.slo.p1_ceiling, coord.slo.p2_ceiling = 0.5, 0.0
     coord.refresh(RefreshRequest(gateway_id="g", epoch=None, inuse=(1, 2, 0),
                                  wants=(3, 4, 1), has=(0, 0, 0), has_total=0), 10.0)
     again = load_state(cfg, json.loads(json.dumps(dump_state(coord))))

@@ -90,6 +90,11 @@ class SloConfig:
     healthy_windows: int = 3  # consecutive healthy windows before an increase
     increase: float = 0.05  # additive increase
     cap: float = 1.0
+    # P2's ceiling when it (re)starts: at start-up and after a breach held it off; it
+    # doubles every healthy window up to 1 (slow start: 0.1, 0.2, 0.4, 0.8, 1 over 40 s).
+    # P2 holds a credit for its request's whole life, so what it takes in one window
+    # P0 gets back only as those requests end. 1.0: all idle capacity at once.
+    p2_start: float = 0.1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -175,5 +180,7 @@ def _validate(cfg: AdmissionConfig) -> None:
         raise ConfigError("slo: p0_ttft_p99_s, window_s > 0 and healthy_fraction in (0, 1]")
     if not 0 < s.decrease < 1 or not 0 < s.floor <= s.cap <= 1 or s.increase <= 0:
         raise ConfigError("slo: 0 < decrease < 1, 0 < floor <= cap <= 1, increase > 0")
+    if not 0 < s.p2_start <= 1:
+        raise ConfigError(f"slo: p2_start must be in (0, 1], got {s.p2_start}")
     if s.breach_windows < 1 or s.healthy_windows < 1 or s.min_samples < 1:
         raise ConfigError("slo: breach_windows, healthy_windows, min_samples >= 1")

@@ -21,10 +21,10 @@ from kvgate.core.admission.coordinator import GatewayRecord, InProcessCoordinato
 from kvgate.core.admission.types import TenantUsage, Triple
 from kvgate.core.errors import ConfigError
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the SLO loop keeps P2's ceiling (a fraction), not an on/off flag
 
 _SLO_FIELDS = (
-    "p1_ceiling", "p2_on", "breach_streak", "healthy_streak", "windows", "decreases",
+    "p1_ceiling", "p2_ceiling", "breach_streak", "healthy_streak", "windows", "decreases",
     "increases",
 )
 

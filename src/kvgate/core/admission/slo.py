@@ -18,7 +18,11 @@ hysteresis band, admission-anchors 8.4):
   the loop from oscillating around a bare threshold (GIE PR #2062).
 
 P2 is held off (ceiling 0) from the first breached window until ``healthy_windows``
-healthy windows in a row have passed.
+healthy windows in a row have passed; it then restarts at ``p2_start`` (0.1) of the
+idle capacity and doubles every healthy window up to all of it, as it does at
+start-up (slow start). A P2 request holds its credit for its whole life (seconds to
+minutes of decode), so P2 let back all at once refills the cluster before the next
+window can show what that did to P0.
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ class SloController:
 
     config: SloConfig
     p1_ceiling: float = 1.0
-    p2_on: bool = True
+    p2_ceiling: float = 1.0  # 0: held off; set to config.p2_start at construction
     breach_streak: int = 0
     healthy_streak: int = 0
     windows: int = 0
@@ -110,10 +114,15 @@ class SloController:
 
     def __post_init__(self) -> None:
         self.p1_ceiling = self.config.cap
+        self.p2_ceiling = self.config.p2_start
+
+    @property
+    def p2_on(self) -> bool:
+        return self.p2_ceiling > 0.0
 
     @property
     def ceilings(self) -> tuple[float, float, float]:
-        return (1.0, self.p1_ceiling, 1.0 if self.p2_on else 0.0)
+        return (1.0, self.p1_ceiling, self.p2_ceiling)
 
     def classify(self, p99: float | None) -> str:
         """ "breach", "healthy" or "band" (the hysteresis band between the two)."""
@@ -132,7 +141,7 @@ class SloController:
         if kind == "breach":
             self.healthy_streak = 0
             self.breach_streak += 1
-            self.p2_on = False
+            self.p2_ceiling = 0.0
             if self.breach_streak >= cfg.breach_windows:
                 self.breach_streak = 0
                 new = max(cfg.floor, round(self.p1_ceiling * cfg.decrease, 6))
@@ -142,9 +151,12 @@ class SloController:
         elif kind == "healthy":
             self.breach_streak = 0
             self.healthy_streak += 1
+            if 0.0 < self.p2_ceiling < 1.0:
+                self.p2_ceiling = min(1.0, 2 * self.p2_ceiling)
             if self.healthy_streak >= cfg.healthy_windows:
                 self.healthy_streak = 0
-                self.p2_on = True
+                if self.p2_ceiling == 0.0:
+                    self.p2_ceiling = cfg.p2_start
                 if self.p1_ceiling < cfg.cap:
                     self.increases += 1
                     self.p1_ceiling = min(cfg.cap, round(self.p1_ceiling + cfg.increase, 6))
