@@ -111,6 +111,8 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"admission": {"early_refresh_min_interval_s": 1.0}},
      "admission.early_refresh_min_interval_s must be in"),
     ({"admission": {"tenant_confine_s": -1}}, "admission.tenant_confine_s must be a finite"),
+    ({"admission": {"p2_start": 0}}, "slo: p2_start must be in (0, 1]"),
+    ({"admission": {"reclaim_p2": "sometimes"}}, "reclaim_p2"),
 ])
 def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
                                              tmp_path: Path) -> None:
@@ -209,6 +211,15 @@ def test_lease_settings_from_yaml_and_env_reach_the_core(tmp_path: Path) -> None
         4, 4.0, 1.0, 1.5)
     default = GatewayConfig().controller_config().admission.lease
     assert (default.expected_gateways, default.ttl_s, default.refresh_s) == (1, 2.0, 0.5)
+
+
+def test_p2_settings_from_yaml_reach_the_core(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text("admission: {reclaim_p2: false, p2_start: 0.5}\n")
+    adm = load_config(path, env={}).controller_config().admission
+    assert (adm.reclaim_p2, adm.slo.p2_start) == (False, 0.5)
+    default = GatewayConfig().controller_config().admission
+    assert (default.reclaim_p2, default.slo.p2_start) == (True, 0.1)
 
 
 def test_tenant_confinement_from_yaml_reaches_the_core(tmp_path: Path) -> None:

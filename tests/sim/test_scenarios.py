@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from kvgate.core.admission import AdmissionConfig
+from kvgate.core.admission import AdmissionConfig, SloConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.sim.cluster import ClusterConfig, SimCluster
 from kvgate.sim.report import pct, ttft
 from kvgate.sim.runner import SeededRng, run_policy
 from kvgate.sim.scenarios import SCENARIOS, Plan, p0_admit_shares
-from kvgate.sim.synthetic import agent_loops, multi_turn_chat
+from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_groups
 from kvgate.sim.workload import Workload
 
 SLO_TTFT_S = 5.0
@@ -158,3 +158,27 @@ def test_nothing_lost(name: str) -> None:
     assert len(plan.workload.requests) > len(w.requests)
     _cluster, rep = run(plan)
     assert rep["completed"] + rep["rejected"] + rep["failed"] == len(plan.workload.requests)
+
+
+def test_p2_gives_back_borrowed_credits_to_waiting_p0_requests() -> None:
+    """P2 let in all at once (no slow start) fills the idle credits under a 10x flood;
+    P0 requests then wait for them. Reclaimed, the youngest P2 requests end
+    (``preempted``, aborted at their nodes) and P0 stays fast; without it, not."""
+
+    def flood(reclaim: bool) -> tuple[SimCluster, dict[str, Any]]:
+        adm = AdmissionConfig(budget=128, reclaim_p2=reclaim, slo=SloConfig(p2_start=1.0))
+        cfg = replace(config(), controller=ControllerConfig(hasher="trace", admission=adm))
+        w = shared_prefix_groups(
+            rng=SeededRng(2), arrivals=16.0, num_groups=10, prompts_per_group=40
+        )
+        return run(SCENARIOS["p2_flood"](w, cfg, SeededRng(3)))
+
+    cluster, rep = flood(True)
+    preempted = [o for o in cluster.outcomes.values() if o.reason == "preempted"]
+    assert preempted and all(o.status == "rejected" and o.req.priority == 2 for o in preempted)
+    assert rep["by_priority"]["P0"]["completed"] == rep["by_priority"]["P0"]["requests"]
+    assert all(n.engine.metrics().num_requests_running == 0 for n in cluster.nodes)  # aborted
+    p0_p99 = rep["by_priority"]["P0"]["ttft_p99_s"]
+    _, without = flood(False)
+    assert "preempted" not in without["rejects_by_reason"]
+    assert p0_p99 < 1.0 < 2 * p0_p99 < without["by_priority"]["P0"]["ttft_p99_s"]

@@ -59,12 +59,14 @@ from kvgate.core.admission import (
     Queued,
     RefreshRequest,
     Rejected,
+    RejectReason,
     RetryPolicy,
     Ticket,
+    make_rejection,
     overloaded_rejection,
 )
 from kvgate.core.config import ControllerConfig, bucket_of
-from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Reject
+from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Preempt, Reject
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
 from kvgate.core.hashing import Hasher, chain_from_ids, make_hasher
@@ -732,6 +734,45 @@ class Controller:
                     self.stats.rejects[item.reason.value] += 1
                     out.append(Reject(request_id=record.request_id, rejected=item))
         out.extend(self._after_release(admitted, now))
+        out.extend(self._reclaim_p2(now))
+        return out
+
+    def _reclaim_p2(self, now: float) -> list[Decision]:
+        """End the P2 requests whose credits P0 / P1 requests wait for (see
+        ``AdmissionConfig.reclaim_p2``): those that have sent the client nothing first
+        (no output lost), then the youngest (the least decode thrown away). Each is a
+        ``Preempt``; the credits it frees admit the waiting requests at once."""
+        n = self.admission.p2_to_reclaim()
+        if n <= 0:
+            return []
+        p2 = [
+            r
+            for r in self._requests.values()
+            if (t := r.ticket) is not None
+            and t.priority == Priority.P2
+            and t.lane == "class"  # a bypass credit would free nothing a class waits for
+            and r.node is not None
+        ]
+        p2.sort(key=lambda r: (r.first_byte, -r.sent_at))
+        cfg = self.config.admission
+        out: list[Decision] = []
+        for record in p2[:n]:
+            node = record.node
+            assert node is not None
+            del self._requests[record.request_id]
+            rejected = make_rejection(
+                RejectReason.PREEMPTED,
+                "This P2 request was ended to give its capacity back to higher-priority "
+                "requests; retry later.",
+                request_id=record.request_id,
+                retry_after_s=cfg.reclaim_retry_after_s,
+            )
+            self.stats.rejects[RejectReason.PREEMPTED.value] += 1
+            self.admission.count_rejection(RejectReason.PREEMPTED, Priority.P2)
+            out.append(
+                Preempt(request_id=record.request_id, node_id=node.spec.node_id, rejected=rejected)
+            )
+            out.extend(self._close(record, now))
         return out
 
     # ------------------------------------------------------------------ leases
@@ -742,7 +783,8 @@ class Controller:
         return self.admission.make_refresh(now)
 
     def on_lease(self, grant: LeaseGrant, now: float) -> list[Decision]:
-        return self._after_release(self.admission.apply_grant(grant, now), now)
+        out = self._after_release(self.admission.apply_grant(grant, now), now)
+        return out + self._reclaim_p2(now)
 
     def on_refresh_failed(self, now: float) -> list[Decision]:
         self.admission.refresh_failed(now)

@@ -52,4 +52,15 @@ class Fail:
     node_id: NodeId | None = None
 
 
-Decision = Dispatch | Hold | Reject | Fail
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Preempt:
+    """Stop this dispatched P2 request (abort it at ``node_id``) and end it for the
+    client with ``rejected`` (PREEMPTED): a P0 or P1 request needs the credit it held
+    beyond its class's share. The core has already let the credit go."""
+
+    request_id: RequestId
+    node_id: NodeId
+    rejected: Rejected
+
+
+Decision = Dispatch | Hold | Reject | Fail | Preempt

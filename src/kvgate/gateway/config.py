@@ -36,7 +36,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from kvgate.core.admission import AdmissionConfig, ClassConfig, LeaseConfig, RetryBudget
+from kvgate.core.admission import (
+    AdmissionConfig,
+    ClassConfig,
+    LeaseConfig,
+    RetryBudget,
+    SloConfig,
+)
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 
@@ -210,6 +216,12 @@ class AdmissionSection:
     # fleet under load may raise it, since every refresh serialises on one key
     early_refresh_min_interval_s: float = 0.05
     tick_interval_s: float = 0.05  # controller.tick and the lease refresh check
+    # P2 (idle capacity only): end P2 requests while P0 / P1 wait for the credits it
+    # borrowed (503 preempted, or an error event mid-stream); false: let them run out
+    reclaim_p2: bool = True
+    # P2's share of the idle capacity at start-up and after a P0 SLO breach, doubled
+    # every healthy 10 s window (1.0: all of it at once)
+    p2_start: float = 0.1
     # inprocess: one gateway (the default); redis: a fleet sharing one budget through
     # the lease state under redis_key (every gateway needs its own server.gateway_id)
     coordinator: Literal["inprocess", "redis"] = "inprocess"
@@ -256,6 +268,8 @@ class AdmissionSection:
             tenant_quotas=dict(self.tenant_quotas),
             default_tenant_quota=self.default_tenant_quota,
             retry=RetryBudget(ratio=self.retry_budget_ratio, minimum=self.retry_budget_min),
+            reclaim_p2=self.reclaim_p2,
+            slo=SloConfig(p2_start=self.p2_start),
             lease=LeaseConfig(
                 ttl_s=self.lease_ttl_s,
                 refresh_s=self.lease_refresh_s,

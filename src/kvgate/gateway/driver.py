@@ -15,6 +15,11 @@ Rules:
   says its node went down (``take_aborts``, after a health mark or an ejection), the
   driver expires that handle: the attempt ends at once with ``TimeoutError`` and the
   relay reports it as ``NODE_DOWN``, which the core retries elsewhere or fails.
+* A P2 attempt runs inside a second handle (:meth:`Driver.preemptible`), from its
+  send to the end of its answer. When the core ends the request to give its credit
+  back (``Preempt``, from ``tick`` or ``on_lease``) the driver expires that handle;
+  the relay aborts the upstream request and answers the client 503 ``preempted`` or,
+  mid-stream, with an error event (:meth:`Driver.take_preempted` says why).
 * The lease loop (:meth:`Driver.run`) ticks the controller every
   ``admission.tick_interval_s`` (queue deadlines, lease transitions, ejection
   expiry) and refreshes the lease when ``refresh_due`` says so, through a
@@ -38,11 +43,12 @@ from kvgate.core.admission import (
     FailureKind,
     LeaseGrant,
     RefreshRequest,
+    Rejected,
     RejectReason,
     make_rejection,
 )
 from kvgate.core.controller import Controller
-from kvgate.core.decisions import Decision, Dispatch, Hold, Reject
+from kvgate.core.decisions import Decision, Dispatch, Hold, Preempt, Reject
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
 from kvgate.gateway.metrics_text import GatewayMetrics
@@ -160,6 +166,9 @@ class Driver:
         self.tick_interval_s = tick_interval_s
         self._waiters: dict[RequestId, asyncio.Future[Decision]] = {}
         self._guards: dict[RequestId, asyncio.Timeout] = {}
+        # P2 attempts the core may preempt, and those it did (until the relay takes them)
+        self._preemptible: dict[RequestId, asyncio.Timeout] = {}
+        self._preempted: dict[RequestId, Rejected] = {}
         self._refreshing: asyncio.Task[None] | None = None  # a remote refresh in flight
         # The index insert of a dispatched chain runs after the request went out (a
         # loop callback), not inside the decision; the core flushes it first whenever
@@ -218,6 +227,9 @@ class Driver:
             self._schedule_flush()
         while pending:
             d = pending.popleft()
+            if isinstance(d, Preempt):
+                self._preempt(d)
+                continue
             fut = self._waiters.pop(d.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(d)
@@ -268,8 +280,31 @@ class Driver:
         if handle is not None:  # None: its answer is already coming in, let it be
             handle.reschedule(asyncio.get_running_loop().time())
 
+    # ------------------------------------------------------------------ preemption
+    def preemptible(self, rid: RequestId, handle: asyncio.Timeout) -> None:
+        """The attempt ``rid`` runs inside ``handle`` (entered) until
+        :meth:`unpreemptible`; a request preempted before its attempt began ends at once."""
+        if rid in self._preempted:
+            handle.reschedule(asyncio.get_running_loop().time())
+        else:
+            self._preemptible[rid] = handle
+
+    def unpreemptible(self, rid: RequestId) -> None:
+        self._preemptible.pop(rid, None)
+
+    def take_preempted(self, rid: RequestId) -> Rejected | None:
+        """Why ``rid`` was preempted (None: it was not); forgets it."""
+        return self._preempted.pop(rid, None)
+
+    def _preempt(self, d: Preempt) -> None:
+        self._preempted[d.request_id] = d.rejected
+        handle = self._preemptible.pop(d.request_id, None)
+        if handle is not None:  # None: its attempt has not begun; preemptible() ends it
+            handle.reschedule(asyncio.get_running_loop().time())
+
     def cancel(self, rid: RequestId) -> None:
         """The client went away (or gave up waiting): forget it, free its credit."""
+        self._preempted.pop(rid, None)
         fut = self._waiters.pop(rid, None)
         if fut is not None and not fut.done():
             fut.cancel()

@@ -153,6 +153,7 @@ class CompletionsHandler:
             stream=parsed.stream,
             wants_usage=parsed.include_usage,
             headers=headers,
+            priority=priority,
         )
         return await self.relay.run(request, flight, arrived)
 

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvgate.core.admission import FailureKind
+from kvgate.core.admission import FailureKind, Rejected
 from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
 from kvgate.core.errors import InvariantViolation
 from kvgate.core.events import RequestArrived
@@ -82,9 +82,11 @@ class Flight:
     stream: bool
     wants_usage: bool  # the client asked for the usage chunk itself
     headers: dict[str, str]
+    priority: int = 1  # P2 attempts are preemptible
     done: bool = False  # the core has seen this request's terminal event
     node: NodeId | None = None
     reason: str = ""
+    response: web.StreamResponse | None = None  # the client's stream, once it began
 
 
 class StreamFilter:
@@ -193,6 +195,46 @@ class Relay:
     async def _attempt(
         self, request: web.Request, flight: Flight, dispatch: Dispatch
     ) -> web.StreamResponse | Decision:
+        """One attempt; the core may preempt it (P2 only) from send to the answer's end:
+        the driver then expires ``scope``, the upstream response is closed (which
+        aborts the engine's work) and the client is told."""
+        if flight.priority != 2:
+            return await self._attempt_once(request, flight, dispatch)
+        scope = asyncio.timeout(None)
+        try:
+            async with scope:
+                self.driver.preemptible(flight.rid, scope)
+                try:
+                    return await self._attempt_once(request, flight, dispatch)
+                finally:
+                    self.driver.unpreemptible(flight.rid)
+        except TimeoutError:
+            rejected = self.driver.take_preempted(flight.rid)
+            if rejected is None or not scope.expired():
+                raise
+            return await self._preempted(request, flight, rejected)
+
+    async def _preempted(
+        self, request: web.Request, flight: Flight, rejected: Rejected
+    ) -> web.StreamResponse:
+        """The core ended this P2 request (its credit is already given back): 503 with
+        Retry-After if the client has seen nothing, else an error event ends the stream."""
+        flight.done = True
+        out = flight.response
+        if out is None or not out.prepared:
+            return reject_response(rejected, self._headers(flight))
+        send = _ClientWriter(request, out, self.write_timeout_s)
+        try:
+            await send(error_event(rejected.message, code=rejected.reason.value))
+            await send(None)
+        except ConnectionResetError:  # the client is gone as well
+            self.metrics.client_disconnects += 1
+            request[CLIENT_GONE] = True
+        return out
+
+    async def _attempt_once(
+        self, request: web.Request, flight: Flight, dispatch: Dispatch
+    ) -> web.StreamResponse | Decision:
         flight.node = dispatch.node_id
         flight.reason = dispatch.route.reason.value
         self.metrics.attempts[dispatch.node_id] += 1
@@ -296,7 +338,7 @@ class Relay:
         headers = self._headers(flight)
         headers["Content-Type"] = resp.headers.get("Content-Type", "text/event-stream")
         headers["Cache-Control"] = "no-cache"
-        out = web.StreamResponse(status=200, headers=headers)
+        out = flight.response = web.StreamResponse(status=200, headers=headers)
         try:
             await self._pump(request, flight, content, chunk, out)
         except ConnectionResetError:  # the client went away; run() forgets the request

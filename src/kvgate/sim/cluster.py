@@ -40,7 +40,7 @@ from functools import partial
 from kvgate.core.admission import FailureKind, InProcessCoordinator
 from kvgate.core.config import ControllerConfig
 from kvgate.core.controller import Controller
-from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Reject
+from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Preempt, Reject
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId, TenantId
 from kvgate.core.nodes import NodeSpec
@@ -257,8 +257,24 @@ class SimCluster:
                 self._end(d.request_id, "rejected", d.rejected.reason.value, now)
             elif isinstance(d, Fail):
                 self._end(d.request_id, "failed", d.reason, now)
+            elif isinstance(d, Preempt):
+                self._preempt(d, now)
             elif isinstance(d, Hold):
                 pass  # the controller dispatches or rejects it later
+
+    def _preempt(self, d: Preempt, now: float) -> None:
+        """The gateway ended a running P2 request: abort it at its node (the engine frees
+        its blocks and batch slot) and end it rejected, whatever it had streamed."""
+        out = self.outcomes[d.request_id]
+        att = self._attempts.pop(f"{d.request_id}#{out.attempts}", None)
+        if att is not None and not att.done:
+            att.done = True
+            node = self.nodes[att.node]
+            if not node.crashed:
+                self._settle(node)
+                node.engine.abort(f"{d.request_id}#{out.attempts}", now)
+                self._kick(node)
+        self._end(d.request_id, "rejected", d.rejected.reason.value, now)
 
     def _end(self, request_id: str, status: str, reason: str, now: float) -> None:
         out = self.outcomes[request_id]

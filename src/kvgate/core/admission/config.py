@@ -105,6 +105,12 @@ class AdmissionConfig:
     tenant_quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> max concurrency
     default_tenant_quota: int | None = None  # unknown tenants; None = unlimited
     tenant_retry_after_s: float = 1.0  # Retry-After on TENANT_QUOTA
+    # P2 borrows idle credits and holds each for its request's whole life; while P0 or
+    # P1 requests wait here for credits P2 holds beyond its share, end as many P2
+    # requests (those that have sent the client nothing first, then the youngest):
+    # PREEMPTED, 503 with Retry-After (Kueue's reclaimWithinCohort at request scale)
+    reclaim_p2: bool = True
+    reclaim_retry_after_s: float = 5.0
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     safe_mode: SafeModeConfig = field(default_factory=SafeModeConfig)
@@ -154,6 +160,8 @@ def _validate(cfg: AdmissionConfig) -> None:
             raise ConfigError(f"P{i} lendable must be in [0, 1], got {c.lendable}")
         if c.queue_limit < 0 or c.queue_timeout_s <= 0.0:
             raise ConfigError(f"P{i} queue limit must be >= 0 and timeout > 0")
+    if cfg.reclaim_retry_after_s < 0.0:
+        raise ConfigError("reclaim_retry_after_s must be >= 0", param="reclaim_retry_after_s")
     if not 0.0 <= cfg.bypass_fraction <= 0.5:
         raise ConfigError(f"bypass_fraction must be in [0, 0.5], got {cfg.bypass_fraction}")
     quotas = list(cfg.tenant_quotas.values())

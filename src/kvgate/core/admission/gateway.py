@@ -185,6 +185,17 @@ class GatewayAdmission(Stage1Limiter):
         """Requests waiting per class: queued, or parked awaiting a grant."""
         return [q.size + a.size for q, a in zip(self._queues, self._awaiting, strict=True)]
 
+    def p2_to_reclaim(self) -> int:
+        """How many P2 requests to end now (``reclaim_p2``): as many as P2 holds beyond its
+        cap (the grant shrank as P0 / P1 demand grew; in safe mode it is 0), at most as
+        many as P0 and P1 requests wait here for a credit (P1 only up to its own cap)."""
+        over = self._inuse[2] - self._caps[2]
+        if over <= 0 or not self.config.reclaim_p2:
+            return 0
+        queues, inuse, caps = self._queues, self._inuse, self._caps
+        waiting = queues[0].size + min(queues[1].size, max(0, caps[1] - inuse[1]))
+        return min(over, waiting)
+
     def count_rejection(self, reason: RejectReason, priority: Priority) -> None:
         """Count a request turned away after stage 1 (routing found no node for it), so
         the rejection counters see every request the gateway refused."""

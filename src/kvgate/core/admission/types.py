@@ -54,6 +54,7 @@ class RejectReason(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     OVERLOADED = "overloaded"
     DEGRADED = "degraded"
+    PREEMPTED = "preempted"  # a P2 request ended to give P0 / P1 back what it borrowed
 
 
 REJECT_HTTP_STATUS: Mapping[RejectReason, int] = {
@@ -64,6 +65,7 @@ REJECT_HTTP_STATUS: Mapping[RejectReason, int] = {
     RejectReason.QUEUE_TIMEOUT: 429,
     RejectReason.OVERLOADED: 503,
     RejectReason.DEGRADED: 503,
+    RejectReason.PREEMPTED: 503,
 }
 
 REJECT_RETRYABLE: Mapping[RejectReason, bool] = {
@@ -74,6 +76,7 @@ REJECT_RETRYABLE: Mapping[RejectReason, bool] = {
     RejectReason.QUEUE_TIMEOUT: False,
     RejectReason.OVERLOADED: False,
     RejectReason.DEGRADED: True,
+    RejectReason.PREEMPTED: True,
 }
 
 
