@@ -19,7 +19,8 @@
      conservation), but while the SLO loop holds P1 back (ceiling < 1) only its own
      grant;
    - P2 only its own grant (which the coordinator gives from idle capacity only) and
-     never P0's reserve, so P0 arrivals never wait for P2;
+     never P0's reserve; when P0 outgrows its reserve while P2 holds credits beyond a
+     grant that shrank, the controller reclaims them (``p2_to_reclaim``);
 
    -> Admitted, else Queued (P2 in SAFE mode: DEGRADED).
 
