@@ -96,3 +96,15 @@ def test_class_budgets_float_noise_does_not_add_a_credit() -> None:
     cb = class_budgets(capacity=100, shares=SHARES, lendable=LENDABLE, demand=(0, 0, 0))
     assert cb.nominal == (70, 30, 0)  # 100 x 0.7 = 70.00000000000001 in floats
     assert cb.reserve == (35, 0, 0)
+
+
+def test_p2_on_at_a_small_ceiling_still_gets_one_credit() -> None:
+    """A slow start's first tenth of a small budget rounds down to no credit: P2 on
+    means at least one (P2 off, ceiling 0, still none)."""
+    kw = {"capacity": 7, "shares": (0.7, 0.3, 0.0), "lendable": (0.5, 1.0, 1.0)}
+    on = class_budgets(demand=(0, 0, 5), ceilings=(1.0, 1.0, 0.1), **kw)  # type: ignore[arg-type]
+    assert on.caps[2] == 1 and on.budgets[2] == 1
+    off = class_budgets(demand=(0, 0, 5), ceilings=(1.0, 1.0, 0.0), **kw)  # type: ignore[arg-type]
+    assert off.caps[2] == 0 and off.budgets[2] == 0
+    full = class_budgets(demand=(0, 0, 5), ceilings=(1.0, 1.0, 1.0), **kw)  # type: ignore[arg-type]
+    assert full.caps[2] == 4  # 7 less P0's reserve of 3 (P1 lends all of its share)

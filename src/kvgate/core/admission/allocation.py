@@ -107,7 +107,10 @@ def class_budgets(
         ceil_fraction(nominal[2], 1.0 - lendable[2]),
     )
     cap1 = floor_fraction(max(0, k - reserve[0]), min(1.0, ceilings[1]))
-    cap2 = floor_fraction(max(0, k - reserve[0] - reserve[1]), min(1.0, ceilings[2]))
+    room2 = max(0, k - reserve[0] - reserve[1])
+    cap2 = floor_fraction(room2, min(1.0, ceilings[2]))
+    if ceilings[2] > 0.0 and room2:
+        cap2 = max(1, cap2)  # P2 on (a slow start's first tenth of a small K): one at least
     caps = (k, cap1, cap2)
     want = [min(max(0, demand[c]), caps[c]) for c in range(3)]
     ceil_use = (1.0, ceilings[1], ceilings[2])
