@@ -66,6 +66,19 @@ def test_state_keeps_records_tenants_learning_and_slo() -> None:
     assert again.records["g"].inuse == (1, 2, 0)
 
 
+def test_p2_slow_start_survives_the_store_and_reads_the_version_before() -> None:
+    cfg = AdmissionConfig(budget=10)
+    coord = InProcessCoordinator(cfg)
+    coord.slo.p2_ceiling = 0.4  # half-way through a slow start
+    data = json.loads(json.dumps(dump_state(coord)))
+    assert load_state(cfg, data).slo.ceilings[2] == 0.4
+    assert data["slo"]["p2_on"] is True  # what a gateway of the version before reads
+    for on, ceiling in ((True, 1.0), (False, 0.0)):  # written by that version: no ramp
+        old = {**data, "slo": {k: v for k, v in data["slo"].items() if k != "p2_ceiling"}}
+        old["slo"]["p2_on"] = on
+        assert load_state(cfg, old).slo.ceilings[2] == ceiling
+
+
 def test_a_state_of_another_version_is_refused() -> None:
     data = dump_state(InProcessCoordinator(AdmissionConfig(budget=10)))
     data["v"] = 99

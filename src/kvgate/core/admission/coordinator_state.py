@@ -21,10 +21,10 @@ from kvgate.core.admission.coordinator import GatewayRecord, InProcessCoordinato
 from kvgate.core.admission.types import TenantUsage, Triple
 from kvgate.core.errors import ConfigError
 
-STATE_VERSION = 2  # 2: the SLO loop keeps P2's ceiling (a fraction), not an on/off flag
+STATE_VERSION = 1
 
 _SLO_FIELDS = (
-    "p1_ceiling", "p2_ceiling", "breach_streak", "healthy_streak", "windows", "decreases",
+    "p1_ceiling", "breach_streak", "healthy_streak", "windows", "decreases",
     "increases",
 )
 
@@ -38,7 +38,13 @@ def dump_state(coord: InProcessCoordinator) -> dict[str, Any]:
         "capacity": coord.capacity,
         "learning_until": coord.learning_until,
         "refreshes": coord.refreshes,
-        "slo": {name: getattr(coord.slo, name) for name in _SLO_FIELDS},
+        "slo": {
+            **{name: getattr(coord.slo, name) for name in _SLO_FIELDS},
+            # P2's ceiling is a fraction now (slow start); "p2_on" is kept for gateways
+            # of the version before, which read only that (a rolling upgrade)
+            "p2_on": coord.slo.p2_on,
+            "p2_ceiling": coord.slo.p2_ceiling,
+        },
         "slo_seen": dict(coord.slo_seen),
         "slo_pending": dict(coord.slo_pending),
         "slo_next": coord.slo_next,
@@ -59,8 +65,11 @@ def load_state(config: AdmissionConfig, data: Mapping[str, Any]) -> InProcessCoo
     coord.capacity = int(data["capacity"])
     coord.learning_until = float(data["learning_until"])
     coord.refreshes = int(data["refreshes"])
+    slo = data["slo"]
     for name in _SLO_FIELDS:
-        setattr(coord.slo, name, data["slo"][name])
+        setattr(coord.slo, name, slo[name])
+    # written by a gateway of the version before: on or off, no slow start
+    coord.slo.p2_ceiling = float(slo.get("p2_ceiling", 1.0 if slo["p2_on"] else 0.0))
     coord.slo_seen.update({str(k): int(v) for k, v in data["slo_seen"].items()})
     coord.slo_pending.update(
         {str(k): (None if v is None else float(v)) for k, v in data["slo_pending"].items()}
