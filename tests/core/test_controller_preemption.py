@@ -13,12 +13,12 @@ from kvgate.core.ids import NodeId, RequestId
 from kvgate.core.nodes import NodeSpec
 
 
-def _cluster(**adm: object) -> tuple[Controller, InProcessCoordinator]:
+def _cluster(capacity: int = 64, **adm: object) -> tuple[Controller, InProcessCoordinator]:
     # budget 4, no bypass pool: P0's unlendable reserve is 2, P2 may borrow the other 2
     cfg = AdmissionConfig(budget=4, bypass_fraction=0.0, slo=SloConfig(p2_start=1.0), **adm)  # type: ignore[arg-type]
     ctl = Controller(ControllerConfig(hasher="trace", admission=cfg), rng=random.Random(1))
     for i in range(2):
-        ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}")), 0.0)
+        ctl.add_node(NodeSpec(node_id=NodeId(f"n{i}"), capacity=capacity), 0.0)
         ctl.on_load_report(NodeId(f"n{i}"), waiting=0, running=0, kv_util=0.0, now=0.0)
     coord = InProcessCoordinator(cfg)
     ctl.refresh_with(coord, 0.0)
@@ -73,3 +73,21 @@ def test_no_preemption_when_reclaim_is_off() -> None:
     assert isinstance(_arrive(ctl, "e", 0, 0.6), Hold)
     out = ctl.refresh_with(coord, 0.62) + ctl.tick(0.63)
     assert not out and ctl.stats.rejects["preempted"] == 0
+
+
+def test_no_preemption_that_would_let_nobody_in() -> None:
+    """Half the cluster goes down: the budget falls to 2 with 4 credits in use. Ending
+    both P2 requests would leave the waiting P0 request no room, so none is ended."""
+    ctl, coord = _cluster(capacity=2)
+    _fill(ctl, coord)
+    ctl.set_healthy(NodeId("n1"), False, 0.55)
+    assert isinstance(_arrive(ctl, "e", 0, 0.6), Hold)
+    out = ctl.refresh_with(coord, 0.62) + ctl.tick(0.63) + ctl.tick(0.7)
+    assert not [d for d in out if isinstance(d, Preempt)]
+    assert ctl.admission.p2_to_reclaim() == 0
+    # a P0 request ends: 3 in use of 2, and ending both P2 requests now makes room
+    ctl.on_finished(RequestId("c"), 0.8, cached_tokens=0)
+    out = ctl.tick(0.81)
+    assert [(type(d).__name__, d.request_id) for d in out] == [
+        ("Preempt", "a"), ("Preempt", "b"), ("Dispatch", "e")
+    ]

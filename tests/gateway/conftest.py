@@ -43,7 +43,8 @@ class StubEngine:
     body over the gateway's 64 KiB pass-through limit), redirect (a 308), die-mid-stream,
     slow (a long stream / a long wait), hang (never answers), stall (a stream's
     headers, then nothing), burst (a long stream written at once, then no end),
-    firehose (a stream that never ends, written as fast as it is taken).
+    firehose (a stream that never ends, written as fast as it is taken), done-then-wait
+    (a stream whose body ends 50 ms after its ``[DONE]``).
     """
 
     name: str
@@ -238,6 +239,8 @@ class StubEngine:
             }
             await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
+        if self.mode == "done-then-wait":  # the end of the body comes a moment later
+            await asyncio.sleep(0.05)
         await resp.write_eof()
         return resp
 

@@ -113,6 +113,7 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"admission": {"tenant_confine_s": -1}}, "admission.tenant_confine_s must be a finite"),
     ({"admission": {"p2_start": 0}}, "slo: p2_start must be in (0, 1]"),
     ({"admission": {"reclaim_p2": "sometimes"}}, "reclaim_p2"),
+    ({"admission": {"reclaim_retry_after_s": -1}}, "reclaim_retry_after_s must be >= 0"),
 ])
 def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
                                              tmp_path: Path) -> None:
@@ -215,11 +216,12 @@ def test_lease_settings_from_yaml_and_env_reach_the_core(tmp_path: Path) -> None
 
 def test_p2_settings_from_yaml_reach_the_core(tmp_path: Path) -> None:
     path = tmp_path / "gw.yaml"
-    path.write_text("admission: {reclaim_p2: false, p2_start: 0.5}\n")
+    path.write_text("admission: {reclaim_p2: false, p2_start: 0.5, reclaim_retry_after_s: 2}\n")
     adm = load_config(path, env={}).controller_config().admission
-    assert (adm.reclaim_p2, adm.slo.p2_start) == (False, 0.5)
+    assert (adm.reclaim_p2, adm.slo.p2_start, adm.reclaim_retry_after_s) == (False, 0.5, 2.0)
     default = GatewayConfig().controller_config().admission
-    assert (default.reclaim_p2, default.slo.p2_start) == (True, 0.1)
+    assert (default.reclaim_p2, default.slo.p2_start, default.reclaim_retry_after_s) == (
+        True, 0.1, 5.0)
 
 
 def test_tenant_confinement_from_yaml_reaches_the_core(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
@@ -89,5 +90,72 @@ def test_no_preemption_when_reclaim_p2_is_off(kit: Any) -> None:
             assert _preempted(c) == 0 and not opened[1].content.at_eof()
             for r in opened:
                 r.close()
+
+    kit.run(body())
+
+
+def _preempt_now(ctl: Any, rid: str) -> list[Any]:
+    """What the controller's reclaim does to one P2 request, at an awkward moment."""
+    from kvgate.core.admission import RejectReason, make_rejection
+    from kvgate.core.decisions import Preempt
+
+    record = ctl._requests.pop(rid)
+    rejected = make_rejection(RejectReason.PREEMPTED, "preempted", request_id=rid)
+    node = record.node.spec.node_id
+    return [Preempt(request_id=rid, node_id=node, rejected=rejected), *ctl._close(record, 0.0)]
+
+
+def test_a_preemption_landing_after_the_stream_ended_changes_nothing(
+    kit: Any, caplog: Any
+) -> None:
+    """The core ends the request just as its [DONE] went out: the client keeps its whole
+    answer, nothing is written after the end (no error logged), and the driver keeps no
+    record of it."""
+
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "done-then-wait"}, admission=ADMISSION) as c:
+            drv = c.gw.gateway.driver
+            finish = drv.finish
+
+            def finish_after_a_preemption(rid: Any, cached: Any) -> None:
+                drv.apply(_preempt_now(drv.controller, rid))
+                finish(rid, cached)
+
+            drv.finish = finish_after_a_preemption
+            status, _, raw = await c.post("/v1/completions", _body(kit, 0, True),
+                                          {"X-Kvgate-Priority": "2"})
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+            assert b"preempted" not in raw
+            await kit.eventually(lambda: not drv._preempted and not drv._preemptible)
+
+    with caplog.at_level(logging.ERROR, logger="kvgate"):
+        kit.run(body())
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_request_preempted_with_its_dispatch_is_never_sent(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(1, admission=ADMISSION) as c:
+            drv = c.gw.gateway.driver
+            ctl = drv.controller
+            on_lease = ctl.on_lease
+
+            def with_a_preemption(grant: Any, now: float) -> list[Any]:
+                out = on_lease(grant, now)
+                p2 = [d.request_id for d in out if d.request_id in ctl._requests
+                      and ctl._requests[d.request_id].ticket.priority == 2]
+                return out + [x for rid in p2 for x in _preempt_now(ctl, rid)]
+
+            ctl.on_lease = with_a_preemption
+            # a pooled upstream connection: a request would go out before any suspension
+            status, _, _ = await c.post("/v1/completions", _body(kit, 0, False),
+                                        {"X-Kvgate-Priority": "0"})
+            assert status == 200 and c.stubs[0].attempts == 1
+            # the first P2 request waits for a grant; the Dispatch and the Preempt come
+            # out of the same refresh
+            status, _, raw = await c.post("/v1/completions", _body(kit, 1, False),
+                                          {"X-Kvgate-Priority": "2"})
+            assert status == 503 and json.loads(raw)["error"]["code"] == "preempted"
+            assert c.stubs[0].attempts == 1 and not drv._preempted
 
     kit.run(body())

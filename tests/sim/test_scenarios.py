@@ -182,3 +182,21 @@ def test_p2_gives_back_borrowed_credits_to_waiting_p0_requests() -> None:
     _, without = flood(False)
     assert "preempted" not in without["rejects_by_reason"]
     assert p0_p99 < 1.0 < 2 * p0_p99 < without["by_priority"]["P0"]["ttft_p99_s"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_p2_request_preempted_on_its_way_to_the_node_is_not_submitted(seed: int) -> None:
+    """With 20 ms of network, a P2 request just dispatched (the first chosen: it has
+    sent nothing) can be preempted before its submit arrives; the submit then finds no
+    attempt and does nothing. Every request still ends exactly once."""
+    adm = AdmissionConfig(budget=128, slo=SloConfig(p2_start=1.0))
+    cfg = replace(
+        config(),
+        network_delay_s=0.02,
+        controller=ControllerConfig(hasher="trace", admission=adm),
+    )
+    w = shared_prefix_groups(rng=SeededRng(seed), arrivals=16.0, num_groups=10,
+                             prompts_per_group=40)
+    cluster, rep = run(SCENARIOS["p2_flood"](w, cfg, SeededRng(seed + 1)))
+    assert rep["rejects_by_reason"].get("preempted", 0) > 0
+    assert rep["completed"] + rep["rejected"] + rep["failed"] == len(cluster.outcomes)

@@ -219,6 +219,7 @@ class AdmissionSection:
     # P2 (idle capacity only): end P2 requests while P0 / P1 wait for the credits it
     # borrowed (503 preempted, or an error event mid-stream); false: let them run out
     reclaim_p2: bool = True
+    reclaim_retry_after_s: float = 5.0  # Retry-After on a P2 request so ended
     # P2's share of the idle capacity at start-up and after a P0 SLO breach, doubled
     # every healthy 10 s window (1.0: all of it at once)
     p2_start: float = 0.1
@@ -269,6 +270,7 @@ class AdmissionSection:
             default_tenant_quota=self.default_tenant_quota,
             retry=RetryBudget(ratio=self.retry_budget_ratio, minimum=self.retry_budget_min),
             reclaim_p2=self.reclaim_p2,
+            reclaim_retry_after_s=self.reclaim_retry_after_s,
             slo=SloConfig(p2_start=self.p2_start),
             lease=LeaseConfig(
                 ttl_s=self.lease_ttl_s,

@@ -282,12 +282,10 @@ class Driver:
 
     # ------------------------------------------------------------------ preemption
     def preemptible(self, rid: RequestId, handle: asyncio.Timeout) -> None:
-        """The attempt ``rid`` runs inside ``handle`` (entered) until
-        :meth:`unpreemptible`; a request preempted before its attempt began ends at once."""
-        if rid in self._preempted:
-            handle.reschedule(asyncio.get_running_loop().time())
-        else:
-            self._preemptible[rid] = handle
+        """The attempt ``rid`` runs inside ``handle`` (entered) until :meth:`unpreemptible`
+        (the relay asks :meth:`take_preempted` first: a request preempted before its
+        attempt began is never sent)."""
+        self._preemptible[rid] = handle
 
     def unpreemptible(self, rid: RequestId) -> None:
         self._preemptible.pop(rid, None)

@@ -174,6 +174,8 @@ class Relay:
             if not flight.done:
                 flight.done = True
                 self.driver.cancel(flight.rid)
+            elif flight.priority == 2:  # a preemption that landed after the answer ended
+                self.driver.take_preempted(flight.rid)
 
     def _headers(self, flight: Flight) -> dict[str, str]:
         headers = {REQUEST_ID_HEADER: flight.client_rid}
@@ -200,6 +202,9 @@ class Relay:
         aborts the engine's work) and the client is told."""
         if flight.priority != 2:
             return await self._attempt_once(request, flight, dispatch)
+        rejected = self.driver.take_preempted(flight.rid)
+        if rejected is not None:  # preempted with (or before) its Dispatch: never sent
+            return await self._preempted(request, flight, rejected)
         scope = asyncio.timeout(None)
         try:
             async with scope:
@@ -212,6 +217,10 @@ class Relay:
             rejected = self.driver.take_preempted(flight.rid)
             if rejected is None or not scope.expired():
                 raise
+            if flight.done and flight.response is not None:
+                # the answer had reached its end (the core no longer knew the request)
+                # before the preemption landed: nothing more goes to the client
+                return flight.response
             return await self._preempted(request, flight, rejected)
 
     async def _preempted(

@@ -344,7 +344,9 @@ class SimCluster:
 
     # ------------------------------------------------------------------ nodes
     def _submit(self, eid: str) -> None:
-        att = self._attempts[eid]
+        att = self._attempts.get(eid)
+        if att is None or att.done:  # preempted on its way to the node
+            return
         node = self.nodes[att.node]
         now = self.loop.now
         if node.crashed:

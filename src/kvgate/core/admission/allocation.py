@@ -92,7 +92,8 @@ def class_budgets(
 
     P0 may take everything (its ceiling is ignored); P1 never P0's reserve and at most
     ceiling[1] x (K - reserve[0]); P2 never P0's or P1's reserve, and only what is
-    left once P0 and P1 have their demand (ceiling[2] is 0 or 1: off or on).
+    left once P0 and P1 have their demand, at most ceiling[2] of that room (0: off; a
+    slow start's fraction; at least one credit when on and there is room).
     The caller folds P0's standing reserve into ``demand[0]`` if it wants one.
     """
     k = max(0, capacity)

@@ -69,7 +69,10 @@ def load_state(config: AdmissionConfig, data: Mapping[str, Any]) -> InProcessCoo
     for name in _SLO_FIELDS:
         setattr(coord.slo, name, slo[name])
     # written by a gateway of the version before: on or off, no slow start
-    coord.slo.p2_ceiling = float(slo.get("p2_ceiling", 1.0 if slo["p2_on"] else 0.0))
+    if "p2_ceiling" in slo:
+        coord.slo.p2_ceiling = float(slo["p2_ceiling"])
+    else:
+        coord.slo.p2_ceiling = 1.0 if slo["p2_on"] else 0.0
     coord.slo_seen.update({str(k): int(v) for k, v in data["slo_seen"].items()})
     coord.slo_pending.update(
         {str(k): (None if v is None else float(v)) for k, v in data["slo_pending"].items()}

@@ -41,6 +41,8 @@ from kvgate.core.admission.types import (
 )
 from kvgate.core.errors import InvariantViolation
 
+_CLOSED = BreakerState.CLOSED
+
 
 class GatewayAdmission(Stage1Limiter):
     """One per gateway. Single-threaded: call it from one event loop, no await inside."""
@@ -186,15 +188,41 @@ class GatewayAdmission(Stage1Limiter):
         return [q.size + a.size for q, a in zip(self._queues, self._awaiting, strict=True)]
 
     def p2_to_reclaim(self) -> int:
-        """How many P2 requests to end now (``reclaim_p2``): as many as P2 holds beyond its
-        cap (the grant shrank as P0 / P1 demand grew; in safe mode it is 0), at most as
-        many as P0 and P1 requests wait here for a credit (P1 only up to its own cap)."""
+        """How many P2 requests to end now (``reclaim_p2``): the fewest that let in as
+        many of the P0 and P1 requests waiting here as P2's credits beyond its cap can
+        (the grant shrank as their demand grew; in safe mode the cap is 0). None while
+        the breaker is not closed, nor when ending them would let nobody in (the total
+        shrank below what is in use; the credits freed are P0's reserve and only P1
+        waits; P1 is at its own cap)."""
         over = self._inuse[2] - self._caps[2]
-        if over <= 0 or not self.config.reclaim_p2:
+        if over <= 0 or not self.config.reclaim_p2 or self._breaker.state is not _CLOSED:
             return 0
-        queues, inuse, caps = self._queues, self._inuse, self._caps
-        waiting = queues[0].size + min(queues[1].size, max(0, caps[1] - inuse[1]))
-        return min(over, waiting)
+        if not (self._queues[0].size or self._queues[1].size):
+            return 0
+        most = self._admitted_with(over)
+        if most == 0:
+            return 0
+        lo, hi = 1, over  # the fewest that admit as many (admitted_with grows with k)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._admitted_with(mid) >= most:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _admitted_with(self, freed: int) -> int:
+        """The waiting P0 and P1 requests ``freed`` more free credits would admit (the
+        rules of ``_fits``: P0 any free credit, P1 never P0's unused reserve)."""
+        free = self._total - self._inuse_total + freed
+        p0 = min(self._queues[0].size, max(0, free))
+        reserve_left = max(0, self._reserve - self._inuse[0] - p0)
+        p1 = min(
+            self._queues[1].size,
+            max(0, self._caps[1] - self._inuse[1]),
+            max(0, free - p0 - reserve_left),
+        )
+        return p0 + p1
 
     def count_rejection(self, reason: RejectReason, priority: Priority) -> None:
         """Count a request turned away after stage 1 (routing found no node for it), so
