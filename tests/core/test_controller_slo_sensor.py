@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from kvgate.core.admission import AdmissionConfig, InProcessCoordinator, SloConfig
 from kvgate.core.config import ControllerConfig
@@ -36,3 +37,27 @@ def test_a_p0_wait_in_the_gateway_queue_counts_in_the_slo_ttft() -> None:
     report = ctl.admission.make_refresh(10.5)  # window [0, 10) closed: a (0.1 s) and b
     assert report.p0_ttft_window == 0 and report.p0_ttft_p99_s is not None
     assert 3.0 <= report.p0_ttft_p99_s <= 3.0 * 1.02  # the 2 % bucket's edge; not 0.1 s
+
+
+def test_a_p0_request_that_timed_out_in_the_queue_counts_its_wait() -> None:
+    """Turned away after 1 s in the queue, it never had a first token; the loop must
+    still see that wait (it is the worst a client had), not only the fast ones."""
+    adm = AdmissionConfig(
+        budget=1, slo=SloConfig(min_samples=1),
+        classes=tuple(  # type: ignore[arg-type]
+            replace(c, queue_timeout_s=1.0) for c in AdmissionConfig().classes
+        ),
+    )
+    ctl = Controller(ControllerConfig(hasher="trace", admission=adm), rng=random.Random(1))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0"), capacity=1), 0.0)
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(adm), 0.0)
+    req = RequestArrived(request_id=RequestId("a"), priority=0, block_ids=(1,), prompt_tokens=64)
+    assert isinstance(ctl.on_arrival(req, 0.0), Dispatch)
+    ctl.on_first_byte(RequestId("a"), 0.1)
+    req_b = RequestArrived(request_id=RequestId("b"), priority=0, block_ids=(2,), prompt_tokens=64)
+    assert isinstance(ctl.on_arrival(req_b, 0.2), Hold)
+    out = ctl.tick(1.3)
+    assert [type(d).__name__ for d in out] == ["Reject"]
+    report = ctl.admission.make_refresh(10.5)
+    assert report.p0_ttft_p99_s is not None and report.p0_ttft_p99_s >= 1.0

@@ -95,6 +95,8 @@ _FAULTS = frozenset(
 )
 # The faults that count toward ejecting a node: all but NODE_DOWN (it is down already).
 _EJECTING_FAULTS = _FAULTS - {FailureKind.NODE_DOWN}
+# a queued request turned away for waiting too long, or pushed out of a full queue
+_GAVE_UP_WAITING = frozenset({RejectReason.QUEUE_TIMEOUT, RejectReason.QUEUE_FULL})
 
 
 @dataclass(slots=True)
@@ -732,6 +734,12 @@ class Controller:
                 record = self._requests.pop(RequestId(item.request_id), None)
                 if record is not None:
                     self.stats.rejects[item.reason.value] += 1
+                    if item.reason in _GAVE_UP_WAITING:
+                        # the SLO loop sees the longest waits too: a P0 request that
+                        # waited here until it was turned away counts its wait as TTFT
+                        self.admission.record_ttft(
+                            Priority(record.arrived.priority), now - record.arrived_at, now
+                        )
                     out.append(Reject(request_id=record.request_id, rejected=item))
         out.extend(self._after_release(admitted, now))
         out.extend(self._reclaim_p2(now))
