@@ -41,6 +41,7 @@ came in, aborts them (``take_aborts``) and reports each as
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -753,18 +754,18 @@ class Controller:
         n = self.admission.p2_to_reclaim()
         if n <= 0:
             return []
-        p2 = [
+        p2 = (
             r
             for r in self._requests.values()
             if (t := r.ticket) is not None
             and t.priority == Priority.P2
             and t.lane == "class"  # a bypass credit would free nothing a class waits for
             and r.node is not None
-        ]
-        p2.sort(key=lambda r: (r.first_byte, -r.sent_at))
+        )
+        victims = heapq.nsmallest(n, p2, key=lambda r: (r.first_byte, -r.sent_at))
         cfg = self.config.admission
         out: list[Decision] = []
-        for record in p2[:n]:
+        for record in victims:
             node = record.node
             assert node is not None
             del self._requests[record.request_id]

@@ -265,14 +265,14 @@ class SimCluster:
     def _preempt(self, d: Preempt, now: float) -> None:
         """The gateway ended a running P2 request: abort it at its node (the engine frees
         its blocks and batch slot) and end it rejected, whatever it had streamed."""
-        out = self.outcomes[d.request_id]
-        att = self._attempts.pop(f"{d.request_id}#{out.attempts}", None)
+        eid = f"{d.request_id}#{self.outcomes[d.request_id].attempts}"
+        att = self._attempts.pop(eid, None)
         if att is not None and not att.done:
             att.done = True
             node = self.nodes[att.node]
             if not node.crashed:
                 self._settle(node)
-                node.engine.abort(f"{d.request_id}#{out.attempts}", now)
+                node.engine.abort(eid, now)
                 self._kick(node)
         self._end(d.request_id, "rejected", d.rejected.reason.value, now)
 

@@ -197,8 +197,6 @@ class GatewayAdmission(Stage1Limiter):
         over = self._inuse[2] - self._caps[2]
         if over <= 0 or not self.config.reclaim_p2 or self._breaker.state is not _CLOSED:
             return 0
-        if not (self._queues[0].size or self._queues[1].size):
-            return 0
         most = self._admitted_with(over)
         if most == 0:
             return 0
