@@ -186,6 +186,8 @@ def test_bad_config() -> None:
         {"session_work_s": float("nan")},
         {"session_min_shared_s": -1.0},
         {"recent_work_tau_s": 0.0},
+        {"ttft_target_s": -1.0},
+        {"ttft_target_s": float("nan")},
     ):
         with pytest.raises(ConfigError):
             KvgatePolicy(**bad)  # type: ignore[arg-type]
@@ -698,6 +700,27 @@ def test_tail_guard_prefers_a_holder_under_the_level_and_spares_long_prompts() -
     want = unguarded.select(ctx(blocks=100), c, long_prompt, t, FixedRng(0.9), NOW)
     got = guarded.select(ctx(blocks=100), c, long_prompt, t, FixedRng(0.9), NOW)
     assert got == want and got is not None and got.node_id == "deep"
+
+
+def test_ttft_target_moves_a_request_its_holder_would_keep_past_it() -> None:
+    """The same half-cached 20-block prompt behind 3 s of queue at its holder (first
+    token at 3.64 s; the idle node's at 1.28 s). With no tail window yet, a TTFT target
+    of 2 s moves it at once; a target of 4 s, which the holder meets, does not, nor does
+    no target. A 40-block prompt (2.56 s of prefill anywhere) misses a 2 s target
+    wherever it goes: its decision is left alone."""
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=3000)
+    m = {NodeId("holder"): 10}
+    for target, want in ((2.0, "idle"), (4.0, "holder"), (0.0, "holder")):
+        p = KvgatePolicy(**{**GUARD_KW, "tail_quantile": 0.0, "ttft_target_s": target})
+        d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+        assert d is not None and d.node_id == want, target
+    p = KvgatePolicy(**{**GUARD_KW, "ttft_target_s": 2.0})  # the tail guard on, no window
+    d = p.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "idle" and d.matched_blocks == 0
+    long_m = {NodeId("holder"): 20}
+    d = p.select(ctx(blocks=40), c, long_m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "holder"
 
 
 # --- the new-session spread --------------------------------------------------------------

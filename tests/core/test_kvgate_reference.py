@@ -295,15 +295,18 @@ class Reference:
             # tail guard: a winner whose predicted first token (wait + the prefill its
             # cache leaves) is past the tail_quantile of the last tail_window requests'
             # full prefills gives way to the best scored node under it, if any: an open
-            # holder with its bonus or a non-holder
-            if p.tail_quantile > 0:
-                fulls = self.fulls
+            # holder with its bonus or a non-holder; a TTFT target lowers the level to it
+            if p.tail_quantile > 0 or p.ttft_target_s > 0:
                 level = float("inf")
-                if len(fulls) >= p.tail_window:
-                    ranked = sorted(fulls[-p.tail_window :])
-                    level = ranked[min(len(ranked) - 1, int(p.tail_quantile * len(ranked)))]
-                fulls.append(self.uncached_s(prompt, 0))
-                del fulls[: -p.tail_window]
+                if p.tail_quantile > 0:
+                    fulls = self.fulls
+                    if len(fulls) >= p.tail_window:
+                        ranked = sorted(fulls[-p.tail_window :])
+                        level = ranked[min(len(ranked) - 1, int(p.tail_quantile * len(ranked)))]
+                    fulls.append(self.uncached_s(prompt, 0))
+                    del fulls[: -p.tail_window]
+                if p.ttft_target_s > 0:
+                    level = min(level, p.ttft_target_s)
 
                 def first_token(s: NodeState) -> float:
                     return waits[s.node_id] + self.uncached_s(
@@ -438,6 +441,7 @@ policy_st = st.builds(
     max_cache_wait_s=st.sampled_from([0.0, 1.0, 10.0, 1e9]),
     tail_quantile=st.sampled_from([0.0, 0.5, 0.99]),
     tail_window=st.sampled_from([1, 3, 1000]),
+    ttft_target_s=st.sampled_from([0.0, 0.5, 5.0]),
     session_spread_s=st.sampled_from([0.0, 0.5, 1e9]),
     session_work_s=st.sampled_from([0.0, 4.0]),
     session_min_shared_s=st.sampled_from([0.0, 0.25, 1e9]),
@@ -608,17 +612,19 @@ def test_candidates_outside_the_table_are_scored_like_the_reference() -> None:
 
 
 @pytest.mark.parametrize(
-    ("max_cache_wait_s", "tail_quantile"), [(10.0, 0.0), (0.3, 0.0), (20.0, 0.9)]
+    ("max_cache_wait_s", "tail_quantile", "ttft_target_s"),
+    [(10.0, 0.0, 0.0), (0.3, 0.0, 0.0), (20.0, 0.9, 0.0), (20.0, 0.0, 1.0)],
 )
 def test_same_decisions_as_the_reference_while_prefill_drains(
-    max_cache_wait_s: float, tail_quantile: float
+    max_cache_wait_s: float, tail_quantile: float, ttft_target_s: float
 ) -> None:
     """A long random walk of sends, first tokens (of heads and of later requests),
     abandoned prefills and small steps of time, with a selection after each: the
     scores of nodes with queued prefill move with the drain clock (and past a head's
     predicted end) exactly as the one-loop scorer computes them. A short bounded wait
     (0.3 s) makes the winner give way to the soonest node in many of the decisions; the
-    tail guard (prompts of three sizes, the level over the last 50) in others."""
+    tail guard (prompts of three sizes, the level over the last 50) in others, or a
+    TTFT target of 1 s."""
     rnd = random.Random(7)
     table = NodeTable(stale_after_s=3.0)
     for nid in NAMES:
@@ -632,6 +638,7 @@ def test_same_decisions_as_the_reference_while_prefill_drains(
         max_cache_wait_s=max_cache_wait_s,
         tail_quantile=tail_quantile,
         tail_window=50,
+        ttft_target_s=ttft_target_s,
     )
     ref = Reference(p=policy, tripped=set())
     now, sends = 10.0, 0
