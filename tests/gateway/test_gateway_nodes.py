@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvgate.core.nodes import fleet_order
 from kvgate.gateway.node_probe import parse_evictions, parse_load, parse_models
 
 VLLM = """\
@@ -116,5 +117,30 @@ def test_eviction_announcements_lower_the_cache_weight(kit: Any) -> None:
             assert watcher.get("n0").evictions_supported  # type: ignore[union-attr]
             await kit.eventually(lambda: not watcher.get("n1").evictions_supported)  # type: ignore[union-attr]
             assert n1.cache_weight == 1.0
+
+    kit.run(body())
+
+
+def test_a_fleet_gateway_gives_its_configured_nodes_slots_in_its_own_order(kit: Any) -> None:
+    """The lowest slot breaks ties between equally idle nodes. A gateway that is one of
+    several (admission.expected_gateways above 1) orders its nodes by a hash of its
+    gateway id, so the fleet's gateways do not all send their first requests to the same
+    node; a lone gateway keeps the configured order. Only slots move: the watcher keeps
+    its nodes in the configured order (and the admin API lists them by id)."""
+
+    def slots(c: Any) -> list[str]:
+        return [s.node_id for s in sorted(c.gw.controller.nodes, key=lambda s: s.slot)]
+
+    async def body() -> None:
+        configured = [f"n{i}" for i in range(4)]
+        async with kit.cluster(4) as c:
+            assert slots(c) == configured
+        fleet = {"expected_gateways": 2}
+        server = {"gateway_id": "gw-a"}
+        async with kit.cluster(4, admission=fleet, server=server) as c:
+            specs = [c.gw.controller.nodes.get(n).spec for n in configured]
+            assert slots(c) == [s.node_id for s in fleet_order("gw-a", specs)]
+            assert slots(c) != configured
+            assert list(c.gw.gateway.watcher.nodes) == configured
 
     kit.run(body())

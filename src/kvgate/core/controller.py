@@ -73,7 +73,7 @@ from kvgate.core.events import RequestArrived
 from kvgate.core.hashing import Hasher, chain_from_ids, make_hasher
 from kvgate.core.ids import BlockChain, NodeId, RequestId
 from kvgate.core.index import ClusterIndex, HotPrefixTracker
-from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
+from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order
 from kvgate.core.rng import Rng
 from kvgate.core.routing import RouteContext, RouteDecision, make_policy
 from kvgate.core.stats import ControllerStats, DecisionRecord
@@ -143,6 +143,7 @@ class Controller:
         self._pending_inserts: list[tuple[NodeId, BlockChain, float, bool, list[int] | None]] = []
         self.hot = HotPrefixTracker(window_s=cfg.hot_window_s)
         self.policy = make_policy(cfg.policy, cfg.policy_params)
+        self.gateway_id = gateway_id
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
         # one gateway of several: a pressing tenant is confined to its home node
         self._fleet = cfg.admission.lease.expected_gateways > 1
@@ -177,6 +178,14 @@ class Controller:
                 insert(node_id, chain, at, speculative=speculative, new_out=learned)
 
     # ------------------------------------------------------------------ membership
+    def add_nodes(self, specs: Iterable[NodeSpec], now: float) -> None:
+        """Add a driver's configured nodes. A gateway of a fleet (``expected_gateways``
+        above 1) adds them in its own order (:func:`~kvgate.core.nodes.fleet_order`), so
+        the fleet's gateways do not break ties between idle nodes alike."""
+        ordered = fleet_order(self.gateway_id, specs) if self._fleet else list(specs)
+        for spec in ordered:
+            self.add_node(spec, now)
+
     def add_node(self, spec: NodeSpec, now: float) -> None:
         self.nodes.add(spec)
         if self.index.has_node(spec.node_id):

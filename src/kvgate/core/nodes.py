@@ -28,6 +28,7 @@ repeated work (both are exact, never approximations):
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -122,6 +123,22 @@ class LoadView:
     utilisation: float  # KV utilisation in [0, 1]; 1.0 when the report is stale or missing
     inflight: int  # this gateway's in-flight requests on the node
     stale: bool
+
+
+def fleet_order(gateway_id: str, specs: Iterable[NodeSpec]) -> list[NodeSpec]:
+    """``specs`` in the order a gateway of a fleet gives them slots: by a stable 64-bit
+    hash (BLAKE2b) of the gateway id and the node id, the same in every process and run.
+
+    The lowest slot is every policy's last tie-break, so gateways that share one order
+    also break ties alike: at a fleet's start (or whenever several nodes look idle)
+    each sent its first request to the same node, then each its second to the next,
+    G cold prefills colliding node after node. Orders of their own scatter them."""
+
+    def key(spec: NodeSpec) -> tuple[bytes, str]:
+        digest = hashlib.blake2b(f"{gateway_id}/{spec.node_id}".encode(), digest_size=8)
+        return digest.digest(), spec.node_id
+
+    return sorted(specs, key=key)
 
 
 class NodeTable:

@@ -91,7 +91,9 @@ class NodeWatcher:
     # ------------------------------------------------------------------ membership
     async def start(self) -> None:
         """Register the configured nodes, probe them once (bounded), start the loops."""
-        runtimes = [self._register(cfg) for cfg in self.config.static]
+        runtimes = [self._register(cfg, add=False) for cfg in self.config.static]
+        # at once, so a gateway of a fleet gives them slots in its own order
+        self.controller.add_nodes([self._spec(rt) for rt in runtimes], self.clock())
         if runtimes:
             probes = [asyncio.ensure_future(self._first_probe(rt)) for rt in runtimes]
             _, pending = await asyncio.wait(probes, timeout=self.config.startup_probe_timeout_s)
@@ -132,11 +134,12 @@ class NodeWatcher:
     def get(self, node_id: str) -> NodeRuntime | None:
         return self.nodes.get(NodeId(node_id))
 
-    def _register(self, config: NodeConfig) -> NodeRuntime:
+    def _register(self, config: NodeConfig, *, add: bool = True) -> NodeRuntime:
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         rt = NodeRuntime(config=config, headers=headers)
         self.nodes[rt.node_id] = rt
-        self.controller.add_node(self._spec(rt), self.clock())
+        if add:
+            self.controller.add_node(self._spec(rt), self.clock())
         return rt
 
     def _spec(self, rt: NodeRuntime) -> NodeSpec:

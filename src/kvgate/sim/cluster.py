@@ -169,17 +169,17 @@ class SimCluster:
         self.gateways = [
             Controller(ctl_cfg, rng=rng, gateway_id=f"gw{g}") for g in range(config.gateways)
         ]
+        specs = [
+            NodeSpec(
+                node_id=n.node_id,
+                max_model_len=self.max_model_len,
+                capacity=config.node_capacity,
+                cache_blocks=config.cache_blocks,
+            )
+            for n in self.nodes
+        ]
         for ctl in self.gateways:
-            for n in self.nodes:
-                ctl.add_node(
-                    NodeSpec(
-                        node_id=n.node_id,
-                        max_model_len=self.max_model_len,
-                        capacity=config.node_capacity,
-                        cache_blocks=config.cache_blocks,
-                    ),
-                    0.0,
-                )
+            ctl.add_nodes(specs, 0.0)
         self.outcomes: dict[str, RequestOutcome] = {}
         self._attempts: dict[str, _Attempt] = {}  # engine request id -> attempt
         self._open = 0
