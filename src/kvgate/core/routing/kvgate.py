@@ -61,7 +61,7 @@ TPOT target). Alone it also moves
 conversations off their holders (the conversation trace's hit ratio falls by up to
 0.007); the affinity slack below more than wins that back.
 
-Five more rules of the ttft form look past the request itself:
+Six more rules of the ttft form (one off by default) look past the request itself:
 
 * **Blocking cost.** A long uncached prefill (at least ``blocking_min_s`` at the
   winner, e.g. a 12k-token prompt nobody holds) stalls its node's queue while it
