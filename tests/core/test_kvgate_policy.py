@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from xxhash import xxh3_64_intdigest
 
 from kvgate.core.errors import ConfigError
 from kvgate.core.ids import NodeId
@@ -188,6 +189,7 @@ def test_bad_config() -> None:
         {"recent_work_tau_s": 0.0},
         {"ttft_target_s": -1.0},
         {"ttft_target_s": float("nan")},
+        {"fleet_home_s": -0.1},
     ):
         with pytest.raises(ConfigError):
             KvgatePolicy(**bad)  # type: ignore[arg-type]
@@ -742,6 +744,39 @@ def _routed(p: KvgatePolicy, t: NodeTable, c: list[NodeState], m: dict, blocks: 
     d = p.select(ctx(blocks=blocks), c, m, t, FixedRng(0.9), NOW)
     assert d is not None
     return str(d.node_id)
+
+
+def _home(block: int, names: str) -> str:
+    """The fleet home of ``block`` among ``names``: the highest xxh3 of (block, node)."""
+    return max(names, key=lambda n: xxh3_64_intdigest(f"{block}\0{n}".encode()))
+
+
+def test_in_a_fleet_a_new_session_goes_to_its_prefix_home_whatever_the_gateway() -> None:
+    """Two gateways of a fleet, each with its own policy and its own history, agree
+    where a new session goes without a word. A 14-block prompt whose first 5 blocks (a
+    system prompt, 0.32 s of prefill) three equally loaded nodes hold goes to the home
+    of block 5, its first block past the shared part ("b"); a prompt nobody holds, to
+    the home of block 0 ("c"). Alone, the spread sends a gateway's first session to
+    "a" (the lowest slot) and its next to where it has sent least. A home whose first
+    token would come more than fleet_home_s after the winner's gives way to the next
+    node in rank; a session's own context (one holder deeper) stays with its holder."""
+    t, c = table({"a": (0, 0.0), "b": (0, 0.0), "c": (0, 0.0)})
+    shared = {NodeId(n): 5 for n in "abc"}
+    assert (_home(5, "abc"), _home(0, "abc"), _home(5, "ac")) == ("b", "c", "c")
+    fleet = ctx(blocks=14, fleet=True)
+    for p in (KvgatePolicy(**SPREAD_KW), KvgatePolicy(**SPREAD_KW)):  # two gateways
+        got = [p.select(fleet, c, m, t, FixedRng(0.9), NOW) for m in (shared, {})]
+        assert [d.node_id for d in got if d is not None] == ["b", "c"]
+    alone = KvgatePolicy(**SPREAD_KW)
+    assert [_routed(alone, t, c, m, 14) for m in (shared, {})] == ["a", "b"]
+    # the home busy (1 s of prefill queued, past fleet_home_s): the next node in rank
+    t.on_sent(c[1], now=NOW, key=1, prefill_tokens=1000)
+    d = KvgatePolicy(**SPREAD_KW).select(fleet, c, shared, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "c"
+    # a session's own context, one holder deeper: its holder, as alone
+    own = {**shared, NodeId("a"): 14}
+    d = KvgatePolicy(**SPREAD_KW).select(fleet, c, own, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "a"
 
 
 def test_new_sessions_on_a_shared_prefix_go_where_sessions_worked_least() -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from xxhash import xxh3_64_intdigest
 
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable
@@ -236,7 +237,37 @@ class Reference:
             # non-holders (or those holders) within session_spread_s of the winner's
             # predicted first token to the one with the least recent work
             new_session = False
-            if p.session_spread_s > 0 and not rescored:
+            # fleet home: in a fleet, a request whose cache no single holder has (nothing
+            # matched, or two or more holders of the longest match) and whose winner holds
+            # no more than that goes, among the candidates within fleet_home_s of the
+            # winner's predicted first token, to the one with the highest xxh3 hash of
+            # (the prompt's first block past that match, node id)
+            # (a node the request's discount marks, where another tenant's flood is
+            # confined, is nobody's home)
+            m_win = matches.get(best.node_id, 0)
+            homes = []
+            if (
+                ctx.fleet
+                and p.fleet_home_s > 0
+                and not rescored
+                and (best_match == 0 or holders_at_best >= 2)
+                and ctx.chain
+                and m_win in (0, best_match)
+            ):
+                block = ctx.chain[min(best_match, len(ctx.chain) - 1)]
+                limit = best_penalty - best_bonus + p.fleet_home_s
+                homes = [
+                    (xxh3_64_intdigest(f"{block}\0{s.node_id}".encode()), s, q, pen, b)
+                    for s, q, pen, _m, b in scored
+                    if pen - b <= limit and s.node_id not in ctx.cache_discount
+                ]
+            if homes:
+                _, s, q, penalty, bonus = max(homes, key=lambda r: r[0])
+                new_session = True
+                if s is not best:
+                    best, best_key = s, (p.cache_gain * bonus - penalty, -q, -s.slot)
+                    best_bonus, best_penalty, best_queue = bonus, penalty, q
+            elif p.session_spread_s > 0 and not rescored:
                 m_best = matches.get(best.node_id, 0)
                 limit = best_penalty - best_bonus + p.session_spread_s
                 pool: list[tuple[NodeState, int, float, float]] | None = None
@@ -407,6 +438,7 @@ ops_st = st.lists(
             st.sampled_from(["pool", "list", "tuple"]),  # how the candidates come
             st.dictionaries(name_st, st.sampled_from([0.1, 0.5]), max_size=3),  # discounts
             st.sampled_from([2, 6, 12, 40]),  # prompt blocks (the tail guard's level moves)
+            st.booleans(),  # one gateway of a fleet?
         ),
     ),
     min_size=1,
@@ -442,6 +474,7 @@ policy_st = st.builds(
     tail_quantile=st.sampled_from([0.0, 0.5, 0.99]),
     tail_window=st.sampled_from([1, 3, 1000]),
     ttft_target_s=st.sampled_from([0.0, 0.5, 5.0]),
+    fleet_home_s=st.sampled_from([0.0, 0.25, 1e9]),
     session_spread_s=st.sampled_from([0.0, 0.5, 1e9]),
     session_work_s=st.sampled_from([0.0, 4.0]),
     session_min_shared_s=st.sampled_from([0.0, 0.25, 1e9]),
@@ -515,7 +548,7 @@ def test_same_decisions_as_the_reference(
             table.remove(op[1])  # type: ignore[arg-type]
             sent_at.pop(op[1], None)  # type: ignore[call-overload]
         else:
-            _, pick, matches, draw, hot_blocks, hot_rate, how, discount, blocks = op
+            _, pick, matches, draw, hot_blocks, hot_rate, how, discount, blocks, fleet = op
             pool, _ = table.eligible()
             if how == "pool":
                 cands: Sequence[NodeState] = list(pool)
@@ -530,6 +563,7 @@ def test_same_decisions_as_the_reference(
                 hot_blocks=hot_blocks,  # type: ignore[arg-type]
                 hot_rate=hot_rate,  # type: ignore[arg-type]
                 cache_discount=discount,  # type: ignore[arg-type]
+                fleet=fleet,  # type: ignore[arg-type]
             )
             want = ref.select(ctx, cands, matches, table, draw, now)  # type: ignore[arg-type]
             got = policy.select(ctx, cands, matches, table, FixedRng(draw), now)  # type: ignore[arg-type]
@@ -612,11 +646,17 @@ def test_candidates_outside_the_table_are_scored_like_the_reference() -> None:
 
 
 @pytest.mark.parametrize(
-    ("max_cache_wait_s", "tail_quantile", "ttft_target_s"),
-    [(10.0, 0.0, 0.0), (0.3, 0.0, 0.0), (20.0, 0.9, 0.0), (20.0, 0.0, 1.0)],
+    ("max_cache_wait_s", "tail_quantile", "ttft_target_s", "fleet"),
+    [
+        (10.0, 0.0, 0.0, False),
+        (0.3, 0.0, 0.0, False),
+        (20.0, 0.9, 0.0, False),
+        (20.0, 0.0, 1.0, False),
+        (20.0, 0.0, 0.0, True),
+    ],
 )
 def test_same_decisions_as_the_reference_while_prefill_drains(
-    max_cache_wait_s: float, tail_quantile: float, ttft_target_s: float
+    max_cache_wait_s: float, tail_quantile: float, ttft_target_s: float, fleet: bool
 ) -> None:
     """A long random walk of sends, first tokens (of heads and of later requests),
     abandoned prefills and small steps of time, with a selection after each: the
@@ -624,7 +664,8 @@ def test_same_decisions_as_the_reference_while_prefill_drains(
     predicted end) exactly as the one-loop scorer computes them. A short bounded wait
     (0.3 s) makes the winner give way to the soonest node in many of the decisions; the
     tail guard (prompts of three sizes, the level over the last 50) in others, or a
-    TTFT target of 1 s."""
+    TTFT target of 1 s; as one gateway of a fleet, with prefixes that several nodes or
+    none hold half the time, the fleet home places many."""
     rnd = random.Random(7)
     table = NodeTable(stale_after_s=3.0)
     for nid in NAMES:
@@ -668,9 +709,15 @@ def test_same_decisions_as_the_reference_while_prefill_drains(
                 table.report(nid, waiting=0, running=0, kv_util=rnd.choice([0.1, 0.5]), now=now)
         now += rnd.choice([0.0, 0.001, 0.004, 0.013, 0.2, 0.7])
         matches = {nid: rnd.randrange(0, 12) for nid in rnd.sample(NAMES, 3)}
+        if fleet and rnd.random() < 0.5:  # a shared prefix (or none) no single node holds
+            depth = rnd.randrange(1, 12)
+            matches = {nid: depth for nid in rnd.sample(NAMES, rnd.choice([0, 2, 3]))}
         blocks = rnd.choice([4, 8, 12])
         ctx = RouteContext(
-            chain=tuple(range(blocks)), prompt_tokens=blocks * 64 - 10, tokens_per_block=64
+            chain=tuple(range(blocks)),
+            prompt_tokens=blocks * 64 - 10,
+            tokens_per_block=64,
+            fleet=fleet,
         )
         cands = list(table.eligible()[0])
         want = ref.select(ctx, cands, matches, table, 0.5, now)

@@ -351,6 +351,7 @@ class Controller:
             hot_key=hot_key,
             hot_blocks=hot_blocks,
             hot_rate=rate,
+            fleet=self._fleet,
         )
 
     def _max_seq_len(self, model: str) -> int | None:

@@ -53,6 +53,9 @@ class RouteContext:
     # per node, a factor on its cache bonus for this request alone (on top of the node's
     # cache_weight): the nodes another tenant's flood is confined to count less
     cache_discount: Mapping[NodeId, float] = field(default_factory=lambda: _NO_DISCOUNT)
+    # this gateway is one of a fleet (expected_gateways > 1): the others route the same
+    # prefixes without telling it, so where an unknown prefix goes should be agreed on
+    fleet: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
