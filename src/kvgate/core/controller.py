@@ -45,8 +45,6 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from xxhash import xxh3_64_intdigest
-
 from kvgate.core.admission import (
     NOT_RUN_FAILURES,
     AdmissionRequest,
@@ -73,7 +71,7 @@ from kvgate.core.events import RequestArrived
 from kvgate.core.hashing import Hasher, chain_from_ids, make_hasher
 from kvgate.core.ids import BlockChain, NodeId, RequestId
 from kvgate.core.index import ClusterIndex, HotPrefixTracker
-from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order
+from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order, rendezvous_rank
 from kvgate.core.rng import Rng
 from kvgate.core.routing import RouteContext, RouteDecision, make_policy
 from kvgate.core.stats import ControllerStats, DecisionRecord
@@ -143,7 +141,6 @@ class Controller:
         self._pending_inserts: list[tuple[NodeId, BlockChain, float, bool, list[int] | None]] = []
         self.hot = HotPrefixTracker(window_s=cfg.hot_window_s)
         self.policy = make_policy(cfg.policy, cfg.policy_params)
-        self.gateway_id = gateway_id
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
         # one gateway of several: a pressing tenant is confined to its home node
         self._fleet = cfg.admission.lease.expected_gateways > 1
@@ -182,7 +179,7 @@ class Controller:
         """Add a driver's configured nodes. A gateway of a fleet (``expected_gateways``
         above 1) adds them in its own order (:func:`~kvgate.core.nodes.fleet_order`), so
         the fleet's gateways do not break ties between idle nodes alike."""
-        ordered = fleet_order(self.gateway_id, specs) if self._fleet else list(specs)
+        ordered = fleet_order(self.admission.gateway_id, specs) if self._fleet else list(specs)
         for spec in ordered:
             self.add_node(spec, now)
 
@@ -496,7 +493,7 @@ class Controller:
             return hit[1]
         home = max(
             pool,
-            key=lambda s: xxh3_64_intdigest(f"{tenant}\0{s.spec.node_id}".encode()),
+            key=lambda s: rendezvous_rank(tenant, s.spec.node_id),
             default=None,
         )
         if len(self._homes) >= 1024:  # pressing tenants are few; bound it anyway

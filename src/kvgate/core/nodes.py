@@ -32,6 +32,8 @@ import hashlib
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from xxhash import xxh3_64_intdigest
+
 from kvgate.core.errors import ConfigError
 from kvgate.core.ids import NodeId
 
@@ -123,6 +125,13 @@ class LoadView:
     utilisation: float  # KV utilisation in [0, 1]; 1.0 when the report is stale or missing
     inflight: int  # this gateway's in-flight requests on the node
     stale: bool
+
+
+def rendezvous_rank(key: object, node_id: str) -> int:
+    """``node_id``'s rank for ``key`` in rendezvous hashing (the highest rank wins):
+    xxh3 of both, the same at every gateway and in every process, so gateways that
+    never talk agree on where ``key`` goes."""
+    return xxh3_64_intdigest(f"{key}\0{node_id}".encode())
 
 
 def fleet_order(gateway_id: str, specs: Iterable[NodeSpec]) -> list[NodeSpec]:

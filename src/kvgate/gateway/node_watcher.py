@@ -91,7 +91,7 @@ class NodeWatcher:
     # ------------------------------------------------------------------ membership
     async def start(self) -> None:
         """Register the configured nodes, probe them once (bounded), start the loops."""
-        runtimes = [self._register(cfg, add=False) for cfg in self.config.static]
+        runtimes = [self._register(cfg) for cfg in self.config.static]
         # at once, so a gateway of a fleet gives them slots in its own order
         self.controller.add_nodes([self._spec(rt) for rt in runtimes], self.clock())
         if runtimes:
@@ -111,6 +111,7 @@ class NodeWatcher:
         if NodeId(config.id) in self.nodes:
             await self.remove(NodeId(config.id))
         rt = self._register(config)
+        self.controller.add_node(self._spec(rt), self.clock())
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.startup_probe_timeout_s):
                 await self._first_probe(rt)
@@ -134,12 +135,11 @@ class NodeWatcher:
     def get(self, node_id: str) -> NodeRuntime | None:
         return self.nodes.get(NodeId(node_id))
 
-    def _register(self, config: NodeConfig, *, add: bool = True) -> NodeRuntime:
+    def _register(self, config: NodeConfig) -> NodeRuntime:
+        """Watch ``config``'s node; the caller adds it to the controller."""
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         rt = NodeRuntime(config=config, headers=headers)
         self.nodes[rt.node_id] = rt
-        if add:
-            self.controller.add_node(self._spec(rt), self.clock())
         return rt
 
     def _spec(self, rt: NodeRuntime) -> NodeSpec:

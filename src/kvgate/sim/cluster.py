@@ -120,6 +120,11 @@ class _Attempt:
     done: bool = False
 
 
+def _engine_id(request_id: str, attempt: int) -> str:
+    """The engine's id for one attempt of a request (a retry is a new engine request)."""
+    return f"{request_id}#{attempt}"
+
+
 class SimNode:
     """One simulated engine plus the loop plumbing that steps it."""
 
@@ -265,7 +270,7 @@ class SimCluster:
     def _preempt(self, d: Preempt, now: float) -> None:
         """The gateway ended a running P2 request: abort it at its node (the engine frees
         its blocks and batch slot) and end it rejected, whatever it had streamed."""
-        eid = f"{d.request_id}#{self.outcomes[d.request_id].attempts}"
+        eid = _engine_id(d.request_id, self.outcomes[d.request_id].attempts)
         att = self._attempts.pop(eid, None)
         if att is not None and not att.done:
             att.done = True
@@ -290,7 +295,7 @@ class SimCluster:
         out = self.outcomes[d.request_id]
         out.attempts = d.attempt
         node_index = int(d.node_id.rsplit("-", 1)[1])
-        eid = f"{d.request_id}#{d.attempt}"
+        eid = _engine_id(d.request_id, d.attempt)
         att = _Attempt(
             outcome=out, gateway=g, node=node_index, attempt=d.attempt, reason=d.route.reason.value
         )

@@ -299,11 +299,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from xxhash import xxh3_64_intdigest
-
 from kvgate.core.errors import ConfigError
 from kvgate.core.ids import BlockChain, NodeId
-from kvgate.core.nodes import NodeState, NodeTable
+from kvgate.core.nodes import NodeState, NodeTable, rendezvous_rank
 from kvgate.core.rng import Rng
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
 from kvgate.core.routing.kvgate_loads import PRESSURE_UTIL, Load, LoadScores
@@ -794,7 +792,8 @@ class KvgatePolicy:
         """In a fleet, where a request whose cache no single holder has goes, and its
         bonus: among the candidates whose predicted first token (penalty less bonus) is
         within ``fleet_home_s`` of the winner's, the one with the highest xxh3 hash of
-        (the prompt's first block past the shared match, node id). Gateways that know the
+        (the prompt's first block past the shared match, node id) (:func:`rendezvous_rank`,
+        as a pressing tenant's home node is chosen). Gateways that know the
         same shared prefix pick the same block, so the fleet sends a new session to the
         same node without a word, and its next request finds the cache there whichever
         gateway routes it. A node the request's ``discount`` marks (another tenant's
@@ -804,7 +803,7 @@ class KvgatePolicy:
         best, best_bonus = winner
         if not chain or matches.get(best.node_id, 0) not in (0, best_match):
             return None
-        key = f"{chain[min(best_match, len(chain) - 1)]}\0"
+        key = chain[min(best_match, len(chain) - 1)]
         limit = best.penalty - best_bonus + self.fleet_home_s
         bonus_of = {load.node_id: bonus for load, bonus in open_holders}
         top: tuple[Load, float] | None = None
@@ -814,7 +813,7 @@ class KvgatePolicy:
                 continue
             bonus = bonus_of.get(load.node_id, 0.0)
             if load.penalty - bonus <= limit:
-                rank = xxh3_64_intdigest(f"{key}{load.node_id}".encode())
+                rank = rendezvous_rank(key, load.node_id)
                 if rank > top_rank:
                     top, top_rank = (load, bonus), rank
         return top
