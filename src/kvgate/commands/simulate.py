@@ -25,6 +25,7 @@ from kvgate.commands.argtypes import (
     positive_floats,
     positive_int,
 )
+from kvgate.commands.sim_progress import SimProgress
 from kvgate.core.admission import AdmissionConfig, LeaseConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
@@ -205,8 +206,9 @@ def add_simulate_parser(sub: Any) -> None:
     r.add_argument(
         "--no-progress",
         action="store_true",
-        help="print one 'simulating ...' line per run on stderr instead of a redrawn "
-        "progress line (default: redrawn on a terminal)",
+        help="print one 'simulating ...' line per run on stderr instead of a progress "
+        "bar of each run's requests (default: the bar on a terminal, the lines "
+        "elsewhere)",
     )
 
 
@@ -339,23 +341,6 @@ def _config(args: argparse.Namespace) -> ClusterConfig:
     )
 
 
-class Progress:
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-
-    def __call__(self, label: str) -> None:
-        if self.enabled:
-            dt = time.perf_counter() - self.t0
-            print(f"\r[{dt:6.1f}s] simulating {label:<40}", end="", file=sys.stderr, flush=True)
-        else:
-            print(f"simulating {label}", file=sys.stderr, flush=True)
-
-    def done(self) -> None:
-        if self.enabled:
-            print(file=sys.stderr)
-
-
 def keeps_up(rep: dict[str, Any], workload: Workload, base_e2e_s: float) -> bool:
     """Round robin keeps up when it sheds < 1 % and its backlog drains at once.
 
@@ -370,7 +355,7 @@ def keeps_up(rep: dict[str, Any], workload: Workload, base_e2e_s: float) -> bool
     return bool(lost < 0.01 and rep["span_s"] <= 1.1 * arrival_span + base_e2e_s)
 
 
-def find_saturation(args: argparse.Namespace, progress: Progress) -> float:
+def find_saturation(args: argparse.Namespace, progress: SimProgress) -> float:
     """Bisect (geometrically) the arrival speed-up at which round robin stops keeping up."""
     cfg = _config(args)
     lo, hi = 0.25, 16.0
@@ -378,7 +363,11 @@ def find_saturation(args: argparse.Namespace, progress: Progress) -> float:
     # Closed-loop sessions slow down instead of queueing, so the point where arrivals
     # outrun round robin is searched on the open-loop plan (same prompts, same starts).
     _, base = run_policy(
-        _load_workload(args, lo, open_loop=True), cfg, "round_robin", seed=args.seed
+        _load_workload(args, lo, open_loop=True),
+        cfg,
+        "round_robin",
+        seed=args.seed,
+        on_progress=progress.requests,
     )
     e2e_p99 = base["e2e_p99_s"]
     assert isinstance(e2e_p99, int | float), "an unloaded run completes requests"
@@ -387,7 +376,7 @@ def find_saturation(args: argparse.Namespace, progress: Progress) -> float:
         mid = (lo * hi) ** 0.5
         progress(f"round_robin saturation probe x{mid:.2f}")
         w = _load_workload(args, mid, open_loop=True)
-        _, rep = run_policy(w, cfg, "round_robin", seed=args.seed)
+        _, rep = run_policy(w, cfg, "round_robin", seed=args.seed, on_progress=progress.requests)
         if keeps_up(rep, w, base_e2e):
             lo = mid
         else:
@@ -464,7 +453,7 @@ def _policy_names(args: argparse.Namespace) -> list[str]:
 def _run_once(
     args: argparse.Namespace,
     speedup: float,
-    progress: Progress,
+    progress: SimProgress,
     params: dict[str, dict[str, object]],
 ) -> dict[str, Any]:
     base = _load_workload(args, speedup)
@@ -479,7 +468,8 @@ def _run_once(
             seed=args.seed,
             slo=slo,
             clock=time.perf_counter,
-            progress=progress,
+            progress=lambda name: progress(f"{name} at x{speedup:.4g}"),
+            on_progress=progress.requests,
             policy_params=params,
         )
         rep["speedup"] = speedup
@@ -503,7 +493,8 @@ def _run_once(
             slo=slo,
             hooks=plan.hooks,
             clock=time.perf_counter,
-            progress=progress,
+            progress=partial(_scenario_label, progress, args.scenario, label, speedup),
+            on_progress=progress.requests,
             policy_params=params,
             extra=partial(measure, args.scenario, plan),
         )
@@ -518,8 +509,14 @@ def _run_once(
     return out
 
 
+def _scenario_label(
+    progress: SimProgress, scenario: str, variant: str, speedup: float, name: str
+) -> None:
+    progress(f"{name} at x{speedup:.4g}, {scenario}" + (f" ({variant})" if variant else ""))
+
+
 def run_simulate(args: argparse.Namespace) -> int:
-    progress = Progress(not args.no_progress)
+    progress = SimProgress(not args.no_progress)
     try:
         params = parse_policy_params(args.policy_param)  # bad ones fail before any run
         resolve_policies(_policy_names(args))  # so do unknown policies

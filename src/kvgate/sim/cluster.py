@@ -65,6 +65,8 @@ from kvgate.sim.workload import SimRequest, Workload, leading_run
 # Virtual seconds with no arrival, no end and no engine step while requests are open:
 # one was lost (a simulator bug), and the run stops instead of ticking forever.
 STALL_S = 3600.0
+# ended requests between two progress reports (SimCluster.on_progress)
+PROGRESS_EVERY = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,6 +192,10 @@ class SimCluster:
         self._open = 0
         self._arrivals_left = len(workload.requests)
         self._progress_s = 0.0  # the last arrival, end or engine step: see busy()
+        # told (ended, total) every PROGRESS_EVERY ended requests and at the last: a
+        # progress bar's feed (the simulation itself reads no clock)
+        self.on_progress: Callable[[int, int], None] | None = None
+        self._ended = 0
         self.hooks: list[tuple[float, Callable[[SimCluster], None]]] = []
         self.max_inflight_total = 0
         # cache-loss funnel (blocks): why each prompt block was or was not a hit
@@ -288,6 +294,11 @@ class SimCluster:
         out.status, out.reason, out.ended_s = status, reason, now
         self._open -= 1
         self._progress_s = now
+        if self.on_progress is not None:
+            self._ended += 1
+            total = len(self.workload.requests)
+            if self._ended % PROGRESS_EVERY == 0 or self._ended == total:
+                self.on_progress(self._ended, total)
         for req, g in self._followers.pop(request_id, ()):  # the session's next step
             self.loop.after(req.think_s, partial(self._arrive, req, g))
 

@@ -51,18 +51,21 @@ def run_policy(
     hooks: Sequence[tuple[float, Hook]] = (),
     clock: Callable[[], float] | None = None,
     policy_params: Mapping[str, Mapping[str, object]] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[SimCluster, dict[str, object]]:
     """One simulation of ``workload`` under ``policy``; returns the cluster and its report.
 
     ``clock`` measures wall time for the report (the CLI passes a real clock; the
     simulation itself never reads one). ``policy_params``, when given, maps a policy
     name to its keyword parameters (no entry: its defaults) in place of the config's.
+    ``on_progress`` is told (ended, total) requests as the run goes (a progress bar).
     """
     ctl = replace(config.controller, policy=policy)
     if policy_params is not None:
         ctl = replace(ctl, policy_params=dict(policy_params.get(policy, {})))
     cluster = SimCluster(replace(config, controller=ctl), workload, rng=SeededRng(seed))
     cluster.hooks.extend(hooks)
+    cluster.on_progress = on_progress
     t0 = clock() if clock else 0.0
     cluster.run()
     wall = (clock() - t0) if clock else 0.0
@@ -91,9 +94,11 @@ def compare(
     progress: Callable[[str], None] | None = None,
     policy_params: Mapping[str, Mapping[str, object]] | None = None,
     extra: Callable[[SimCluster], Mapping[str, object]] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, object]:
     """One run of ``workload`` per policy, with the workload's bounds; ``extra`` adds
-    keys to each policy's report, read from its finished cluster."""
+    keys to each policy's report, read from its finished cluster. ``progress`` is told
+    each policy's name as its run starts, ``on_progress`` its requests as they end."""
     capacity = config.nodes * config.cache_blocks
     report: dict[str, object] = {
         "workload": workload.name,
@@ -130,6 +135,7 @@ def compare(
             hooks=hooks,
             clock=clock,
             policy_params=policy_params,
+            on_progress=on_progress,
         )
         if extra is not None:
             rep.update(extra(cluster))
