@@ -12,7 +12,7 @@ import pytest
 
 from kvgate.core.admission import AdmissionConfig
 from kvgate.core.config import ControllerConfig
-from kvgate.sim.cluster import STALL_S, ClusterConfig, SimCluster
+from kvgate.sim.cluster import FUNNEL_KINDS, STALL_S, ClusterConfig, SimCluster
 from kvgate.sim.loop import EventLoop
 from kvgate.sim.report import SLO_MISS_KINDS, Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
@@ -119,6 +119,8 @@ def test_funnel_accounts_for_every_prompt_block() -> None:
     done = [o for o in cluster.outcomes.values() if o.status == "completed"]
     assert sum(funnel.values()) == sum(len(o.req.block_ids) for o in done)  # type: ignore[union-attr]
     assert funnel["hit"] > 0 and funnel["never_seen"] > 0  # type: ignore[index]
+    # every kind is reported, none seen or not: a stable key set
+    assert set(funnel) == set(FUNNEL_KINDS) and set(cluster.funnel) <= set(FUNNEL_KINDS)  # type: ignore[arg-type]
 
 
 def test_all_policies_resolve() -> None:
@@ -132,7 +134,7 @@ DETERMINISM_SCRIPT = """
 import json, sys
 from kvgate.sim.runner import SeededRng, compare
 from kvgate.sim.synthetic import multi_turn_chat
-from kvgate.sim.cluster import STALL_S, ClusterConfig, SimCluster
+from kvgate.sim.cluster import FUNNEL_KINDS, STALL_S, ClusterConfig, SimCluster
 from kvgate.core.config import ControllerConfig
 from kvgate.core.admission import AdmissionConfig, LeaseConfig
 w = multi_turn_chat(rng=SeededRng(5), arrivals=1.5, num_sessions=25)

@@ -67,6 +67,17 @@ from kvgate.sim.workload import SimRequest, Workload, leading_run
 STALL_S = 3600.0
 # ended requests between two progress reports (SimCluster.on_progress)
 PROGRESS_EVERY = 64
+# the cache-loss funnel's kinds of prompt block, each in every report (0 when none)
+FUNNEL_KINDS = (
+    "hit",
+    "never_seen",
+    "never_cached",
+    "evicted",
+    "routed_away_by_load",
+    "breaker",
+    "exploration",
+    "replication",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

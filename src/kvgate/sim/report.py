@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvgate.core.config import PREFIX_BUCKETS, bucket_of
-from kvgate.sim.cluster import RequestOutcome, SimCluster
+from kvgate.sim.cluster import FUNNEL_KINDS, RequestOutcome, SimCluster
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,7 +179,7 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
         "slo_misses": {kind: misses[kind] for kind in SLO_MISS_KINDS},
         "hit_ratio": _r(sum(hit_blocks.values()) / total_blocks) if total_blocks else 0.0,
         "hit_ratio_by_bucket": by_bucket,
-        "cache_loss_funnel": dict(sorted(cluster.funnel.items())),
+        "cache_loss_funnel": {k: cluster.funnel[k] for k in sorted(FUNNEL_KINDS)},
         "load_max_over_mean": _r(load_max_over_mean),
         "node_work_tokens": work,
         "rejects_by_reason": dict(sorted(rejects.items())),
