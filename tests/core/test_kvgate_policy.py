@@ -190,6 +190,7 @@ def test_bad_config() -> None:
         {"ttft_target_s": -1.0},
         {"ttft_target_s": float("nan")},
         {"fleet_home_s": -0.1},
+        {"explore_busy": "no"},  # a word, not a switch: "no" would read as on
     ):
         with pytest.raises(ConfigError):
             KvgatePolicy(**bad)  # type: ignore[arg-type]
@@ -528,6 +529,45 @@ def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() ->
     assert pick(10) == ("idle", RouteReason.EXPLORATION)
     t.report(NodeId("idle"), waiting=0, running=4, kv_util=0.2, now=NOW)  # 0.96 + 0.6 > 1.5
     assert pick(10) == ("holder", RouteReason.CACHE_HIT)
+
+
+def test_ttft_form_explores_a_busy_but_less_loaded_node_with_a_shared_prefix() -> None:
+    """No node is idle, but "light" (requests in flight, a light decode batch) misses
+    the system prompt every other node holds (one tenant's flood, confined there,
+    started before the prompt spread): the slack would keep every request on the
+    holders, and "light" would never get the prompt nor anybody's sessions.
+    A hit on a prefix other nodes hold goes to the least loaded non-holder when its
+    first token comes no later (penalty + the lost prefill <= the winner's penalty);
+    not a session's own context, not a new session the spread placed, not with
+    explore_busy off."""
+    t, c = table({"h1": (0, 0.5), "h2": (0, 0.5), "light": (0, 0.1)})
+    t.on_sent(c[2], now=NOW, key=1, prefill_tokens=0, context_tokens=500)  # in flight
+    kw: dict[str, float] = {
+        "epsilon": 1.0, "prefill_tokens_per_s": 1000.0, "attention_s_per_pair": 0.0,
+        "affinity_min_gain_s": 0.03, "session_min_shared_s": 1.0,
+    }
+    # a 256-token system prompt on both holders: 5 x 0.256 s saved beats the penalties
+    # difference (1.5 s against light's 0.3 s + 500 x 1.74e-5), so a holder wins the score
+    prompt = {NodeId("h1"): 4, NodeId("h2"): 4}
+
+    def pick(p: KvgatePolicy, m: dict[NodeId, int]) -> tuple[str, RouteReason]:
+        d = p.select(ctx(blocks=8), c, m, t, FixedRng(0.0), NOW)
+        assert d is not None
+        return d.node_id, d.reason
+
+    # light answers no later: 0.31 s + the 0.256 s lost <= 1.5 s
+    assert pick(KvgatePolicy(**kw), prompt) == ("light", RouteReason.EXPLORATION)
+    assert pick(KvgatePolicy(explore_busy=False, **kw), prompt) == ("h1", RouteReason.SPREAD)
+    # a context of its own (3 blocks beyond the prompt, 0.19 s) stays with its holder
+    own = {NodeId("h1"): 7, NodeId("h2"): 4}
+    assert pick(KvgatePolicy(**kw), own) == ("h1", RouteReason.CACHE_HIT)
+    # a loaded non-holder (1.2 s of prefill queued) would answer later: no move
+    t.on_sent(c[2], now=NOW, key=2, prefill_tokens=1200)
+    assert pick(KvgatePolicy(**kw), prompt)[0] == "h1"
+    # a shared prefix long enough to start a session is the spread's to place
+    t.on_prefilled(c[2], 2, now=NOW)
+    shared_kw = kw | {"session_min_shared_s": 0.05}
+    assert pick(KvgatePolicy(**shared_kw), prompt) == ("h1", RouteReason.SPREAD)
 
 
 def test_ttft_form_exploration_of_a_context_counts_the_idle_nodes_own_cache() -> None:

@@ -370,21 +370,45 @@ class Reference:
         ):
             chosen, reason, chosen_match = least, RouteReason.REPLICATION, 0
         elif (
-            idle is not None
-            and chosen_match
+            chosen_match
             and draw < p.epsilon
             and self.uncached_s(prompt, 0) - self.uncached_s(prompt, chosen_match * tpb)
             <= p.explore_max_loss_s
-            and (
-                self.shared(ctx, candidates, matches, best, chosen_match)
+        ):
+            shared = self.shared(ctx, candidates, matches, best, chosen_match)
+            other = max((matches.get(s.node_id, 0) for s in candidates if s is not best), default=0)
+            target: NodeState | None = None
+            if idle is not None and (
+                shared
                 # a context of its own: only for a first token no later at the idle node
                 or (
                     p.form == "ttft"
                     and self.no_later_at(idle, scored, best_penalty, ctx, chosen_match, now)
                 )
-            )
-        ):
-            chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
+            ):
+                target = idle
+            elif (
+                idle is None
+                and p.form == "ttft"
+                and p.explore_busy
+                and other
+                and shared
+                and not new_session
+            ):
+                # nobody idle: the least penalised non-holder (not where another
+                # tenant's flood is confined), if it answers no later, still gets a
+                # prefix other nodes hold too
+                lo = min(
+                    (r for r in scored if not r[3] and r[0].node_id not in ctx.cache_discount),
+                    key=lambda r: (r[2], r[1], r[0].slot),
+                    default=None,
+                )
+                if lo is not None and self.no_later_at(
+                    lo[0], scored, best_penalty, ctx, chosen_match, now
+                ):
+                    target = lo[0]
+            if target is not None:
+                chosen, reason, chosen_match = target, RouteReason.EXPLORATION, 0
         if p.form == "ttft" and p.session_spread_s > 0:
             sent = self.uncached_s(prompt, chosen_match * tpb)
             if new_session:
@@ -475,6 +499,7 @@ policy_st = st.builds(
     tail_window=st.sampled_from([1, 3, 1000]),
     ttft_target_s=st.sampled_from([0.0, 0.5, 5.0]),
     fleet_home_s=st.sampled_from([0.0, 0.25, 1e9]),
+    explore_busy=st.booleans(),
     session_spread_s=st.sampled_from([0.0, 0.5, 1e9]),
     session_work_s=st.sampled_from([0.0, 4.0]),
     session_min_shared_s=st.sampled_from([0.0, 0.25, 1e9]),
@@ -646,17 +671,18 @@ def test_candidates_outside_the_table_are_scored_like_the_reference() -> None:
 
 
 @pytest.mark.parametrize(
-    ("max_cache_wait_s", "tail_quantile", "ttft_target_s", "fleet"),
+    ("max_cache_wait_s", "tail_quantile", "ttft_target_s", "fleet", "explore"),
     [
-        (10.0, 0.0, 0.0, False),
-        (0.3, 0.0, 0.0, False),
-        (20.0, 0.9, 0.0, False),
-        (20.0, 0.0, 1.0, False),
-        (20.0, 0.0, 0.0, True),
+        (10.0, 0.0, 0.0, False, False),
+        (0.3, 0.0, 0.0, False, False),
+        (20.0, 0.9, 0.0, False, False),
+        (20.0, 0.0, 1.0, False, False),
+        (20.0, 0.0, 0.0, True, False),
+        (20.0, 0.0, 0.0, False, True),
     ],
 )
 def test_same_decisions_as_the_reference_while_prefill_drains(
-    max_cache_wait_s: float, tail_quantile: float, ttft_target_s: float, fleet: bool
+    max_cache_wait_s: float, tail_quantile: float, ttft_target_s: float, fleet: bool, explore: bool
 ) -> None:
     """A long random walk of sends, first tokens (of heads and of later requests),
     abandoned prefills and small steps of time, with a selection after each: the
@@ -665,14 +691,16 @@ def test_same_decisions_as_the_reference_while_prefill_drains(
     (0.3 s) makes the winner give way to the soonest node in many of the decisions; the
     tail guard (prompts of three sizes, the level over the last 50) in others, or a
     TTFT target of 1 s; as one gateway of a fleet, with prefixes that several nodes or
-    none hold half the time, the fleet home places many."""
+    none hold half the time, the fleet home places many; with exploration on and
+    prefixes that several nodes hold half the time, hits go to busy but less loaded
+    nodes (no node is idle when every node has something in flight)."""
     rnd = random.Random(7)
     table = NodeTable(stale_after_s=3.0)
     for nid in NAMES:
         table.add(NodeSpec(node_id=nid))
         table.report(nid, waiting=0, running=0, kv_util=rnd.choice([0.1, 0.5]), now=10.0)
     policy = KvgatePolicy(
-        epsilon=0.0,
+        epsilon=1.0 if explore else 0.0,
         prefill_tokens_per_s=1000.0,
         attention_s_per_pair=1e-7,
         decode_s_per_context_token=1e-4,
@@ -683,6 +711,7 @@ def test_same_decisions_as_the_reference_while_prefill_drains(
     )
     ref = Reference(p=policy, tripped=set())
     now, sends = 10.0, 0
+    busy_explored = 0  # hits explored to a node with requests in flight
     for _ in range(3000):
         state = table.get(rnd.choice(NAMES))
         assert state is not None
@@ -712,14 +741,26 @@ def test_same_decisions_as_the_reference_while_prefill_drains(
         if fleet and rnd.random() < 0.5:  # a shared prefix (or none) no single node holds
             depth = rnd.randrange(1, 12)
             matches = {nid: depth for nid in rnd.sample(NAMES, rnd.choice([0, 2, 3]))}
+        if explore and rnd.random() < 0.5:  # a short prefix a few nodes hold (a system prompt)
+            depth = rnd.randrange(1, 4)
+            matches = {nid: depth for nid in rnd.sample(NAMES, rnd.choice([2, 3, 5]))}
         blocks = rnd.choice([4, 8, 12])
+        # now and then a node another tenant's flood is confined to
+        discount = {rnd.choice(NAMES): 0.1} if explore and rnd.random() < 0.3 else {}
         ctx = RouteContext(
             chain=tuple(range(blocks)),
             prompt_tokens=blocks * 64 - 10,
             tokens_per_block=64,
             fleet=fleet,
+            cache_discount=discount,
         )
         cands = list(table.eligible()[0])
         want = ref.select(ctx, cands, matches, table, 0.5, now)
         got = policy.select(ctx, cands, matches, table, FixedRng(0.5), now)
         assert got == want
+        if got.reason is RouteReason.EXPLORATION:
+            target = table.get(got.node_id)
+            assert target is not None
+            busy_explored += target.inflight > 0
+    if explore:  # the walk reaches the rule it is here for
+        assert busy_explored >= 20

@@ -270,6 +270,24 @@ On top of the score, in this order:
    explored to a node whose own sessions then waited ~1.45 s behind it (p99 0.979 s
    against preble_e2's 0.973); with it 0.741 s, and 0.625 / 0.701 s at seed 0.
 
+   **Busy exploration** (``explore_busy``, on). With no node idle, a hit on a prefix
+   other candidates hold too (the winner holds at most ``affinity_min_gain_s`` beyond
+   another's match) goes to the least loaded non-holder when it would answer no later
+   by the same clause; not for a new session the spread or the fleet home placed (they
+   weigh the work it brings), nor to a node another tenant's flood is confined to.
+   Idleness alone let a node that missed the warm-up stay out for good: in the
+   ``tenant_flood`` scenario a flood confined to one node from the run's first seconds
+   kept its four requests in flight there, so that node was never idle and never got
+   the system prompt, and the slack kept every other tenant's request on the holders
+   for it (0.085 s of prefill); one node of eight served four requests while the
+   others queued (chat at 0.95 of saturation, seeds 0-3: the other tenants' TTFT p99
+   2.30 / 1.89 / 4.43 / 0.62 s against 0.76 / 0.75 / 0.59 / 0.24 s without the flood;
+   with the rule 1.08 / 1.03 / 1.15 / 0.26 s). Once a node holds the prefix the rule
+   has nothing left to do: the conversation trace and the chat and agent workloads
+   give the same numbers with it and without (seeds 0-3, 0.8 / 0.95), gsp a hit ratio
+   0.0004 lower. A non-holder that wins the score starts a new session instead (the
+   spread places it and the slack may hold it), so the rule moves hits, not sessions.
+
 Exactly one ``rng.random()`` is drawn per decision, so a seeded driver replays
 the same decisions whatever the cluster state.
 
@@ -351,6 +369,7 @@ class KvgatePolicy:
         recent_work_tau_s: float = 10.0,
         ttft_target_s: float = 0.0,
         fleet_home_s: float = 0.25,
+        explore_busy: bool = True,
     ) -> None:
         if form not in ("ttft", "brief"):
             raise ConfigError("kvgate policy: form must be 'ttft' or 'brief'")
@@ -389,6 +408,8 @@ class KvgatePolicy:
             raise ConfigError("kvgate policy: tail_quantile must be in [0, 1) (0: no tail guard)")
         if tail_window < 1:
             raise ConfigError("kvgate policy: tail_window must be >= 1")
+        if not isinstance(explore_busy, bool):
+            raise ConfigError("kvgate policy: explore_busy must be true or false")
         self.w_cache = w_cache
         self.w_load = w_load
         self.max_prefix_len = max_prefix_len
@@ -427,6 +448,7 @@ class KvgatePolicy:
         # the TTFT target caps the tail guard's level (0: no target)
         self.ttft_target_s = ttft_target_s
         self.fleet_home_s = fleet_home_s
+        self.explore_busy = explore_busy
         self._tripped: set[NodeId] = set()  # holders whose breaker is open
         self._loads = LoadScores()
 
@@ -584,6 +606,9 @@ class KvgatePolicy:
                 break
         assert best is not None
         win_score = best_key[0]
+        # a new session (its cache is shared, or nowhere): in a fleet, to its prefix's
+        # home; alone, where sessions work least
+        new_session = False
         if ttft:
             # each node's blocking cost, when the blocking rule rescored the request
             costs: Mapping[NodeId, float] = {}
@@ -596,9 +621,6 @@ class KvgatePolicy:
             # the latest predicted first token (penalty less bonus) a request waits for
             latest = soonest_key[0] + self.max_cache_wait_s
             moved = False
-            # a new session (its cache is shared, or nowhere): in a fleet, to its prefix's
-            # home; alone, where sessions work least
-            new_session = False
             home = None
             if (
                 ctx.fleet
@@ -681,12 +703,17 @@ class KvgatePolicy:
                 ),
                 default=0,
             )
+            shared = self._shared(prompt, tpb, chosen_match, other)
             if idle is not None and not (
-                self._shared(prompt, tpb, chosen_match, other)
+                shared
                 # a context of its own leaves only for a first token no later than there
                 or (ttft and self._no_later_at(by_id[idle.spec.node_id], best, loss, prompt, now))
             ):
                 idle = None
+            if idle is None and ttft and self.explore_busy and other and shared and not new_session:
+                # no node is idle: the least loaded node that would answer no later still
+                # gets a prefix other nodes hold too
+                idle = self._underused(loads, cands, matches, discount, best, loss, prompt, now)
             if idle is not None:
                 chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
 
@@ -864,6 +891,29 @@ class KvgatePolicy:
             default=None,
         )
         return top if top is not None else winner
+
+    def _underused(
+        self,
+        loads: LoadScores,
+        cands: frozenset[NodeState],
+        matches: Mapping[NodeId, int],
+        discount: Mapping[NodeId, float],
+        best: Load,
+        loss: float,
+        prompt: int,
+        now: float,
+    ) -> NodeState | None:
+        """The least loaded candidate non-holder (the first in rank order; not a node
+        another tenant's flood is confined to, which ``discount`` marks) if it would
+        answer no later than the winner (:meth:`_no_later_at`), else None."""
+        for _, _, _, load in loads.order:
+            if (
+                load.state in cands
+                and not matches.get(load.node_id)
+                and not (discount and load.node_id in discount)
+            ):
+                return load.state if self._no_later_at(load, best, loss, prompt, now) else None
+        return None
 
     def _no_later_at(self, idle: Load, best: Load, loss: float, prompt: int, now: float) -> bool:
         """Whether the idle node would answer no later than the winner: its penalty, plus
