@@ -61,3 +61,57 @@ def test_a_p0_request_that_timed_out_in_the_queue_counts_its_wait() -> None:
     assert [type(d).__name__ for d in out] == ["Reject"]
     report = ctl.admission.make_refresh(10.5)
     assert report.p0_ttft_p99_s is not None and report.p0_ttft_p99_s >= 1.0
+
+
+class _TargetSpy:
+    """The configured policy, recording each request's TTFT target as it routes."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.targets: list[float] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def select(self, ctx, *args):  # type: ignore[no-untyped-def]
+        self.targets.append(ctx.ttft_target_s)
+        return self.inner.select(ctx, *args)  # type: ignore[attr-defined]
+
+
+def _spied(budget: int) -> tuple[Controller, _TargetSpy]:
+    """A controller with one node of ``budget`` slots, its policy spied on."""
+    adm = AdmissionConfig(budget=budget, slo=SloConfig(p0_ttft_p99_s=2.0))
+    ctl = Controller(ControllerConfig(hasher="trace", admission=adm), rng=random.Random(1))
+    spy = _TargetSpy(ctl.policy)
+    ctl.policy = spy  # type: ignore[assignment]
+    ctl.add_node(NodeSpec(node_id=NodeId("n0"), capacity=budget), 0.0)
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(adm), 0.0)
+    return ctl, spy
+
+
+def test_a_p0_request_is_routed_with_what_is_left_of_the_p0_slo() -> None:
+    """P0 owes its first token within the SLO (2 s) from its arrival at the gateway: a
+    P0 request routed at once carries 2 s to the policy, one that waited 0.5 s in the
+    queue 1.5 s, one that waited past it none (0: no node can make it); P1 carries none."""
+    ctl, spy = _spied(budget=1)
+
+    def arrive(rid: str, now: float, priority: int = 0) -> object:
+        return ctl.on_arrival(
+            RequestArrived(
+                request_id=RequestId(rid), priority=priority, block_ids=(1,), prompt_tokens=64
+            ),
+            now,
+        )
+
+    assert isinstance(arrive("a", 0.0), Dispatch)
+    assert isinstance(arrive("b", 0.1), Hold)
+    assert [type(d) for d in ctl.on_finished(RequestId("a"), 0.6, cached_tokens=0)] == [Dispatch]
+    assert isinstance(arrive("c", 0.7), Hold)
+    assert [type(d) for d in ctl.on_finished(RequestId("b"), 2.9, cached_tokens=0)] == [Dispatch]
+    assert spy.targets == [2.0, 1.5, 0.0]
+    # P1 (with room for it)
+    ctl, spy = _spied(budget=8)
+    assert isinstance(arrive("d", 0.1, priority=1), Dispatch)
+    assert isinstance(arrive("e", 0.2, priority=0), Dispatch)
+    assert spy.targets == [0.0, 2.0]

@@ -765,6 +765,40 @@ def test_ttft_target_moves_a_request_its_holder_would_keep_past_it() -> None:
     assert d is not None and d.node_id == "holder"
 
 
+def test_a_requests_own_ttft_target_moves_it_like_the_policys() -> None:
+    """The controller gives a P0 request what is left of the P0 TTFT SLO
+    (``RouteContext.ttft_target_s``): the same half-cached prompt behind its holder's 3 s
+    queue goes to the idle node under a 2 s target of its own, stays under 4 s or none;
+    the lower of the policy's target and the request's counts."""
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=3000)
+    m = {NodeId("holder"): 10}
+    p = KvgatePolicy(**{**GUARD_KW, "tail_quantile": 0.0})
+    for target, want in ((2.0, "idle"), (4.0, "holder"), (0.0, "holder")):
+        d = p.select(ctx(blocks=20, ttft_target_s=target), c, m, t, FixedRng(0.9), NOW)
+        assert d is not None and d.node_id == want, target
+    lax = KvgatePolicy(**{**GUARD_KW, "tail_quantile": 0.0, "ttft_target_s": 10.0})
+    d = lax.select(ctx(blocks=20, ttft_target_s=2.0), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "idle"
+    strict = KvgatePolicy(**{**GUARD_KW, "tail_quantile": 0.0, "ttft_target_s": 2.0})
+    d = strict.select(ctx(blocks=20, ttft_target_s=10.0), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "idle"
+    # with every other rule that looks past the score off, the target alone still weighs
+    # the holders under it: "deep" wins the score (5 x 1.216 - 3 s) with its first token
+    # at 3.06 s; under 1.7 s "mid" (1.64 s, score 2.2) beats the idle node (1.28 s, 0)
+    t, c = table({"deep": (0, 0.0), "mid": (0, 0.0), "idle": (0, 0.0)})
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=3000)
+    t.on_sent(c[1], now=NOW, key=2, prefill_tokens=1000)
+    bare = KvgatePolicy(
+        **{**GUARD_KW, "tail_quantile": 0.0, "affinity_slack_s": 0.0},
+        session_spread_s=0.0, fleet_home_s=0.0,
+    )
+    m = {NodeId("deep"): 19, NodeId("mid"): 10}
+    assert bare.select(ctx(blocks=20), c, m, t, FixedRng(0.9), NOW).node_id == "deep"  # type: ignore[union-attr]
+    d = bare.select(ctx(blocks=20, ttft_target_s=1.7), c, m, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == "mid" and d.matched_blocks == 10
+
+
 # --- the new-session spread --------------------------------------------------------------
 
 # a 1000 tokens/s prefill and nothing else: equally loaded nodes score alike

@@ -327,7 +327,7 @@ class Reference:
             # cache leaves) is past the tail_quantile of the last tail_window requests'
             # full prefills gives way to the best scored node under it, if any: an open
             # holder with its bonus or a non-holder; a TTFT target lowers the level to it
-            if p.tail_quantile > 0 or p.ttft_target_s > 0:
+            if p.tail_quantile > 0 or p.ttft_target_s > 0 or ctx.ttft_target_s > 0:
                 level = float("inf")
                 if p.tail_quantile > 0:
                     fulls = self.fulls
@@ -338,6 +338,8 @@ class Reference:
                     del fulls[: -p.tail_window]
                 if p.ttft_target_s > 0:
                     level = min(level, p.ttft_target_s)
+                if ctx.ttft_target_s > 0:  # the request's own target (a P0 SLO)
+                    level = min(level, ctx.ttft_target_s)
 
                 def first_token(s: NodeState) -> float:
                     return waits[s.node_id] + self.uncached_s(
@@ -463,6 +465,7 @@ ops_st = st.lists(
             st.dictionaries(name_st, st.sampled_from([0.1, 0.5]), max_size=3),  # discounts
             st.sampled_from([2, 6, 12, 40]),  # prompt blocks (the tail guard's level moves)
             st.booleans(),  # one gateway of a fleet?
+            st.sampled_from([0.0, 0.0, 0.5, 3.0]),  # the request's own TTFT target
         ),
     ),
     min_size=1,
@@ -573,7 +576,7 @@ def test_same_decisions_as_the_reference(
             table.remove(op[1])  # type: ignore[arg-type]
             sent_at.pop(op[1], None)  # type: ignore[call-overload]
         else:
-            _, pick, matches, draw, hot_blocks, hot_rate, how, discount, blocks, fleet = op
+            _, pick, matches, draw, hot_blocks, hot_rate, how, discount, blocks, fleet, target = op
             pool, _ = table.eligible()
             if how == "pool":
                 cands: Sequence[NodeState] = list(pool)
@@ -589,6 +592,7 @@ def test_same_decisions_as_the_reference(
                 hot_rate=hot_rate,  # type: ignore[arg-type]
                 cache_discount=discount,  # type: ignore[arg-type]
                 fleet=fleet,  # type: ignore[arg-type]
+                ttft_target_s=target,  # type: ignore[arg-type]
             )
             want = ref.select(ctx, cands, matches, table, draw, now)  # type: ignore[arg-type]
             got = policy.select(ctx, cands, matches, table, FixedRng(draw), now)  # type: ignore[arg-type]

@@ -401,6 +401,10 @@ class Controller:
     def _dispatch(self, record: _Request, ticket: Ticket, now: float) -> Decision:
         record.ticket = ticket
         decision = None
+        if record.arrived.priority == 0 and not record.arrived.bypass:
+            # P0's first token is owed within the SLO from its arrival: what is left
+            left = self.config.admission.slo.p0_ttft_p99_s - (now - record.arrived_at)
+            record.ctx = replace(record.ctx, ttft_target_s=max(left, 0.0))
         tenant = record.arrived.tenant
         confined = self._confinement(tenant, record.ctx.model, record.excluded, now)
         if confined is not None:

@@ -56,6 +56,9 @@ class RouteContext:
     # this gateway is one of a fleet (expected_gateways > 1): the others route the same
     # prefixes without telling it, so where an unknown prefix goes should be agreed on
     fleet: bool = False
+    # seconds left for this request's first token under its class's TTFT SLO (P0: the
+    # admission SLO less its wait in the local queue); 0: no target
+    ttft_target_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
