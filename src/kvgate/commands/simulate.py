@@ -468,7 +468,7 @@ def _run_once(
             seed=args.seed,
             slo=slo,
             clock=time.perf_counter,
-            progress=lambda name: progress(f"{name} at x{speedup:.4g}"),
+            progress=partial(_announce, progress, speedup, ""),
             on_progress=progress.requests,
             policy_params=params,
         )
@@ -484,6 +484,7 @@ def _run_once(
     elif args.scenario == "tenant_flood":
         variants = {"flood": {"flood": True}, "no_flood": {"flood": False}}
     for label, kw in variants.items():
+        context = f", {args.scenario}" + (f" ({label})" if label else "")
         plan = builder(base, cfg, SeededRng(args.seed + 1), **kw)
         rep = compare(
             plan.workload,
@@ -493,7 +494,7 @@ def _run_once(
             slo=slo,
             hooks=plan.hooks,
             clock=time.perf_counter,
-            progress=partial(_scenario_label, progress, args.scenario, label, speedup),
+            progress=partial(_announce, progress, speedup, context),
             on_progress=progress.requests,
             policy_params=params,
             extra=partial(measure, args.scenario, plan),
@@ -509,10 +510,9 @@ def _run_once(
     return out
 
 
-def _scenario_label(
-    progress: SimProgress, scenario: str, variant: str, speedup: float, name: str
-) -> None:
-    progress(f"{name} at x{speedup:.4g}, {scenario}" + (f" ({variant})" if variant else ""))
+def _announce(progress: SimProgress, speedup: float, context: str, policy: str) -> None:
+    """Name a run starting: the policy, the speed-up and any scenario context."""
+    progress(f"{policy} at x{speedup:.4g}{context}")
 
 
 def run_simulate(args: argparse.Namespace) -> int:

@@ -349,6 +349,10 @@ class Controller:
             hot_blocks=hot_blocks,
             hot_rate=rate,
             fleet=self._fleet,
+            # P0's first token is owed within the P0 TTFT SLO from its arrival
+            ttft_target_s=self.config.admission.slo.p0_ttft_p99_s
+            if req.priority == 0 and not req.bypass
+            else 0.0,
         )
 
     def _max_seq_len(self, model: str) -> int | None:
@@ -401,8 +405,8 @@ class Controller:
     def _dispatch(self, record: _Request, ticket: Ticket, now: float) -> Decision:
         record.ticket = ticket
         decision = None
-        if record.arrived.priority == 0 and not record.arrived.bypass:
-            # P0's first token is owed within the SLO from its arrival: what is left
+        if record.ctx.ttft_target_s > 0.0 and now > record.arrived_at:
+            # it waited (in the queue, or for a retry): what is left of the P0 SLO
             left = self.config.admission.slo.p0_ttft_p99_s - (now - record.arrived_at)
             record.ctx = replace(record.ctx, ttft_target_s=max(left, 0.0))
         tenant = record.arrived.tenant

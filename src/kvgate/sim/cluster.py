@@ -206,7 +206,6 @@ class SimCluster:
         # told (ended, total) every PROGRESS_EVERY ended requests and at the last: a
         # progress bar's feed (the simulation itself reads no clock)
         self.on_progress: Callable[[int, int], None] | None = None
-        self._ended = 0
         self.hooks: list[tuple[float, Callable[[SimCluster], None]]] = []
         self.max_inflight_total = 0
         # cache-loss funnel (blocks): why each prompt block was or was not a hit
@@ -306,10 +305,10 @@ class SimCluster:
         self._open -= 1
         self._progress_s = now
         if self.on_progress is not None:
-            self._ended += 1
             total = len(self.workload.requests)
-            if self._ended % PROGRESS_EVERY == 0 or self._ended == total:
-                self.on_progress(self._ended, total)
+            ended = total - self._arrivals_left - self._open  # arrived and not open
+            if ended % PROGRESS_EVERY == 0 or ended == total:
+                self.on_progress(ended, total)
         for req, g in self._followers.pop(request_id, ()):  # the session's next step
             self.loop.after(req.think_s, partial(self._arrive, req, g))
 
