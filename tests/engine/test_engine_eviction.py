@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.engine import (
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EvictionAnnounced,
@@ -84,6 +85,36 @@ def test_blocks_in_use_by_then_are_skipped(kit) -> None:
         EvictionDone(num_blocks_evicted=3),
     ]
     assert {101, 102, 103} <= set(engine.pool.cached_hashes())
+
+
+def test_a_cache_reset_mid_eviction_ends_it_with_its_done(kit) -> None:
+    engine = warm(kit)
+    engine.bulk_evict(0.3, 10.0, "flush")
+    engine.take_events()
+    engine.step(12.5)  # two of the six batches ran
+    assert engine.take_events() == [BlockRemoved(block_hashes=(h,)) for h in (104, 103)]
+    assert engine.reset_prefix_cache()
+    # the done (what the batches evicted) comes before the clear that ends the plan
+    assert engine.take_events() == [EvictionDone(num_blocks_evicted=2), AllBlocksCleared()]
+    assert engine.next_timer_at() is None
+
+
+def test_a_refused_cache_reset_keeps_the_eviction_going(kit) -> None:
+    engine = warm(kit)
+    engine.bulk_evict(0.3, 10.0, "flush")
+    engine.take_events()
+    assert engine.submit(kit.req("c", 8, base=300, max_tokens=5), 10.0).accepted
+    assert engine.step(10.0) is not None  # c holds blocks: no reset
+    assert not engine.reset_prefix_cache()
+    assert not any(isinstance(e, EvictionDone | AllBlocksCleared) for e in engine.take_events())
+    assert engine.next_timer_at() == 12.0
+
+
+def test_the_fraction_is_of_the_pool_capped_by_the_cached_free_blocks(kit) -> None:
+    engine = warm(kit, announce_lead_s=None)  # 8 of 20 blocks cached-free
+    assert engine.bulk_evict(0.2, 10.0) == 4  # 20 % of the pool, not of the 8 cached
+    assert engine.bulk_evict(0.9, 20.0) == 4  # at most every cached block not in use
+    assert engine.pool.num_cached_blocks == 0
 
 
 def test_without_announcement_the_same_blocks_go_at_once(kit) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.engine import AllBlocksCleared, EvictionAnnounced, RejectKind
+from kvgate.engine import AllBlocksCleared, EvictionAnnounced, EvictionDone, RejectKind
 
 
 def test_crash_fails_everything_in_flight_and_clears_the_cache(kit) -> None:
@@ -31,14 +31,16 @@ def test_crash_fails_everything_in_flight_and_clears_the_cache(kit) -> None:
     assert [f.cached_tokens for o in outs for f in o.finished] == [0]  # cold after the crash
 
 
-def test_crash_drops_a_pending_announcement(kit) -> None:
+def test_crash_ends_a_pending_announcement_with_its_done(kit) -> None:
     engine = kit.tiny_engine(num_blocks=20)
     engine.submit(kit.req("a", 16, base=100), 0.0)
     kit.drive(engine, 0.0)
     engine.bulk_evict(0.2, 1.0, "fault")
     engine.crash(1.5)
     events = engine.take_events()
-    assert isinstance(events[-2], EvictionAnnounced) and events[-1] == AllBlocksCleared()
+    # the eviction is over (everything is gone): its done comes, before the clear
+    assert isinstance(events[-3], EvictionAnnounced)
+    assert events[-2:] == [EvictionDone(num_blocks_evicted=0), AllBlocksCleared()]
     assert engine.next_timer_at() is None
 
 

@@ -114,6 +114,19 @@ def test_simulate_scenario_and_bad_input(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["simulate", "--trace", "/nonexistent.jsonl", "--no-progress"]) == 2
 
 
+def test_an_empty_prompt_in_a_trace_is_refused_at_load_with_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    rows = [(0, 600, [1, 2]), (10, 0, [])]
+    trace.write_text("".join(
+        json.dumps({"timestamp": t, "input_length": n, "output_length": 5, "hash_ids": ids}) + "\n"
+        for t, n, ids in rows
+    ))
+    assert main(["simulate", "--trace", str(trace), "--policies", "kvgate", "--no-progress"]) == 2
+    assert f"{trace}:2: 'input_length' must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_an_empty_trace_is_an_error_not_an_empty_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

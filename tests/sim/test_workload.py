@@ -118,6 +118,7 @@ def test_unsorted_file_is_sorted_stably(tmp_path: Path) -> None:
             "'input_length' is missing",
         ),
         (_line(0, -5, 1, []), "input_length"),
+        (_line(0, 0, 1, []), "'input_length' must be >= 1, got 0"),  # no empty prompt
         (
             json.dumps({"timestamp": 0, "input_length": 1.5, "output_length": 1, "hash_ids": [1]}),
             "input_length",

@@ -151,6 +151,9 @@ class Controller:
         self._requests: dict[RequestId, _Request] = {}
         self._retries_in_flight = 0
         self._ejected_until: dict[NodeId, float] = {}
+        # announced bulk evictions not done yet, per node (absent: none): the node's
+        # cache stays discounted until the last one is done
+        self._evictions_pending: dict[NodeId, int] = {}
         self._aborts: dict[RequestId, NodeId] = {}  # see take_aborts
         self._deferred: list[Decision] = []  # decisions made inside a single-result call
         # model -> the largest max_model_len among the nodes serving it (None: no node),
@@ -196,6 +199,7 @@ class Controller:
             self.index.remove_node(node_id)
             self.policy.on_node_removed(node_id)
         self._ejected_until.pop(node_id, None)
+        self._evictions_pending.pop(node_id, None)  # a node added again starts afresh
         self._capacity_changed(now)
 
     def set_healthy(self, node_id: NodeId, healthy: bool, now: float) -> None:
@@ -259,17 +263,31 @@ class Controller:
             self.index.remove_blocks(node_id, hashes)
 
     def on_cache_cleared(self, node_id: NodeId, now: float) -> None:
+        """The node's cache is gone (crash, reset): so are its pending evictions, and
+        what it caches from now on counts in full again."""
         if self.index.has_node(node_id):
             self.index.clear_node(node_id)
+        self._end_evictions(node_id)
 
     def on_eviction_warning(self, node_id: NodeId, now: float) -> None:
         """The node announced a bulk eviction: stop attracting traffic with its cache."""
         state = self.nodes.get(node_id)
         if state is not None:
+            pending = self._evictions_pending
+            pending[node_id] = pending.get(node_id, 0) + 1
             state.cache_weight = self.config.evicting_cache_weight
             self.stats.eviction_warnings += 1
 
     def on_eviction_done(self, node_id: NodeId, now: float) -> None:
+        """One announced eviction is done; the cache counts in full after the last."""
+        left = self._evictions_pending.get(node_id, 0) - 1
+        if left > 0:
+            self._evictions_pending[node_id] = left
+        else:  # the last, or a done whose warning we missed (clamped at none)
+            self._end_evictions(node_id)
+
+    def _end_evictions(self, node_id: NodeId) -> None:
+        self._evictions_pending.pop(node_id, None)
         state = self.nodes.get(node_id)
         if state is not None:
             state.cache_weight = 1.0

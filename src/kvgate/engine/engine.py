@@ -344,7 +344,8 @@ class SimEngine:
 
     # ------------------------------------------------------------ cache ops
     def bulk_evict(self, fraction: float, now: float, reason: str = "flush") -> int:
-        """Evict up to `fraction` of the pool's cached-free blocks (eviction.py).
+        """Evict up to ceil(`fraction` * num_blocks) blocks: `fraction` of the pool, at
+        most every cached block not in use (least recently used first; eviction.py).
 
         Announced and paced when it counts as bulk; returns the blocks chosen.
         """
@@ -352,10 +353,10 @@ class SimEngine:
 
     def reset_prefix_cache(self) -> bool:
         """vLLM `reset_prefix_cache`: only while no block is in use."""
-        if not self.pool.reset_prefix_cache():
+        if self.pool.num_used_blocks:
             return False
-        self._evictor.clear()
-        return True
+        self._evictor.clear()  # first: the pending plans' dones precede AllBlocksCleared
+        return self.pool.reset_prefix_cache()
 
     # --------------------------------------------------------------- faults
     def crash(self, now: float) -> tuple[str, ...]:
@@ -364,6 +365,7 @@ class SimEngine:
         self._seqs.clear()
         self._queue.clear()
         self._sched.clear()
+        self._run = None  # its sequences are gone
         self._evictor.clear()
         self.pool.clear_all()
         self._faults.crashed = True

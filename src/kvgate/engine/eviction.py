@@ -23,8 +23,10 @@ never chosen) and then:
 A chosen block that is in use or reused by the time its batch runs is
 skipped (it is no longer cold); `EvictionDone` reports the real count.
 Batches run when the engine is stepped at or after their time; an idle
-engine's driver asks `next_due()` when to step it. A crash drops pending plans
-(`AllBlocksCleared` supersedes them).
+engine's driver asks `next_due()` when to step it. A crash or a cache reset
+drops pending plans: `clear()` emits each one's `EvictionDone` (the eviction is
+over, everything is gone), before the pool's `AllBlocksCleared`, so a gateway
+that only follows the notices never waits for a done that will not come.
 """
 
 from __future__ import annotations
@@ -155,7 +157,11 @@ class BulkEvictor:
         return min((p.next_at for p in self._plans), default=None)
 
     def clear(self) -> None:
-        """Drop pending plans (after a crash cleared the pool)."""
+        """Drop pending plans, each ending with its `EvictionDone` (call it before the
+        pool is cleared: a plan's done precedes the `AllBlocksCleared` that ends it)."""
+        for plan in self._plans:
+            # what its batches evicted: the rest goes with the clear, not this plan
+            self.pool.emit(EvictionDone(num_blocks_evicted=plan.num_evicted))
         self._plans.clear()
         self._planned.clear()
         self._recent.clear()

@@ -149,6 +149,9 @@ class SimNode:
         self.step_timer: Timer | None = None  # the end of the step (or decode run) running
         self.timer_at: float | None = None
         self.crashed = False
+        # crashes so far: a step scheduled before a crash ends with nothing to report,
+        # even when the node has recovered by then (see _step_done)
+        self.epoch = 0
         self.prefill_tokens = 0  # processed (uncached) prefill tokens, for load balance
         self.decode_tokens = 0
 
@@ -425,7 +428,7 @@ class SimCluster:
                 self.loop.at(nxt, lambda: self._timer(node))
             return
         node.stepping = True
-        node.step_timer = self.loop.at(out.end, lambda: self._step_done(node, out))
+        node.step_timer = self.loop.at(out.end, partial(self._step_done, node, out, node.epoch))
 
     def _settle(self, node: SimNode) -> None:
         """Before anything reaches a node's engine: cut its decode run at now (the
@@ -434,25 +437,30 @@ class SimCluster:
         if out is not None:
             assert node.step_timer is not None  # a run in progress has its end scheduled
             node.step_timer.cancel()
-            node.step_timer = self.loop.at(out.end, lambda: self._step_done(node, out))
+            node.step_timer = self.loop.at(
+                out.end, partial(self._step_done, node, out, node.epoch)
+            )
 
     def _timer(self, node: SimNode) -> None:
         node.timer_at = None
         self._kick(node)
 
-    def _step_done(self, node: SimNode, out: StepOutput) -> None:
+    def _step_done(self, node: SimNode, out: StepOutput, epoch: int) -> None:
         node.stepping = False
         self._progress_s = self.loop.now
-        if node.crashed:
-            # The crash came mid-step: what this step retired (finished or refused) had
-            # already left the engine, so the crash did not fail it; its answer never
-            # leaves the node either, so it fails here.
+        if epoch != node.epoch:
+            # A crash came mid-step (the node may be back by now: the step's work is lost
+            # all the same): what this step retired (finished or refused) had already
+            # left the engine, so the crash did not fail it; its answer never leaves the
+            # node either, so it fails here.
             retired = [f.request_id for f in out.finished] + [r.request_id for r in out.rejected]
             for eid in retired:
                 self.loop.after(
                     self.config.network_delay_s,
                     partial(self._attempt_failed, eid, FailureKind.UPSTREAM_ERROR),
                 )
+            if not node.crashed:  # recovered meanwhile: its kick waited for this step
+                self._step(node)
             return
         node.prefill_tokens += out.num_prefill_tokens
         node.decode_tokens += out.num_decode_seqs
@@ -562,6 +570,7 @@ class SimCluster:
             # one by one, the steps before the last would have ended (and counted)
             node.decode_tokens += len(run.seqs) * (run.steps - 1)
         node.crashed = True
+        node.epoch += 1
         failed = node.engine.crash(self.loop.now)
         self._drain_events(node)
         for eid in failed:
@@ -571,10 +580,16 @@ class SimCluster:
             )
 
     def bulk_evict(self, index: int, fraction: float, reason: str = "flush") -> int:
-        """Have a node evict ``fraction`` of its cached-free blocks now (eviction.py)."""
+        """Have a node evict ``fraction`` of its pool now, at most every cached block not
+        in use (``SimEngine.bulk_evict``); returns the blocks chosen. The announcement
+        (or the blocks removed at once) goes out now and the node is kicked, so an idle
+        node runs its batches on time instead of at its next request."""
         node = self.nodes[index]
         self._settle(node)
-        return node.engine.bulk_evict(fraction, self.loop.now, reason)
+        chosen = node.engine.bulk_evict(fraction, self.loop.now, reason)
+        self._drain_events(node)
+        self._kick(node)
+        return chosen
 
     def recover_node(self, index: int) -> None:
         node = self.nodes[index]

@@ -170,7 +170,6 @@ def mass_eviction(
     def evict(c: SimCluster) -> None:
         node = max(c.nodes, key=lambda n: (n.engine.pool.num_cached_blocks, -n.index))
         c.bulk_evict(node.index, 0.9, "memory-pressure purge")
-        c._kick(node)
 
     ev = config.eviction if announce else replace(config.eviction, announce_lead_s=None)
     return Plan(workload=base, config=replace(config, eviction=ev), hooks=((at, evict),))

@@ -1,8 +1,9 @@
 """Load a Mooncake-format trace (JSON Lines) as a :class:`Workload`.
 
 Format (``shared/traces/README.md``): one JSON object per line with ``timestamp`` (ms
-from the start of the trace), ``input_length``, ``output_length`` and ``hash_ids`` (one
-chained id per block of the prompt, ``len == ceil(input_length / block_tokens)``).
+from the start of the trace), ``input_length`` (at least 1: an empty prompt is refused),
+``output_length`` and ``hash_ids`` (one chained id per block of the prompt,
+``len == ceil(input_length / block_tokens)``).
 Blank lines are skipped; any other malformed line raises :class:`ValueError` naming the
 file and line number.
 
@@ -65,6 +66,8 @@ def _parse_line(
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
         raise _fail(path, lineno, f"'timestamp' must be a number >= 0, got {ts!r}")
     inp = _int_field(obj, "input_length", path, lineno)
+    if inp < 1:  # the engines refuse an empty prompt: say so here, with the line
+        raise _fail(path, lineno, f"'input_length' must be >= 1, got {inp}")
     out = _int_field(obj, "output_length", path, lineno)
     raw = obj.get("hash_ids")
     if not isinstance(raw, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in raw):
