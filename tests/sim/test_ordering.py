@@ -110,3 +110,19 @@ def test_a_lost_goodput_says_whether_misses_or_the_span_made_it() -> None:
     bare = ordering(_report(kvgate=_row(1.0, 0.5, 3.0, 0.18), dynamo_cost=_row(2, 0.6, 3.1, 0.1)))
     assert bare is not None and "misses" not in bare["checks"]["goodput_rps"]
     assert "SLO misses" not in format_ordering(bare)
+
+
+def test_a_latency_with_nothing_behind_it_ranks_last() -> None:
+    """A policy that completed nothing has no TTFT (None): it neither beats the others
+    nor is beaten by... being perfect."""
+    shed = _row(0.0, 0.0, 0.0, 0.0) | {"ttft_p99_s": None, "ttft_mean_s": None}
+    ours = _row(2.0, 1.0, 3.0, 0.5)
+    result = ordering(_report(kvgate=ours, round_robin=shed))
+    assert result is not None
+    p99 = result["checks"]["ttft_p99_s"]
+    assert p99["ok"] and p99["other"] is None
+    # and the policy under test with nothing measured fails, against a real number
+    result = ordering(_report(kvgate=shed, round_robin=ours))
+    assert result is not None and not result["checks"]["ttft_p99_s"]["ok"]
+    text = format_ordering(result)
+    assert "FAIL ttft_p99_s                none  does not beat 2.000" in text

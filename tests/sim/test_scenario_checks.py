@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from kvgate.core.admission import AdmissionConfig
@@ -96,3 +97,68 @@ def test_measure_reads_each_policy_run_on_its_own() -> None:
         assert m["budget"] == 64 and 0 <= m["p0_admit_share_during"] <= 1
         check = result[name]["checks"]["p0_admit_share_during"]
         assert check["ok"] == (m["p0_admit_share_during"] >= 0.9 * m["p0_admit_share_before"])
+
+
+def test_a_criterion_with_nothing_measured_fails_and_says_so() -> None:
+    """No P0 request completed: no P0 TTFT p99 (None), a failure, never a perfect 0."""
+    nothing = {"requests": 3, "completed": 0, "ttft_p99_s": None}
+    rep = {
+        "scenario": "p2_flood",
+        "variants": {
+            "p2_flood": {
+                "requests": 3,
+                "policies": {"kvgate": _row(by_priority={"P0": nothing})},
+            }
+        },
+    }
+    result = criteria(rep)
+    check = result["kvgate"]["checks"]["p0_ttft_p99_s"]
+    assert check["value"] is None and check["ok"] is False and not result["kvgate"]["holds"]
+    assert "FAIL p0_ttft_p99_s               none  nothing measured; needs <= 5.0000" in (
+        format_criteria("p2_flood", result)
+    )
+
+
+def test_tenant_flood_without_a_calm_p99_fails() -> None:
+    def variant(p99: float | None) -> dict[str, Any]:
+        m = {"others_ttft_p99_s": p99, "flood_max_inflight": 2, "quota": 4}
+        return {"requests": 10, "policies": {"kvgate": _row(scenario_measures=m)}}
+
+    for flood, calm in ((1.0, None), (None, 1.0), (1.0, 0.0)):
+        rep = {
+            "scenario": "tenant_flood",
+            "variants": {"flood": variant(flood), "no_flood": variant(calm)},
+        }
+        change = criteria(rep)["kvgate"]["checks"]["others_ttft_p99_change"]
+        assert change["value"] is None and change["ok"] is False, (flood, calm)
+        assert ("none measured" in change["note"]) == (None in (flood, calm))
+
+
+def test_traffic_double_checks_the_budget() -> None:
+    def rep(peak: int) -> dict[str, Any]:
+        m = {"max_inflight": peak, "budget": 16}
+        row = _row(scenario_measures=m)
+        return {
+            "scenario": "traffic_double",
+            "variants": {"traffic_double": {"requests": 10, "policies": {"kvgate": row}}},
+        }
+
+    assert criteria(rep(16))["kvgate"]["holds"]
+    over = criteria(rep(17))["kvgate"]
+    assert not over["holds"] and over["checks"]["max_inflight"]["ok"] is False
+
+
+def test_traffic_double_measures_its_peak_against_the_budget() -> None:
+    w = multi_turn_chat(rng=SeededRng(2), arrivals=3.0, num_sessions=30)
+    ctl = ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=8))
+    cfg = ClusterConfig(nodes=2, cache_blocks=300, node_capacity=4, controller=ctl)
+    plan = SCENARIOS["traffic_double"](w, cfg, SeededRng(3))
+    rep = compare(
+        plan.workload, plan.config, ["kvgate"], extra=partial(measure, "traffic_double", plan)
+    )
+    row = rep["policies"]["kvgate"]  # type: ignore[index]
+    m = row["scenario_measures"]
+    assert m == {"max_inflight": row["max_inflight"], "budget": 8} and 0 < m["max_inflight"] <= 8
+    assert criteria({"scenario": "traffic_double", "variants": {"traffic_double": rep}})[
+        "kvgate"
+    ]["checks"]["max_inflight"]["ok"]

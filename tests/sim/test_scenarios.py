@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from kvgate.core.admission import AdmissionConfig, SloConfig
+from kvgate.core.admission import AdmissionConfig, LeaseConfig, SloConfig
 from kvgate.core.config import ControllerConfig
+from kvgate.engine import BlockRemoved, EvictionAnnounced, EvictionDone, KvEvent
 from kvgate.sim.cluster import ClusterConfig, SimCluster
 from kvgate.sim.report import pct, ttft
 from kvgate.sim.runner import SeededRng, run_policy
+from kvgate.sim.scenario_checks import criteria, measure
 from kvgate.sim.scenarios import SCENARIOS, Plan, p0_admit_shares
 from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_groups
 from kvgate.sim.workload import Workload
@@ -86,14 +89,78 @@ def test_coordinator_down_keeps_p0_and_the_safe_limit() -> None:
     assert rep["rejects_by_reason"].get("degraded", 0) > 0
 
 
+def test_coordinator_down_admits_nothing_beyond_the_safe_limit_under_pressure() -> None:
+    """Two gateways, a budget of 16 and twice the traffic the cluster takes: in safe
+    mode each gateway's limit (C / gateways) binds, requests wait and time out, and
+    still no admission, read at every dispatch, goes past it; P0 keeps its share."""
+    adm = AdmissionConfig(budget=16, lease=LeaseConfig(expected_gateways=2))
+    ctl = ControllerConfig(hasher="trace", admission=adm)
+    cfg = ClusterConfig(nodes=4, gateways=2, cache_blocks=400, node_capacity=32, controller=ctl)
+    plan = SCENARIOS["coordinator_down"](base(sessions=80, rate=3.0), cfg, SeededRng(3))
+    cluster, rep = run(plan)
+    m = measure("coordinator_down", plan, cluster)["scenario_measures"]
+    assert isinstance(m, dict)
+    assert rep["rejects_by_reason"].get("queue_timeout", 0) > 0  # the limit binds
+    assert m["admitted_in_safe_mode"] > 50 and m["safe_limit"] == 8
+    assert 0 < m["safe_mode_max_inuse"] <= 8 and m["admitted_beyond_limit"] == 0
+    assert m["max_inflight_in_window"] <= 16
+    assert m["p0_admit_share_during"] >= 0.9 * m["p0_admit_share_before"]
+    result = criteria(
+        {
+            "scenario": "coordinator_down",
+            "variants": {
+                "coordinator_down": {
+                    "requests": rep["completed"] + rep["rejected"] + rep["failed"],
+                    "policies": {"kvgate": rep | {"scenario_measures": m}},
+                }
+            },
+        }
+    )
+    assert result["kvgate"]["holds"], result
+
+
+def _log_kv_events(log: list[tuple[float, int, KvEvent]]) -> Callable[[SimCluster], None]:
+    """A hook (at 0) logging (time, node, event) for every KV event the nodes hand over."""
+
+    def install(c: SimCluster) -> None:
+        for node in c.nodes:
+            take = node.engine.take_events
+
+            def spy(take: Callable[[], list[KvEvent]] = take, i: int = node.index) -> list[KvEvent]:
+                events = take()
+                log.extend((c.loop.now, i, e) for e in events)
+                return events
+
+            node.engine.take_events = spy  # type: ignore[method-assign]
+
+    return install
+
+
 def test_mass_eviction_reports_with_and_without_the_announcement() -> None:
     w = base(sessions=80, rate=2.0)
+    at = 0.4 * w.duration_s
     reports = {}
     for announce in (True, False):
         plan = SCENARIOS["mass_eviction"](w, config(), SeededRng(3), announce=announce)
-        _cluster, rep = run(plan)
+        log: list[tuple[float, int, KvEvent]] = []
+        cluster, rep = run(replace(plan, hooks=((0.0, _log_kv_events(log)), *plan.hooks)))
         reports[announce] = rep
         assert rep["completed"] + rep["rejected"] + rep["failed"] == len(w.requests)
+        # the eviction really happened, on one node, and announced only when asked
+        warnings = cluster.gateways[0].stats.eviction_warnings
+        notices = [(t, i, e) for t, i, e in log if isinstance(e, EvictionAnnounced | EvictionDone)]
+        if announce:
+            assert warnings == 1
+            (t0, node, announced), (_t1, node1, done) = notices
+            assert isinstance(announced, EvictionAnnounced) and isinstance(done, EvictionDone)
+            assert t0 == at and node1 == node  # announced at once, even on an idle node
+            assert done.num_blocks_evicted > 0.5 * announced.num_blocks > 0
+            # the last done restored the node's cache weight
+            assert cluster.gateways[0].nodes.get(cluster.nodes[node].node_id).cache_weight == 1.0  # type: ignore[union-attr]
+        else:
+            assert warnings == 0 and notices == []
+            purge = [e for t, _i, e in log if t == at and isinstance(e, BlockRemoved)]
+            assert sum(len(e.block_hashes) for e in purge) > 50
     for rep in reports.values():
         assert rep["ttft_p99_s"] > 0 and 0 < rep["hit_ratio"] < 1
 
@@ -195,8 +262,9 @@ def test_a_p2_request_preempted_on_its_way_to_the_node_is_not_submitted(seed: in
         network_delay_s=0.02,
         controller=ControllerConfig(hasher="trace", admission=adm),
     )
-    w = shared_prefix_groups(rng=SeededRng(seed), arrivals=16.0, num_groups=10,
-                             prompts_per_group=40)
+    w = shared_prefix_groups(
+        rng=SeededRng(seed), arrivals=16.0, num_groups=10, prompts_per_group=40
+    )
     cluster, rep = run(SCENARIOS["p2_flood"](w, cfg, SeededRng(seed + 1)))
     assert rep["rejects_by_reason"].get("preempted", 0) > 0
     assert rep["completed"] + rep["rejected"] + rep["failed"] == len(cluster.outcomes)

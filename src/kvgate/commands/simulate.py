@@ -424,8 +424,10 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     for name, rep in report["policies"].items():
         cells = []
-        for (key, fmt), _w in zip(COLUMNS, widths, strict=True):
-            cells.append(fmt.format(name if key == "policy" else rep[key]))
+        for (key, fmt), w in zip(COLUMNS, widths, strict=True):
+            value = name if key == "policy" else rep[key]
+            # a latency with no completed request behind it is None: shown as "-"
+            cells.append("-".rjust(w) if value is None else fmt.format(value))
         lines.append("  ".join(cells))
     speeds = ", ".join(
         f"{name} {rep['sim_requests_per_wall_s']:.0f}" for name, rep in report["policies"].items()

@@ -210,6 +210,9 @@ class SimCluster:
         # progress bar's feed (the simulation itself reads no clock)
         self.on_progress: Callable[[int, int], None] | None = None
         self.hooks: list[tuple[float, Callable[[SimCluster], None]]] = []
+        # told (gateway index, attempt) at every dispatch, once it is counted in flight:
+        # a probe of what admission let in, exact where a sampling hook could miss a peak
+        self.on_dispatch: list[Callable[[int, int], None]] = []
         self.max_inflight_total = 0
         # cache-loss funnel (blocks): why each prompt block was or was not a hit
         self.funnel: Counter[str] = Counter()
@@ -327,6 +330,8 @@ class SimCluster:
         self.loop.after(self.config.network_delay_s, lambda: self._submit(eid))
         inflight = sum(c.in_flight() for c in self.gateways)
         self.max_inflight_total = max(self.max_inflight_total, inflight)
+        for observe in self.on_dispatch:
+            observe(g, d.attempt)
 
     def _tick(self, g: int) -> None:
         """Gateway housekeeping: queue deadlines, lease refresh when due."""

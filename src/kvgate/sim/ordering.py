@@ -17,6 +17,7 @@ finished its last request sooner. Pure: report in, JSON-able dict out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,10 +55,14 @@ def ordering(report: Mapping[str, Any], policy: str = "kvgate") -> dict[str, Any
     checks: dict[str, Any] = {}
     for key, higher in _RANKED:
         value = ours[key]
-        ranked = sorted(others, key=lambda n: others[n][key], reverse=higher)
+        ranked = sorted(others, key=lambda n: _rank_value(others[n][key], higher), reverse=higher)
         rival = ranked[0]  # the best of the others on this metric
         rival_value = others[rival][key]
-        ok = value > rival_value if higher else value < rival_value
+        ok = value is not None and (
+            _rank_value(value, higher) > _rank_value(rival_value, higher)
+            if higher
+            else _rank_value(value, higher) < _rank_value(rival_value, higher)
+        )
         checks[key] = {"value": value, "against": rival, "other": rival_value, "ok": ok}
         if key == "goodput_rps":
             checks[key].update(_goodput_parts(ours, others[rival]))
@@ -94,6 +99,14 @@ def ordering(report: Mapping[str, Any], policy: str = "kvgate") -> dict[str, Any
         "checks": checks,
         "holds": all(c["ok"] for c in checks.values()),
     }
+
+
+def _rank_value(value: float | None, higher: bool) -> float:
+    """A metric for ranking: None (nothing measured, e.g. a latency with no completed
+    request) ranks last, never as a perfect 0."""
+    if value is None:
+        return -math.inf if higher else math.inf
+    return value
 
 
 def _goodput_parts(ours: Mapping[str, Any], rival: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,6 +146,10 @@ def _why_goodput(policy: str, c: Mapping[str, Any]) -> str | None:
 _DECIMALS = {"ttft_p99_s": 3, "ttft_mean_s": 3, "goodput_rps": 3, "load_max_over_mean": 3}
 
 
+def _shown(x: float | None, digits: int) -> str:
+    return "none" if x is None else f"{x:.{digits}f}"
+
+
 def format_ordering(result: Mapping[str, Any]) -> str:
     """A few console lines: one per check, with where a baseline wins."""
     policy = result["policy"]
@@ -140,7 +157,7 @@ def format_ordering(result: Mapping[str, Any]) -> str:
     for key, c in result["checks"].items():
         digits = _DECIMALS.get(key, 4)
         mark = "ok  " if c["ok"] else "FAIL"
-        value = f"{c['value']:.{digits}f}"
+        value = _shown(c["value"], digits)
         if key == "hit_ratio":
             rel = ">=" if c["ok"] else "<"
             tail = f"{rel} {c['other']:.4f} (the best cache-aware baseline, {c['against']})"
@@ -151,7 +168,7 @@ def format_ordering(result: Mapping[str, Any]) -> str:
                 )
         elif "against" in c:
             rel = "beats" if c["ok"] else "does not beat"
-            tail = f"{rel} {c['other']:.{digits}f} (the best other policy, {c['against']})"
+            tail = f"{rel} {_shown(c['other'], digits)} (the best other policy, {c['against']})"
         elif "limit" in c:
             tail = f"<= {c['limit']}" if c["ok"] else f"> {c['limit']}"
         else:

@@ -36,10 +36,11 @@ class Slo:
 STRICT_SLO = Slo(ttft_s=2.0, tpot_s=0.05)
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default); 0.0 for no values."""
+def pct(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default); None for no values (a run
+    that completed nothing has no latency, not a perfect one)."""
     if not values:
-        return 0.0
+        return None
     xs = sorted(values)
     pos = q * (len(xs) - 1)
     lo = int(pos)
@@ -47,12 +48,24 @@ def pct(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
-def _r(x: float, nd: int = 4) -> float:
-    return round(x, nd)
+SAMPLE_POINTS = 500
+
+
+def thinned(xs: Sequence[float], n: int) -> list[float]:
+    """At most ``n`` of ``xs`` (n >= 2), evenly spaced by index, the first and last
+    included: a sorted sample keeps its extremes."""
+    if len(xs) <= n:
+        return list(xs)
+    last = len(xs) - 1
+    return [xs[round(i * last / (n - 1))] for i in range(n)]
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
 
 
 def ttft(o: RequestOutcome) -> float | None:
@@ -93,15 +106,25 @@ def slo_miss(o: RequestOutcome, slo: Slo) -> str | None:
     return "tpot" if slow else None
 
 
-def latency_summary(outcomes: Iterable[RequestOutcome]) -> dict[str, float]:
+def latency_summary(outcomes: Iterable[RequestOutcome]) -> dict[str, float | None]:
+    """Latency of a group of requests (a priority class, a tenant); None where none
+    completed."""
     outs = list(outcomes)
     ttfts = [t for o in outs if (t := ttft(o)) is not None]
+    tpots = [p for o in outs if (p := tpot(o)) is not None]
+    e2es = [
+        o.finished_s - o.arrived_s
+        for o in outs
+        if o.status == "completed" and o.finished_s is not None
+    ]
     return {
         "requests": len(outs),
         "completed": len(ttfts),
         "ttft_p50_s": _r(pct(ttfts, 0.5)),
         "ttft_p99_s": _r(pct(ttfts, 0.99)),
         "ttft_mean_s": _r(_mean(ttfts)),
+        "tpot_p99_s": _r(pct(tpots, 0.99), 5),
+        "e2e_p99_s": _r(pct(e2es, 0.99)),
     }
 
 
@@ -144,7 +167,7 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
     attempts = sum(o.attempts for o in outs)
     dispatched = sum(1 for o in outs if o.attempts)
 
-    by_priority: dict[str, dict[str, float]] = {}
+    by_priority: dict[str, dict[str, float | None]] = {}
     groups: defaultdict[int, list[RequestOutcome]] = defaultdict(list)
     for o in outs:
         groups[o.req.priority].append(o)
@@ -193,6 +216,7 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
         "span_s": _r(span, 2),
         "wall_s": _r(wall_s, 2),
         "sim_requests_per_wall_s": _r(len(outs) / wall_s, 1) if wall_s else 0.0,
-        # a thinned sample (at most 500 points) of the TTFT distribution, for plots
-        "ttft_samples_s": [_r(t) for t in sorted(ttfts)[:: max(1, len(ttfts) // 500)]],
+        # a thinned sample (at most 500 points, the fastest and slowest among them) of
+        # the TTFT distribution, for plots
+        "ttft_samples_s": [_r(t) for t in thinned(sorted(ttfts), SAMPLE_POINTS)],
     }

@@ -36,15 +36,22 @@ def measure(name: str, plan: Plan, cluster: SimCluster) -> dict[str, object]:
     """``{"scenario_measures": {...}}`` for one finished run of ``plan`` (scenario
     ``name``), or ``{}`` when its criteria read the report alone. Ends the probe's run."""
     out: dict[str, object] = {}
-    if plan.probe is not None:
-        in_window, tenants = plan.probe.end_run()
+    run = plan.probe.end_run() if plan.probe is not None else None
     if name == "coordinator_down" and plan.probe is not None and plan.window is not None:
+        assert run is not None
         before, during = p0_admit_shares(cluster, *plan.window)
         out = {
             "p0_admit_share_before": round(before, 4),
             "p0_admit_share_during": round(during, 4),
-            "max_inflight_in_window": in_window,
+            "max_inflight_in_window": run.inflight_in_window,
             "budget": plan.probe.budget,
+            # every admission during the outage, against the limit in force at its
+            # gateway (the last lease while reused, then the safe limit)
+            "admitted_in_window": run.admitted_in_window,
+            "admitted_beyond_limit": max(0, run.admitted_over_limit),
+            "admitted_in_safe_mode": run.admitted_in_safe_mode,
+            "safe_mode_max_inuse": run.safe_mode_inuse,
+            "safe_limit": plan.probe.budget // len(cluster.gateways),
         }
     elif name == "tenant_flood" and plan.probe is not None:
         others = [
@@ -53,15 +60,27 @@ def measure(name: str, plan: Plan, cluster: SimCluster) -> dict[str, object]:
             if o.req.tenant != FLOOD_TENANT and (t := ttft(o)) is not None
         ]
         out = {
-            "others_ttft_p99_s": round(pct(others, 0.99), 4),
-            "flood_max_inflight": tenants.get(FLOOD_TENANT, 0),
+            "others_ttft_p99_s": _round(pct(others, 0.99)),
+            "flood_max_inflight": run.tenant_inflight.get(FLOOD_TENANT, 0) if run else 0,
             "quota": plan.probe.budget,
+        }
+    elif name == "traffic_double":
+        # the doubled traffic is turned away at the budget, not let in beyond it
+        out = {
+            "max_inflight": cluster.max_inflight_total,
+            "budget": plan.config.controller.admission.budget,
         }
     return {"scenario_measures": out} if out else {}
 
 
-def _check(value: float, rel: str, threshold: float, note: str = "") -> dict[str, Any]:
-    ok = {
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def _check(value: float | None, rel: str, threshold: float, note: str = "") -> dict[str, Any]:
+    """A criterion; a value of None (nothing measured, e.g. no request completed)
+    fails it."""
+    ok = value is not None and {
         "<=": value <= threshold,
         "<": value < threshold,
         ">=": value >= threshold,
@@ -96,7 +115,7 @@ def _policy_checks(
     if name == "p2_flood":
         p0 = row["by_priority"].get("P0", {})
         slo = row["slo"]["ttft_s"]
-        checks["p0_ttft_p99_s"] = _check(p0.get("ttft_p99_s", 0.0), "<=", slo, "the TTFT SLO")
+        checks["p0_ttft_p99_s"] = _check(p0.get("ttft_p99_s"), "<=", slo, "the TTFT SLO")
         checks["p0_completed"] = _check(
             p0.get("completed", 0), "==", p0.get("requests", 0), "every P0 request"
         )
@@ -117,6 +136,20 @@ def _policy_checks(
         checks["max_inflight_in_window"] = _check(
             m["max_inflight_in_window"], "<=", m["budget"], "the budget C"
         )
+        checks["admitted_beyond_limit"] = _check(
+            m["admitted_beyond_limit"],
+            "==",
+            0,
+            f"credits beyond its gateway's limit after any of the "
+            f"{m['admitted_in_window']} admissions during the outage",
+        )
+        checks["safe_mode_max_inuse"] = _check(
+            m["safe_mode_max_inuse"],
+            "<=",
+            m["safe_limit"],
+            f"C / gateways, after any of the {m['admitted_in_safe_mode']} admissions "
+            "in safe mode",
+        )
     elif name == "mass_eviction":
         # the criterion is that both runs are shown: no threshold, only both measured
         for key in ("ttft_p99_s", "hit_ratio"):
@@ -134,17 +167,28 @@ def _policy_checks(
             ma["flood_max_inflight"], "<=", ma["quota"], "the flooding tenant's quota"
         )
         flood_p99, calm_p99 = ma["others_ttft_p99_s"], mb["others_ttft_p99_s"]
-        change = abs(flood_p99 - calm_p99) / calm_p99 if calm_p99 else 0.0
+        # no change can be measured without both p99s (and a calm one above 0)
+        change = (
+            round(abs(flood_p99 - calm_p99) / calm_p99, 4)
+            if flood_p99 is not None and calm_p99
+            else None
+        )
         checks["others_ttft_p99_change"] = _check(
-            round(change, 4),
+            change,
             "<",
             OTHERS_TTFT_MAX_CHANGE,
-            f"the other tenants' TTFT p99, {flood_p99:.4f} s with the flood "
-            f"against {calm_p99:.4f} s without",
+            f"the other tenants' TTFT p99, {_seconds(flood_p99)} with the flood "
+            f"against {_seconds(calm_p99)} without",
         )
     elif name == "traffic_double":
         checks["lost_requests"] = _lost(report, row)
+        m = row["scenario_measures"]
+        checks["max_inflight"] = _check(m["max_inflight"], "<=", m["budget"], "the budget C")
     return checks
+
+
+def _seconds(x: float | None) -> str:
+    return "none measured" if x is None else f"{x:.4f} s"
 
 
 def criteria(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -159,7 +203,9 @@ def criteria(report: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _number(x: float) -> str:
+def _number(x: float | None) -> str:
+    if x is None:
+        return "none"
     return str(x) if isinstance(x, int) else f"{x:.4f}"
 
 
@@ -173,8 +219,11 @@ def format_criteria(scenario: str, result: Mapping[str, Any]) -> str:
         lines.append(f"{scenario} pass criteria, {policy}: {'holds' if r['holds'] else 'FAILS'}")
         for key, c in r["checks"].items():
             mark = "ok  " if c["ok"] else "FAIL"
-            rel = c["rel"] if c["ok"] or c["rel"] == "vs" else _NEGATED[c["rel"]]
-            tail = f"{rel} {_number(c['threshold'])}"
+            if c["value"] is None and c["rel"] != "vs":
+                tail = f"nothing measured; needs {c['rel']} {_number(c['threshold'])}"
+            else:
+                rel = c["rel"] if c["ok"] or c["rel"] == "vs" else _NEGATED[c["rel"]]
+                tail = f"{rel} {_number(c['threshold'])}"
             if "note" in c:
                 tail += f" ({c['note']})"
             lines.append(f"  {mark} {key:<22} {_number(c['value']):>9}  {tail}")

@@ -11,8 +11,10 @@ numbers of the checks below). Criteria (issue "Simulator"):
   attempts per request <= 1.2; nothing lost.
 * ``coordinator_down``: the coordinator is unreachable from 30 % to 60 % of the
   run; P0 keeps >= 90 % of its admit rate (share of offered P0 requests admitted
-  during the outage against before it) and the sum of in-flight requests never
-  exceeds the budget C (the safe limit is C / gateways per gateway).
+  during the outage against before it), the sum of in-flight requests never
+  exceeds the budget C, and no admission during the outage leaves its gateway above
+  the limit in force there (the last lease while reused, then the safe limit, at most
+  C / gateways); admissions are read at every dispatch, not sampled.
 * ``mass_eviction``: the node holding the most cached blocks drops its cached blocks
   not in use, up to 90 % of its pool, at 40 % of the run, while its prefixes are hot;
   run with and without the pre-announcement, the report shows TTFT p99 and hit ratio
@@ -21,15 +23,18 @@ numbers of the checks below). Criteria (issue "Simulator"):
   its quota in flight, and the other tenants' TTFT p99 moves by < 20 % against
   the same run without the flood.
 * ``traffic_double``: traffic doubles from 30 % to 50 % of the run; nothing lost
-  (every request ends with exactly one outcome).
+  (every request ends with exactly one outcome) and the sum of in-flight requests
+  never exceeds the budget C (the extra traffic waits or is refused at the gateway).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
-from kvgate.core.admission import AdmissionConfig, Priority
+from kvgate.core.admission import AdmissionConfig, LeaseState, Priority
 from kvgate.core.rng import Rng
 from kvgate.sim.cluster import ClusterConfig, SimCluster
 from kvgate.sim.runner import Hook
@@ -59,25 +64,91 @@ def at_rate(base: Workload, factor: float) -> Workload:
 
 
 @dataclass(slots=True)
-class Probe:
-    """Samples taken during a run (for criteria no report field covers).
+class RunMaxima:
+    """What admission let in during one run, read at every dispatch (in-flight counts
+    only grow there, so these maxima are exact)."""
 
-    One plan serves every policy of a comparison in turn: the first two fields keep the
-    maxima over all its runs, the ``run_`` ones those of the current run (:meth:`end_run`).
+    # the fleet's requests in flight, at most, inside the probe's window
+    inflight_in_window: int = 0
+    # per tenant, its requests in flight over every gateway (a quota is fleet-wide)
+    tenant_inflight: dict[str, int] = field(default_factory=dict)
+    # admissions inside the window (first attempts: a retry keeps its credit), the most
+    # any of them left its gateway above the limit in force there (credits in use less
+    # the lease total; <= 0 when nothing was admitted beyond it), and of those made in
+    # SAFE mode, how many and the most in use at their gateway after one
+    admitted_in_window: int = 0
+    admitted_over_limit: int = -(10**9)
+    admitted_in_safe_mode: int = 0
+    safe_mode_inuse: int = 0
+
+
+@dataclass(slots=True)
+class Probe:
+    """Watches what admission lets in during a run (for criteria no report field
+    covers): ``budget`` is the bound the scenario checks (the budget C, or a quota).
+
+    One plan serves every policy of a comparison in turn: ``total`` keeps the maxima
+    over all its runs, ``run`` those of the current run (:meth:`end_run`).
     """
 
-    max_inflight_in_window: int = 0
-    max_tenant_inflight: dict[str, int] = field(default_factory=dict)
     budget: int = 0
-    run_max_inflight_in_window: int = 0
-    run_max_tenant_inflight: dict[str, int] = field(default_factory=dict)
+    total: RunMaxima = field(default_factory=RunMaxima)
+    run: RunMaxima = field(default_factory=RunMaxima)
 
-    def end_run(self) -> tuple[int, dict[str, int]]:
-        """The finished run's maxima (in flight in the window, per tenant), then cleared."""
-        out = (self.run_max_inflight_in_window, dict(self.run_max_tenant_inflight))
-        self.run_max_inflight_in_window = 0
-        self.run_max_tenant_inflight.clear()
+    @property
+    def max_inflight_in_window(self) -> int:
+        return self.total.inflight_in_window
+
+    @property
+    def max_tenant_inflight(self) -> dict[str, int]:
+        return self.total.tenant_inflight
+
+    def end_run(self) -> RunMaxima:
+        """The finished run's maxima, then a fresh record for the next run."""
+        out, self.run = self.run, RunMaxima()
         return out
+
+
+def _watch(probe: Probe, start: float, end: float) -> tuple[tuple[float, Hook], ...]:
+    """Hooks that have the cluster report every dispatch to ``probe`` (from time 0),
+    and take the requests already in flight when the window opens."""
+
+    def observe(c: SimCluster, g: int, attempt: int) -> None:
+        now = c.loop.now
+        gateways = c.gateways
+        fleet: dict[str, int] = {}  # a tenant's quota is fleet-wide: sum its gateways
+        for ctl in gateways:
+            for t, n in ctl.admission.tenant_inflight().items():
+                fleet[t] = fleet.get(t, 0) + n
+        for rec in (probe.total, probe.run):
+            for t, n in fleet.items():
+                if n > rec.tenant_inflight.get(t, 0):
+                    rec.tenant_inflight[t] = n
+        if not start <= now < end:
+            return
+        total = sum(ctl.in_flight() for ctl in gateways)
+        adm = gateways[g].admission
+        safe = adm.lease_state is LeaseState.SAFE
+        for rec in (probe.total, probe.run):
+            rec.inflight_in_window = max(rec.inflight_in_window, total)
+            if attempt == 1:
+                rec.admitted_in_window += 1
+                rec.admitted_over_limit = max(
+                    rec.admitted_over_limit, adm.inuse_total - adm.lease_total
+                )
+                if safe:
+                    rec.admitted_in_safe_mode += 1
+                    rec.safe_mode_inuse = max(rec.safe_mode_inuse, adm.inuse_total)
+
+    def install(c: SimCluster) -> None:
+        c.on_dispatch.append(partial(observe, c))
+
+    def opened(c: SimCluster) -> None:  # what was let in before counts in the window
+        total = sum(ctl.in_flight() for ctl in c.gateways)
+        for rec in (probe.total, probe.run):
+            rec.inflight_in_window = max(rec.inflight_in_window, total)
+
+    return ((0.0, install), (start, opened))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,30 +159,6 @@ class Plan:
     probe: Probe | None = None
     # the fault's [start, end) in seconds, for criteria that compare before and during it
     window: tuple[float, float] | None = None
-
-
-def _sampler(probe: Probe, start: float, end: float, every: float = 0.05) -> Hook:
-    def sample(c: SimCluster) -> None:
-        now = c.loop.now
-        if now > end or not c.busy():
-            return
-        total = sum(g.in_flight() for g in c.gateways)
-        if now >= start:
-            probe.max_inflight_in_window = max(probe.max_inflight_in_window, total)
-            probe.run_max_inflight_in_window = max(probe.run_max_inflight_in_window, total)
-        # a tenant's quota is fleet-wide: sum its in-flight over the gateways
-        fleet: dict[str, int] = {}
-        for g in c.gateways:
-            for t, n in g.admission.stats().tenant_inflight.items():
-                fleet[t] = fleet.get(t, 0) + n
-        for t, n in fleet.items():
-            if n > probe.max_tenant_inflight.get(t, 0):
-                probe.max_tenant_inflight[t] = n
-            if n > probe.run_max_tenant_inflight.get(t, 0):
-                probe.run_max_tenant_inflight[t] = n
-        c.loop.after(every, lambda: sample(c))
-
-    return sample
 
 
 def p2_flood(base: Workload, config: ClusterConfig, rng: Rng, *, factor: float = 10.0) -> Plan:
@@ -154,7 +201,7 @@ def coordinator_down(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
     return Plan(
         workload=wl,
         config=config,
-        hooks=((start, cut), (end, heal), (0.0, _sampler(probe, start, end))),
+        hooks=((start, cut), (end, heal), *_watch(probe, start, end)),
         probe=probe,
         window=(start, end),
     )
@@ -195,11 +242,12 @@ def tenant_flood(
         extra = with_tenant(at_rate(base, factor / len(tenants)), "flood")
         wl = merge(wl, extra, name=f"{base.name}+flood")
     probe = Probe(budget=quota)
-    return Plan(workload=wl, config=cfg, hooks=((0.0, _sampler(probe, 0.0, 1e18)),), probe=probe)
+    return Plan(workload=wl, config=cfg, hooks=_watch(probe, 0.0, math.inf), probe=probe)
 
 
 def traffic_double(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
-    """Traffic doubles from 30% to 50% of the run; every request ends with one outcome."""
+    """Traffic doubles from 30% to 50% of the run; every request ends with one outcome
+    and the sum of in-flight requests never exceeds the budget C."""
     d = base.duration_s
     extra = time_window(base, 0.3 * d, 0.5 * d, rebase=False)
     return Plan(workload=merge(base, extra, name=f"{base.name}+double"), config=config)
