@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -57,3 +58,20 @@ def test_closed_loop_help_says_when_the_next_request_goes(
         "only once the previous one has ended (answered, failed or refused), plus its think "
         "time (an agent's tool gap) divided by --speedup" in text
     )
+
+
+def test_stdout_without_a_reader_ends_quietly() -> None:
+    """`kvgate demo | head -1`: the reader has gone; no traceback, the shell's
+    broken-pipe status (141), whichever command was printing."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will read what the command prints
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvgate.cli", "demo"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and b"Traceback" not in proc.stderr

@@ -38,6 +38,17 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        # stdout's reader went away (`kvgate ... | head`): stop quietly, as Unix tools do
+        from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
+
+        silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -43,12 +44,27 @@ def test_event_loop_orders_by_time_then_schedule_order() -> None:
     assert seen == ["a", "b", "c"] and loop.now == 2.0
 
 
-def test_every_request_ends_exactly_once_and_policies_share_settings() -> None:
+def test_every_request_ends_exactly_once_and_policies_share_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every policy of a comparison runs on the same cluster and admission settings:
+    only the routing policy (and its parameters) differ."""
+    built: list[ClusterConfig] = []
+    init = SimCluster.__init__
+
+    def spy(self: SimCluster, config: ClusterConfig, *args: Any, **kw: Any) -> None:
+        built.append(config)
+        init(self, config, *args, **kw)
+
+    monkeypatch.setattr(SimCluster, "__init__", spy)
     w = gsp()
     rep = compare(w, small_config(), ["kvgate", "round_robin"], seed=3)
     for name, r in rep["policies"].items():  # type: ignore[union-attr]
         assert r["completed"] + r["rejected"] + r["failed"] == len(w.requests), name
     assert rep["requests"] == len(w.requests)
+    assert [c.controller.policy for c in built] == ["kvgate", "round_robin"]
+    first, second = (replace(c, controller=replace(c.controller, policy="")) for c in built)
+    assert first == second and first.controller.admission == small_config().controller.admission
 
 
 def test_cache_hit_cuts_ttft_and_kvgate_beats_round_robin_on_hits() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -207,7 +206,6 @@ def test_pooled_lru_prefix_only_and_last_to_first() -> None:
 
 @needs_trace
 def test_conversation_trace_matches_readme() -> None:
-    t0 = time.perf_counter()
     w = load_mooncake_trace(CONVERSATION)
     assert len(w.requests) == 12_031
     d = w.describe()
@@ -219,7 +217,6 @@ def test_conversation_trace_matches_readme() -> None:
     # Convention: every hash id counts and is inserted, the partial last block included.
     assert round(100 * pooled_lru_hit_ratio(w, 1_000), 2) == 4.45
     assert round(100 * pooled_lru_hit_ratio(w, 8_000), 2) == 17.81
-    assert time.perf_counter() - t0 < 5
 
 
 @needs_trace

@@ -6,14 +6,19 @@ from pathlib import Path
 from typing import Any
 
 
-def _flatten(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _flatten(report: dict[str, Any], label: str = "") -> dict[str, dict[str, Any]]:
+    """Every comparison (a report with ``policies``) in ``report``, by a label saying
+    where it sits: a scenario's variants, the runs at fractions of saturation, or both."""
     if "policies" in report:
-        return {"": report}
+        return {label: report}
+    out: dict[str, dict[str, Any]] = {}
     if "variants" in report:
-        return dict(report["variants"].items())
+        for name, rep in report["variants"].items():
+            out.update(_flatten(rep, f"{label} {name}".strip()))
     if "runs" in report:
-        return {f"x{k} sat": v for k, v in report["runs"].items() if "policies" in v}
-    return {}
+        for frac, rep in report["runs"].items():
+            out.update(_flatten(rep, f"{label} x{frac} sat".strip()))
+    return out
 
 
 def plot_report(report: dict[str, Any], path: Path) -> None:
@@ -23,6 +28,8 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = _flatten(report)
+    if not runs:
+        raise ValueError("the report holds no run to plot")
     fig, axes = plt.subplots(len(runs) or 1, 2, figsize=(12, 4 * max(1, len(runs))), squeeze=False)
     for row, (label, rep) in enumerate(runs.items()):
         ax_t, ax_h = axes[row]

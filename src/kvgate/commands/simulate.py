@@ -25,6 +25,7 @@ from kvgate.commands.argtypes import (
     positive_floats,
     positive_int,
 )
+from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
 from kvgate.commands.sim_progress import SimProgress
 from kvgate.core.admission import AdmissionConfig, LeaseConfig
 from kvgate.core.config import ControllerConfig
@@ -177,7 +178,8 @@ def add_simulate_parser(sub: Any) -> None:
         "--saturation",
         type=positive_float,
         default=None,
-        help="round robin's saturation speed-up if already known (skips the search; default: none)",
+        help="round robin's saturation speed-up if already known, for --at-saturation "
+        "(in place of --find-saturation's search; default: none)",
     )
     r.add_argument(
         "--at-saturation",
@@ -349,28 +351,43 @@ def keeps_up(rep: dict[str, Any], workload: Workload, base_e2e_s: float) -> bool
     slack taken from the loaded run itself would grow with the very queue it must
     detect, and a fixed one would hide a growing queue in a short synthetic run.
     """
-    n = len(workload.requests)
-    lost = (rep["rejected"] + rep["failed"]) / max(1, n)
     arrival_span = max(workload.duration_s, 1e-9)
-    return bool(lost < 0.01 and rep["span_s"] <= 1.1 * arrival_span + base_e2e_s)
+    # + 0.01: the report rounds span_s to 10 ms
+    drained = rep["span_s"] <= 1.1 * arrival_span + base_e2e_s + 0.01
+    return bool(not sheds(rep, workload) and drained)
+
+
+def sheds(rep: dict[str, Any], workload: Workload) -> bool:
+    """Whether a run rejected or failed 1 % or more of the workload's requests."""
+    return bool(rep["rejected"] + rep["failed"] >= 0.01 * max(1, len(workload.requests)))
+
+
+# the speed-ups the saturation search brackets: below the first, a cluster is too small
+# for the workload; above the last, the search gives up (give --saturation instead)
+SEARCH_LOW, SEARCH_HIGH = 0.25, 16.0
 
 
 def find_saturation(args: argparse.Namespace, progress: SimProgress) -> float:
-    """Bisect (geometrically) the arrival speed-up at which round robin stops keeping up."""
+    """Bisect (geometrically) the arrival speed-up at which round robin stops keeping
+    up. Raises ValueError when it does not keep up even at the search's low end, or
+    keeps up at every speed-up probed (the point is above the search's high end)."""
     cfg = _config(args)
-    lo, hi = 0.25, 16.0
+    lo, hi = SEARCH_LOW, SEARCH_HIGH
     progress(f"round_robin unloaded reference x{lo:.2f}")
     # Closed-loop sessions slow down instead of queueing, so the point where arrivals
     # outrun round robin is searched on the open-loop plan (same prompts, same starts).
-    _, base = run_policy(
-        _load_workload(args, lo, open_loop=True),
-        cfg,
-        "round_robin",
-        seed=args.seed,
-        on_progress=progress.requests,
-    )
+    slow = _load_workload(args, lo, open_loop=True)
+    _, base = run_policy(slow, cfg, "round_robin", seed=args.seed, on_progress=progress.requests)
     e2e_p99 = base["e2e_p99_s"]
-    assert isinstance(e2e_p99, int | float), "an unloaded run completes requests"
+    # the reference is the low end's probe too (its own latency is its drain allowance,
+    # so only what it sheds can fail it)
+    if not isinstance(e2e_p99, int | float) or sheds(base, slow):
+        raise ValueError(
+            f"round robin does not keep up with this workload even at x{lo:g} of its "
+            f"arrival rate ({base['rejected']} rejected, {base['failed']} failed of "
+            f"{len(slow.requests)}): the cluster is too small for it; give more nodes, "
+            "or --saturation if you know the point"
+        )
     base_e2e = float(e2e_p99)
     for _ in range(7):
         mid = (lo * hi) ** 0.5
@@ -381,6 +398,11 @@ def find_saturation(args: argparse.Namespace, progress: SimProgress) -> float:
             lo = mid
         else:
             hi = mid
+    if hi == SEARCH_HIGH:
+        raise ValueError(
+            f"round robin keeps up at every speed-up probed, up to x{lo:.3f} (the search "
+            f"stops below x{SEARCH_HIGH:g}): give --saturation if you know a higher point"
+        )
     return round(lo, 3)
 
 
@@ -394,6 +416,7 @@ COLUMNS = (
     ("ttft_mean_s", "{:>11.3f}"),
     ("tpot_p99_s", "{:>10.4f}"),
     ("goodput_rps", "{:>11.3f}"),
+    ("goodput_strict_rps", "{:>8.3f}"),
     ("hit_ratio", "{:>9.4f}"),
     ("load_max_over_mean", "{:>8.3f}"),
     ("attempts_per_request", "{:>8.3f}"),
@@ -411,11 +434,12 @@ def format_table(report: dict[str, Any]) -> str:
         "ttft_mean",
         "tpot_p99",
         "goodput",
+        "strict",
         "hit",
         "ld_max/mean",
         "attempts",
     ]
-    widths = [18, 9, 8, 6, 10, 10, 11, 10, 11, 9, 8, 8]
+    widths = [18, 9, 8, 6, 10, 10, 11, 10, 11, 8, 9, 8, 8]
     lines = [
         "  ".join(
             h.rjust(w) if i else h.ljust(w)
@@ -526,9 +550,15 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json")  # before the run, not after it
         check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
         report: dict[str, Any]
+        check_saturation_args(args)
+        check_plot_args(args)
         if args.find_saturation or args.at_saturation:
             sat = args.saturation or find_saturation(args, progress)
-            report = {"round_robin_saturation_speedup": sat, "runs": {}}
+            report = {
+                "round_robin_saturation_speedup": sat,
+                "saturation_found": args.saturation is None,
+                "runs": {},
+            }
             fractions: list[float] = args.at_saturation or []
             for f in fractions:
                 report["runs"][f"{f:g}"] = _run_once(args, f * sat, progress, params)
@@ -543,7 +573,12 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
     progress.done()
-    _print(report)
+    broken = False
+    try:
+        _print(report)
+    except BrokenPipeError:  # `| head`: the files asked for are still written
+        silence_stdout()
+        broken = True
     try:
         if args.json:
             args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
@@ -551,15 +586,44 @@ def run_simulate(args: argparse.Namespace) -> int:
             from kvgate.commands.sim_plot import plot_report
 
             plot_report(report, args.plot)
-    except OSError as exc:  # e.g. the disk filled up during the run
+    except (OSError, ValueError) as exc:  # e.g. the disk filled up during the run
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return EXIT_BROKEN_PIPE if broken else 0
+
+
+def check_saturation_args(args: argparse.Namespace) -> None:
+    """``--saturation`` is a known point that ``--at-saturation`` runs fractions of;
+    alone, or beside ``--find-saturation``, it would be ignored. Raises ValueError."""
+    if args.saturation is None:
+        return
+    if args.find_saturation:
+        raise ValueError(
+            "--saturation gives the point, --find-saturation searches for it: use one"
+        )
+    if not args.at_saturation:
+        raise ValueError(
+            "--saturation needs --at-saturation (the fractions of it to run at); "
+            "for one run at a speed-up, use --speedup"
+        )
+
+
+def check_plot_args(args: argparse.Namespace) -> None:
+    """``--plot`` draws runs: ``--find-saturation`` alone makes none. Raises ValueError."""
+    if args.plot is not None and args.find_saturation and not args.at_saturation:
+        raise ValueError(
+            "--plot draws runs, and --find-saturation alone only searches: "
+            "add --at-saturation (e.g. 0.8)"
+        )
 
 
 def _print(report: dict[str, Any]) -> None:
     if "round_robin_saturation_speedup" in report:
-        print(f"round robin saturation speed-up: x{report['round_robin_saturation_speedup']}")
+        how = "found" if report.get("saturation_found", True) else "given"
+        print(
+            f"round robin saturation speed-up: x{report['round_robin_saturation_speedup']} "
+            f"({how})"
+        )
         for frac, rep in report["runs"].items():
             print(f"\n== {frac} of saturation (speed-up x{rep['speedup']:.3f}) ==")
             _print(rep)

@@ -74,11 +74,19 @@ def run_policy(
 
 
 def resolve_policies(names: Sequence[str]) -> list[str]:
+    """The policies a comparison runs, in order; ``["all"]`` is every policy, kvgate
+    first. Raises ValueError on none, an unknown one or one named twice (a report has
+    one row per policy)."""
     if list(names) == ["all"]:
         return ["kvgate", *sorted(n for n in POLICIES if n != "kvgate")]
+    if not names:
+        raise ValueError(f"no policy given; known: {sorted(POLICIES)} or 'all'")
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {sorted(POLICIES)} or 'all'")
+    twice = sorted({n for n in names if list(names).count(n) > 1})
+    if twice:
+        raise ValueError(f"policies named more than once: {twice}")
     return list(names)
 
 
