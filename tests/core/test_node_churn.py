@@ -94,3 +94,25 @@ def test_failures_on_a_removed_node_do_not_eject_its_successor() -> None:
     ctl.set_healthy(NodeId("n0"), False, 1.0)  # the new node's own health probe fails
     ctl.tick(0.4 + ctl.config.eject_s + 1)  # and no ejection of the old one revives it
     assert not state.healthy
+
+
+@pytest.mark.parametrize("mode", ["approximate", "precise"])
+def test_a_node_back_from_unhealthy_has_an_empty_cache_in_approximate_mode(mode: str) -> None:
+    """A node out after failed health checks most likely restarted, and a restarted
+    engine's prefix cache is empty. Approximate mode has no event to say so (precise
+    mode has the engine's AllBlocksCleared): it forgets the node's blocks when the node
+    comes back, instead of sending requests there for hits it no longer holds."""
+    cfg = ControllerConfig(hasher="trace", policy="kvgate", index_mode=mode)  # type: ignore[arg-type]
+    ctl = Controller(cfg, rng=random.Random(3))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.0)
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    _send(ctl, "r1", 0.1)  # approximate: the index learns the prompt's blocks from it
+    if mode == "precise":  # precise: the node's events, not our routing, fill the index
+        ctl.on_blocks_stored(NodeId("n0"), [3, 1], 0.15)
+    held = ctl.index.num_blocks()
+    assert held >= 2
+    ctl.set_healthy(NodeId("n0"), False, 0.3)
+    assert ctl.index.num_blocks() == held  # out, not forgotten yet
+    ctl.set_healthy(NodeId("n0"), True, 0.5)
+    assert ctl.index.num_blocks() == (0 if mode == "approximate" else held)
