@@ -113,7 +113,12 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"admission": {"tenant_confine_s": -1}}, "admission.tenant_confine_s must be a finite"),
     ({"admission": {"p2_start": 0}}, "slo: p2_start must be in (0, 1]"),
     ({"admission": {"reclaim_p2": "sometimes"}}, "reclaim_p2"),
-    ({"admission": {"reclaim_retry_after_s": -1}}, "reclaim_retry_after_s must be >= 0"),
+    ({"admission": {"reclaim_retry_after_s": -1}},
+     "reclaim_retry_after_s and tenant_retry_after_s must be >= 0"),
+    ({"admission": {"reclaim_retry_after_s": float("nan")}},
+     "admission reclaim_retry_after_s must be a finite number"),
+    ({"admission": {"queue_timeout_s": float("inf")}},
+     "admission classes[0].queue_timeout_s must be a finite number"),
 ])
 def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
                                              tmp_path: Path) -> None:

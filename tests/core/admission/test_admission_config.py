@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 import statistics
 import time
 from pathlib import Path
@@ -92,6 +93,28 @@ BAD: list[dict[str, Any]] = [
     {"slo": SloConfig(healthy_windows=0)},
     {"slo": SloConfig(p2_start=0.0)},
     {"slo": SloConfig(p2_start=1.5)},
+    # NaN passes every range check by comparison, and inf is no time at all
+    {"lease": LeaseConfig(reuse_timeout_s=math.nan)},  # never SAFE: fails open
+    {"lease": LeaseConfig(ttl_s=math.inf)},
+    {"lease": LeaseConfig(refresh_s=math.nan)},
+    {
+        "classes": (
+            ClassConfig(share=0.7, lendable=0.5, queue_timeout_s=math.nan),  # never expires
+            ClassConfig(share=0.3, lendable=1.0),
+            ClassConfig(share=0.0, lendable=1.0),
+        )
+    },
+    {
+        "classes": (
+            ClassConfig(share=math.nan, lendable=0.5),
+            ClassConfig(share=0.3, lendable=1.0),
+            ClassConfig(share=0.0, lendable=1.0),
+        )
+    },
+    {"reclaim_retry_after_s": math.inf},
+    {"tenant_retry_after_s": -1.0},
+    {"slo": SloConfig(p0_ttft_p99_s=math.nan)},
+    {"breaker": BreakerConfig(open_s=math.inf)},
 ]
 
 

@@ -147,7 +147,31 @@ def floor_fraction(value: int, fraction: float) -> int:
     return math.floor(round(value * fraction, 9))
 
 
+def _nonfinite(obj: object, path: str) -> str | None:
+    """The dotted name of the first float knob in ``obj`` (a config dataclass, nested
+    ones and tuples of them included) that is NaN or infinite, else None. Every range
+    check below compares, and a NaN passes every comparison: a NaN queue timeout never
+    expires, a NaN reuse timeout never reaches SAFE (the gateway would fail open)."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else path
+    if isinstance(obj, tuple):
+        for i, item in enumerate(obj):
+            if (bad := _nonfinite(item, f"{path}[{i}]")) is not None:
+                return bad
+        return None
+    names = getattr(obj, "__dataclass_fields__", None)
+    if names is None:
+        return None
+    for name in names:
+        sub = f"{path}.{name}" if path else name
+        if (bad := _nonfinite(getattr(obj, name), sub)) is not None:
+            return bad
+    return None
+
+
 def _validate(cfg: AdmissionConfig) -> None:
+    if (bad := _nonfinite(cfg, "")) is not None:
+        raise ConfigError(f"admission {bad} must be a finite number", param=bad)
     if cfg.budget < 1:
         raise ConfigError(f"admission budget must be >= 1, got {cfg.budget}", param="budget")
     if len(cfg.classes) != NUM_CLASSES:
@@ -160,8 +184,13 @@ def _validate(cfg: AdmissionConfig) -> None:
             raise ConfigError(f"P{i} lendable must be in [0, 1], got {c.lendable}")
         if c.queue_limit < 0 or c.queue_timeout_s <= 0.0:
             raise ConfigError(f"P{i} queue limit must be >= 0 and timeout > 0")
-    if cfg.reclaim_retry_after_s < 0.0:
-        raise ConfigError("reclaim_retry_after_s must be >= 0", param="reclaim_retry_after_s")
+    if cfg.reclaim_retry_after_s < 0.0 or cfg.tenant_retry_after_s < 0.0:
+        raise ConfigError(
+            "reclaim_retry_after_s and tenant_retry_after_s must be >= 0",
+            param="reclaim_retry_after_s",
+        )
+    if cfg.safe_mode.retry_after_s < 0.0:
+        raise ConfigError("safe_mode.retry_after_s must be >= 0", param="safe_mode")
     if not 0.0 <= cfg.bypass_fraction <= 0.5:
         raise ConfigError(f"bypass_fraction must be in [0, 0.5], got {cfg.bypass_fraction}")
     quotas = list(cfg.tenant_quotas.values())
