@@ -11,6 +11,7 @@ from kvgate.core.admission import (
     GatewayAdmission,
     InProcessCoordinator,
     LeaseConfig,
+    LeaseState,
     Queued,
     RefreshRequest,
     TenantUsage,
@@ -120,24 +121,42 @@ def test_idle_headroom_waits_for_the_expected_gateways_not_seen_yet() -> None:
     assert sum(shares) <= 161 and min(shares) >= 161 // 4 - 1
 
 
-def test_gateway_expiry_frees_its_lease_and_release_is_immediate() -> None:
+def test_a_lapsed_lease_is_held_while_its_gateway_may_reuse_it() -> None:
+    """a stops refreshing (cut off alone: b still refreshes). Its gateway may admit on
+    its last lease for reuse_timeout_s (5 s) past its deadline, so the coordinator
+    lends that lease to nobody until a's TTL (2 s) and that window have passed."""
     coord = InProcessCoordinator(_one_class(100))
     coord.refresh(report("a", 100, inuse0=100, has=100), 0.0)
     assert coord.refresh(report("b", 100), 1.0).total == 0
-    assert coord.refresh(report("b", 100), 2.01).total == 100  # a's ttl (2 s) passed
+    for t in (2.01, 4.0, 6.99):  # a's TTL passed, its reuse window not
+        assert coord.refresh(report("b", 100), t).total == 0
+    assert coord.refresh(report("b", 100), 7.01).total == 100
     coord.release_gateway("b")
     assert coord.records == {}
 
 
-def test_reclaim_grace_keeps_inuse_held_after_expiry() -> None:
+def test_a_gateway_back_within_its_reuse_window_keeps_its_record() -> None:
+    coord = InProcessCoordinator(_one_class(100))
+    coord.refresh(report("a", 100, inuse0=60, has=100), 0.0)
+    coord.refresh(report("b", 100), 2.5)  # a lapsed: reusing
+    assert coord.records["a"].reusing
+    coord.refresh(report("a", 100, inuse0=60, has=100), 3.0)  # a reaches us again
+    assert not coord.records["a"].reusing and coord.records["a"].expires_at == 5.0
+
+
+def test_reclaim_grace_keeps_inuse_held_after_the_reuse_window() -> None:
     coord = InProcessCoordinator(_one_class(100, lease=LeaseConfig(reclaim_grace_s=10.0)))
     coord.refresh(report("a", 100, inuse0=70, has=100), 0.0)
     coord.refresh(report("b", 100), 1.0)  # b refreshes on: only a's record lapses
-    g = coord.refresh(report("b", 100), 2.5)  # a expired: its lease is free, its in-use not
+    g = coord.refresh(report("b", 100), 2.5)  # a lapsed at 2: its whole lease held ...
+    assert g.total == 0 and g.gateways_live == 2
+    for t in (3.5, 4.5, 5.5, 6.5):
+        assert coord.refresh(report("b", 100), t).total == 0
+    g = coord.refresh(report("b", 100), 7.5)  # ... until 2 + 5; then its in-use only
     assert g.total == 30 and g.gateways_live == 1
-    for t in (4.0, 6.0, 8.0, 10.0, 12.0):  # a's in-use held until 2.5 + 10
+    for t in (8.5, 10.0, 11.5, 13.0, 14.5, 16.0, 16.9):  # a's in-use held until 7 + 10
         assert coord.refresh(report("b", 100, has=30), t).total == 30
-    assert coord.refresh(report("b", 100, has=30), 12.6).total == 100
+    assert coord.refresh(report("b", 100, has=30), 17.1).total == 100
 
 
 def test_tenant_quota_is_shared_across_gateways() -> None:
@@ -250,3 +269,41 @@ def test_real_gateways_share_a_backlog_evenly() -> None:
         assert sum(gw.inuse_total for gw in gws) <= 100
     assert sum(served) >= 900  # ~100 per second for 10 s
     assert abs(served[0] - served[1]) <= 0.1 * sum(served)
+
+
+def test_a_gateway_cut_off_alone_spends_a_lease_nobody_else_is_lent() -> None:
+    """A partial partition: a loses the coordinator at 0.5 s, b keeps refreshing, and
+    both have more demand than C. While a still admits on its last lease (until its
+    deadline plus reuse_timeout_s), the two together stay within K; before, the
+    coordinator forgot a at its TTL and lent b a's lease (167 in flight for K 100)."""
+    cfg = AdmissionConfig(budget=100, bypass_fraction=0.0, lease=LeaseConfig(expected_gateways=2))
+    coord = InProcessCoordinator(cfg)
+    gws = {"a": GatewayAdmission(cfg, "a"), "b": GatewayAdmission(cfg, "b")}
+    n = 0
+
+    def admit(g: GatewayAdmission, now: float) -> None:
+        nonlocal n
+        for _ in range(5):  # steady P0 demand beyond the budget
+            n += 1
+            g.admit(req(0, rid=f"r{n}"), now)
+
+    for g in gws.values():
+        g.apply_grant(coord.refresh(g.make_refresh(0.0), 0.0), 0.0)
+        admit(g, 0.0)
+    worst_while_reusing = 0
+    t = 0.0
+    while t < 9.0:
+        t = round(t + 0.05, 3)
+        for gid, g in gws.items():
+            g.poll(t)
+            if g.refresh_due(t):
+                if gid == "a" and t >= 0.5:
+                    g.refresh_failed(t)
+                else:
+                    g.apply_grant(coord.refresh(g.make_refresh(t), t), t)
+            admit(g, t)
+        total = gws["a"].inuse_total + gws["b"].inuse_total
+        if gws["a"].lease_state is not LeaseState.SAFE:
+            worst_while_reusing = max(worst_while_reusing, total)
+    assert gws["a"].lease_state is LeaseState.SAFE  # the window did end
+    assert 90 <= worst_while_reusing <= 100

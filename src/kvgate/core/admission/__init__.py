@@ -30,7 +30,8 @@ from kvgate.core.admission.config import (
     SloConfig,
     bypass_pool,
 )
-from kvgate.core.admission.coordinator import Coordinator, GatewayRecord, InProcessCoordinator
+from kvgate.core.admission.coordinator import Coordinator, InProcessCoordinator
+from kvgate.core.admission.coordinator_record import GatewayRecord
 from kvgate.core.admission.gateway import GatewayAdmission
 from kvgate.core.admission.queues import FairQueue, QueueEntry
 from kvgate.core.admission.quota_book import LocalLimits, QuotaBook

@@ -4,8 +4,11 @@
 admission-anchors 8.2, one call per gateway refresh (a Redis fleet runs this very
 code on state it loads and stores per refresh: ``gateway/redis_coordinator.py``):
 
-1. Expire gateway records past their TTL (with ``reclaim_grace_s`` > 0 an expired
-   record's last reported in-use stays counted as held for that long).
+1. Expire gateway records past their TTL, in steps: a lapsed record's whole claim
+   stays held for ``reuse_timeout_s`` more, the time its gateway may keep admitting
+   on its last lease (EXPIRED_REUSING) if it alone lost the coordinator (a partial
+   partition: the others still refresh and would be lent that lease); then, with
+   ``reclaim_grace_s`` > 0, its last reported in-use for that long; then it is gone.
 2. Upsert the caller. C_eff is the latest C_eff any gateway reported (each sees the
    node health itself; the newest report wins), clamped to the configured budget.
    The bypass pool R = max(1, floor(3 % of C_eff)) is carved out first; the class
@@ -31,7 +34,13 @@ code on state it loads and stores per refresh: ``gateway/redis_coordinator.py``)
    its old lease. Counting only the new lease would let another gateway receive the
    credits the first one is still spending (the invariant test shows it).
 
-Result: sum of in-flight <= C while every gateway reaches the coordinator.
+Result: sum of in-flight <= C while every gateway reaches the coordinator, and while
+one that lost it still runs on its last lease. After that it runs in SAFE, on up to
+min(last lease, K / live gateways) of new admissions and what it had in flight, which
+the coordinator no longer reserves unless ``reclaim_grace_s`` holds its in-use: a
+gateway cut off alone for longer than TTL + ``reuse_timeout_s`` can take the fleet
+over C by up to that much (a crashed gateway's credits would otherwise stay reserved
+for as long as the grace, with nobody to spend them).
 
 Learning mode (Doorman): for one TTL a gateway is granted max(has, inuse) as it
 reports them, clamped by what the others already reported holding; a newcomer (has 0)
@@ -58,8 +67,7 @@ before each gateway's first report, and ends when those requests finish.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvgate.core.admission.allocation import (
@@ -69,8 +77,9 @@ from kvgate.core.admission.allocation import (
     spread,
 )
 from kvgate.core.admission.config import AdmissionConfig, bypass_pool
+from kvgate.core.admission.coordinator_record import GatewayRecord
 from kvgate.core.admission.slo import SloController
-from kvgate.core.admission.types import LeaseGrant, RefreshRequest, TenantUsage, Triple
+from kvgate.core.admission.types import LeaseGrant, RefreshRequest, Triple
 
 
 class Coordinator(Protocol):
@@ -81,49 +90,6 @@ class Coordinator(Protocol):
     def release_gateway(self, gateway_id: str) -> None:
         """Graceful shutdown: forget the gateway's lease now instead of at TTL."""
         ...
-
-
-@dataclass(slots=True)
-class GatewayRecord:
-    gateway_id: str
-    expires_at: float
-    inuse: Triple = (0, 0, 0)
-    wants: Triple = (0, 0, 0)
-    has: Triple = (0, 0, 0)
-    has_total: int = 0
-    lease: Triple = (0, 0, 0)
-    lease_total: int = 0
-    bypass_inuse: int = 0
-    bypass_has: int = 0
-    bypass_lease: int = 0
-    tenants: Mapping[str, TenantUsage] = field(default_factory=dict)
-    tenant_lease: dict[str, int] = field(default_factory=dict)
-    learning_until: float = 0.0
-    ghost: bool = False  # expired; only its last in-use is held until expires_at
-
-    def held(self, c: int) -> int:
-        if self.ghost:
-            return self.inuse[c]
-        return max(self.lease[c], self.has[c], self.inuse[c])
-
-    def held_total(self) -> int:
-        used = self.inuse[0] + self.inuse[1] + self.inuse[2]
-        if self.ghost:
-            return used
-        return max(self.lease_total, self.has_total, used)
-
-    def held_bypass(self) -> int:
-        if self.ghost:
-            return self.bypass_inuse
-        return max(self.bypass_lease, self.bypass_has, self.bypass_inuse)
-
-    def held_tenant(self, tenant: str) -> int:
-        usage = self.tenants.get(tenant)
-        inuse = usage.inuse if usage is not None else 0
-        if self.ghost:
-            return inuse
-        has = usage.has if usage is not None else 0
-        return max(self.tenant_lease.get(tenant, 0), has, inuse)
 
 
 class InProcessCoordinator:
@@ -196,20 +162,30 @@ class InProcessCoordinator:
         return bool(live) and all(r.expires_at < now for r in live)
 
     def _expire(self, now: float) -> None:
+        """A record past its TTL lapses in steps, each timed from the end of the last:
+        its whole claim held for ``reuse_timeout_s`` (what its gateway may still
+        spend), then its last in-use for ``reclaim_grace_s``, then it is forgotten."""
+        reuse = self.config.lease.reuse_timeout_s
         grace = self.config.lease.reclaim_grace_s
         for gid in list(self.records):
             rec = self.records[gid]
             if rec.expires_at >= now:
                 continue
-            if rec.ghost or grace <= 0.0:
-                del self.records[gid]
-                # forget its SLO bookkeeping too: gateway ids come and go (restarts),
-                # and a shared store keeps this state for the fleet's lifetime
-                self.slo_seen.pop(gid, None)
-                self.slo_pending.pop(gid, None)
-            else:
+            if not rec.reusing and not rec.ghost and reuse > 0.0:
+                rec.reusing = True
+                rec.expires_at += reuse
+                if rec.expires_at >= now:
+                    continue
+            if not rec.ghost and grace > 0.0:
                 rec.ghost = True
-                rec.expires_at = now + grace
+                rec.expires_at += grace
+                if rec.expires_at >= now:
+                    continue
+            del self.records[gid]
+            # forget its SLO bookkeeping too: gateway ids come and go (restarts),
+            # and a shared store keeps this state for the fleet's lifetime
+            self.slo_seen.pop(gid, None)
+            self.slo_pending.pop(gid, None)
 
     def _upsert(self, req: RefreshRequest, now: float) -> GatewayRecord:
         rec = self.records.get(req.gateway_id)
@@ -217,6 +193,7 @@ class InProcessCoordinator:
             rec = GatewayRecord(gateway_id=req.gateway_id, expires_at=0.0)
             self.records[req.gateway_id] = rec
         rec.expires_at = now + self.config.lease.ttl_s
+        rec.reusing = False  # it reached us again
         rec.inuse, rec.wants, rec.has = req.inuse, req.wants, req.has
         rec.has_total = req.has_total
         rec.bypass_inuse, rec.bypass_has = req.bypass_inuse, req.bypass_has

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvgate.core.admission.config import AdmissionConfig
-from kvgate.core.admission.coordinator import GatewayRecord, InProcessCoordinator
+from kvgate.core.admission.coordinator import InProcessCoordinator
+from kvgate.core.admission.coordinator_record import GatewayRecord
 from kvgate.core.admission.types import TenantUsage, Triple
 from kvgate.core.errors import ConfigError
 
@@ -100,6 +101,7 @@ def _dump_record(rec: GatewayRecord) -> dict[str, Any]:
         "tenants": {t: [u.inuse, u.wants, u.has] for t, u in rec.tenants.items()},
         "tenant_lease": dict(rec.tenant_lease),
         "learning_until": rec.learning_until,
+        "reusing": rec.reusing,
         "ghost": rec.ghost,
     }
 
@@ -128,5 +130,6 @@ def _load_record(gid: str, d: Mapping[str, Any]) -> GatewayRecord:
         },
         tenant_lease={str(t): int(n) for t, n in d["tenant_lease"].items()},
         learning_until=float(d["learning_until"]),
+        reusing=bool(d.get("reusing", False)),  # absent in state an older version wrote
         ghost=bool(d["ghost"]),
     )

@@ -16,7 +16,9 @@ States (Envoy RLQS names)::
 - ACTIVE: the last grant, until ``local_deadline = t_sent + ttl - margin`` where
   t_sent is taken *before* the refresh is sent (monotonic clock), so the gateway
   stops trusting a lease before the coordinator can hand it to anyone else.
-- EXPIRED_REUSING: the last grant still, for ``reuse_timeout_s`` (short blips).
+- EXPIRED_REUSING: the last grant still, for ``reuse_timeout_s`` (short blips). The
+  coordinator holds a lapsed gateway's lease as long, so a gateway that alone lost it
+  (a partial partition) spends a lease nobody else has been lent.
 - SAFE: total = min(last lease, K / live gateways of the last grant), P2 off
   (rejected DEGRADED), P1 at its ceiling, ``degraded`` True (the controller gates
   dispatch by node-reported load). Never fail open.
