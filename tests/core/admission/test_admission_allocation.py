@@ -108,3 +108,17 @@ def test_p2_on_at_a_small_ceiling_still_gets_one_credit() -> None:
     assert off.caps[2] == 0 and off.budgets[2] == 0
     full = class_budgets(demand=(0, 0, 5), ceilings=(1.0, 1.0, 1.0), **kw)  # type: ignore[arg-type]
     assert full.caps[2] == 4  # 7 less P0's reserve of 3 (P1 lends all of its share)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "reserve0", "cap1"), [(1, 0, 1), (2, 1, 1), (3, 2, 1), (4, 2, 2)]
+)
+def test_p0_reserve_never_takes_the_whole_class_capacity(
+    capacity: int, reserve0: int, cap1: int
+) -> None:
+    """On a one-credit class capacity (a budget of 1 or 2: the bypass lane takes one
+    of 2) P0's unlendable reserve was that credit, and P1, the default priority, was
+    never admitted even on an idle cluster; it is capped at K - 1."""
+    cb = class_budgets(capacity=capacity, shares=SHARES, lendable=LENDABLE, demand=(0, 1, 0))
+    assert cb.reserve[0] == reserve0 and cb.caps[1] == cap1
+    assert cb.budgets[1] == 1  # the P1 request gets its credit

@@ -103,7 +103,9 @@ def class_budgets(
         ceil_fraction(k, shares[2]),
     )
     reserve = (
-        min(k, ceil_fraction(nominal[0], 1.0 - lendable[0])),
+        # never the whole class capacity: on a cluster of one or two credits P1 (the
+        # default priority) would otherwise never run, even idle
+        min(max(0, k - 1), ceil_fraction(nominal[0], 1.0 - lendable[0])),
         ceil_fraction(nominal[1], 1.0 - lendable[1]),
         ceil_fraction(nominal[2], 1.0 - lendable[2]),
     )
