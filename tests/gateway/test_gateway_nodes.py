@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvgate.core.nodes import fleet_order
@@ -142,5 +143,57 @@ def test_a_fleet_gateway_gives_its_configured_nodes_slots_in_its_own_order(kit: 
             assert slots(c) == [s.node_id for s in fleet_order("gw-a", specs)]
             assert slots(c) != configured
             assert list(c.gw.gateway.watcher.nodes) == configured
+
+    kit.run(body())
+
+
+def test_a_restarted_node_is_read_afresh(kit: Any) -> None:
+    """A node's engine restarts: its notice log numbers from 0 again (the old cursor
+    would skip every new notice) and the old process's announced eviction will never
+    be done. The watcher sees the log's cursor go back, forgets the node's cache and
+    pending evictions, and reads the new log from its start."""
+
+    async def body() -> None:
+        async with kit.cluster(2) as c:
+            ctl = c.gw.controller
+            watcher = c.gw.gateway.watcher
+            rt = watcher.get("n0")
+            n0 = ctl.nodes.get("n0")
+            assert rt is not None and n0 is not None
+            pages: list[dict[str, Any]] = []
+            real_get = watcher._get
+
+            async def fake_get(node: Any, path: str, timeout: float) -> Any:
+                if node is not rt or not path.startswith("/kvgate/evictions"):
+                    return await real_get(node, path, timeout)
+                page = pages[-1] if pages else {"events": [], "next": rt.eviction_cursor}
+                return 200, json.dumps(page).encode()
+
+            watcher._get = fake_get  # type: ignore[method-assign]
+            announced = {"seq": 41, "type": "EvictionAnnounced"}
+            pages.append({"events": [announced], "next": 42})
+            await watcher.poll_evictions(rt)
+            assert n0.cache_weight < 1.0 and rt.eviction_cursor == 42
+            pages.append({"events": [], "next": 0})  # restarted: an empty log
+            await watcher.poll_evictions(rt)
+            assert n0.cache_weight == 1.0 and (rt.eviction_cursor, rt.last_seq) == (0, -1)
+            pages.append({"events": [{"seq": 0, "type": "EvictionAnnounced"}], "next": 1})
+            await watcher.poll_evictions(rt)  # the new process's first notice counts
+            assert n0.cache_weight < 1.0 and rt.eviction_cursor == 1
+
+    kit.run(body())
+
+
+def test_a_node_back_from_unhealthy_reads_its_notices_afresh(kit: Any) -> None:
+    async def body() -> None:
+        async with kit.cluster(2) as c:
+            watcher = c.gw.gateway.watcher
+            rt = watcher.get("n0")
+            assert rt is not None
+            rt.eviction_cursor, rt.last_seq, rt.evictions_supported = 57, 56, False
+            watcher._mark(rt, healthy=False)
+            assert rt.eviction_cursor == 57  # down: nothing read meanwhile
+            watcher._mark(rt, healthy=True)
+            assert (rt.eviction_cursor, rt.last_seq, rt.evictions_supported) == (0, -1, True)
 
     kit.run(body())

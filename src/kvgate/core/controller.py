@@ -210,11 +210,12 @@ class Controller:
             state.consecutive_failures = 0
             self._ejected_until.pop(node_id, None)
             # back after failed health checks: most likely restarted, its prefix cache
-            # empty; approximate mode has no event to say so (precise mode gets the
-            # engine's AllBlocksCleared), so it forgets the node's blocks rather than
-            # send requests there for hits it no longer holds
-            if self.config.index_mode == "approximate" and self.index.has_node(node_id):
-                self.index.clear_node(node_id)
+            # empty and its announced evictions moot; approximate mode has no event to
+            # say so (precise mode gets the engine's AllBlocksCleared), so it forgets
+            # the node's blocks rather than send requests there for hits it no longer
+            # holds
+            if self.config.index_mode == "approximate":
+                self.on_cache_cleared(node_id, now)  # and its announced evictions end
         else:
             for rid, record in self._requests.items():
                 node = record.node

@@ -69,6 +69,14 @@ class NodeRuntime:
         return self.config.url
 
 
+def _forget_notices(rt: NodeRuntime) -> None:
+    """Read the node's eviction notices from the start of its log again (a restarted
+    engine numbers them from 0: the old cursor would skip them all)."""
+    rt.eviction_cursor = 0
+    rt.last_seq = -1
+    rt.evictions_supported = True  # the new process may serve them
+
+
 class NodeWatcher:
     def __init__(
         self,
@@ -210,6 +218,8 @@ class NodeWatcher:
     def _mark(self, rt: NodeRuntime, *, healthy: bool) -> None:
         if rt.watch_healthy != healthy:
             log.warning("node %s is %s", rt.node_id, "back" if healthy else "unhealthy")
+            if healthy:
+                _forget_notices(rt)  # most likely a new process: its log starts afresh
         rt.watch_healthy = healthy
         if rt.node_id in self.nodes:
             self.controller.set_healthy(rt.node_id, healthy, self.clock())
@@ -255,6 +265,13 @@ class NodeWatcher:
             return
         events, cursor = parse_evictions(_json(got[1]))
         now = self.clock()
+        if cursor is not None and cursor < rt.eviction_cursor:
+            # the node's notice log went back: a new engine process, with an empty
+            # cache and none of the old one's evictions pending; read its log afresh
+            log.warning("node %s restarted (eviction log reset)", rt.node_id)
+            _forget_notices(rt)
+            self.controller.on_cache_cleared(rt.node_id, now)
+            return
         for ev in events:
             if ev.seq <= rt.last_seq:
                 continue
