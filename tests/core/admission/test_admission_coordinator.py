@@ -3,10 +3,13 @@ learning mode, the bypass pool and C_eff."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from admission_testlib import req
 
 from kvgate.core.admission import (
     AdmissionConfig,
+    Admitted,
     ClassConfig,
     GatewayAdmission,
     InProcessCoordinator,
@@ -14,6 +17,7 @@ from kvgate.core.admission import (
     LeaseState,
     Queued,
     RefreshRequest,
+    SloConfig,
     TenantUsage,
 )
 
@@ -307,3 +311,58 @@ def test_a_gateway_cut_off_alone_spends_a_lease_nobody_else_is_lent() -> None:
             worst_while_reusing = max(worst_while_reusing, total)
     assert gws["a"].lease_state is LeaseState.SAFE  # the window did end
     assert 90 <= worst_while_reusing <= 100
+
+
+def _p2_at_a_p0_at_b(p0_at_b: bool) -> tuple[GatewayAdmission, GatewayAdmission, list[Any], Any]:
+    """Batch traffic (150 P2) fills gateway a; then 60 requests at gateway b, P0 or P2."""
+    cfg = AdmissionConfig(
+        budget=100, lease=LeaseConfig(expected_gateways=2), slo=SloConfig(p2_start=1.0)
+    )
+    coord = InProcessCoordinator(cfg)
+    a, b = GatewayAdmission(cfg, "a"), GatewayAdmission(cfg, "b")
+    held: list[Any] = []  # a's admitted P2 tickets
+
+    def keep(items: Any) -> None:
+        held.extend(x.ticket for x in items if isinstance(x, Admitted) and x.ticket.priority == 2)
+
+    def tick(t: float) -> None:
+        for g in (a, b):
+            out = g.poll(t)
+            if g.refresh_due(t):
+                out += g.apply_grant(coord.refresh(g.make_refresh(t), t), t)
+            if g is a:
+                keep(out)
+
+    tick(0.0)
+    keep([a.admit(req(2, rid=f"p2-{i}"), 0.0) for i in range(150)])
+    t = 0.0
+    while t < 3.0:
+        t = round(t + 0.05, 3)
+        tick(t)
+    for i in range(60):
+        b.admit(req(0 if p0_at_b else 2, rid=f"b-{i}"), t)
+    for _ in range(40):  # 2 s of refreshes: the coordinator sees b's demand
+        t = round(t + 0.05, 3)
+        tick(t)
+    return a, b, held, (tick, t)
+
+
+def test_p2_at_one_gateway_gives_credits_back_to_p0_waiting_at_another() -> None:
+    """P2 keeps a credit for its request's whole life. P0 waiting at another gateway
+    for credits P2 holds here beyond its grant used to wait out its queue timeout
+    (nothing waited here, so nothing was reclaimed): 26 P0 requests timed out."""
+    a, b, held, (tick, t) = _p2_at_a_p0_at_b(p0_at_b=True)
+    waiting = b.queued_total
+    n = a.p2_to_reclaim()
+    assert waiting > 0 and 0 < n <= waiting
+    for ticket in held[-n:]:  # the controller ends the youngest
+        a.release(ticket, t)
+    for _ in range(20):
+        t = round(t + 0.05, 3)
+        tick(t)
+    assert b.queued_total == 0 and b.inuse_total == 60
+
+
+def test_p2_ends_no_p2_for_another_gateways_p2() -> None:
+    a, b, _held, _ = _p2_at_a_p0_at_b(p0_at_b=False)
+    assert b.queued_total > 0 and a.p2_to_reclaim() == 0

@@ -221,6 +221,13 @@ class InProcessCoordinator:
             epoch=self.epoch,
             gateways_live=len(live),
             learning=learning,
+            waiting_elsewhere=sum(
+                r.wants[c] - r.inuse[c]
+                for r in live
+                if r.gateway_id != rec.gateway_id
+                for c in (0, 1)
+                if r.wants[c] > r.inuse[c]
+            ),
         )
 
     def _unseen(self, live: list[GatewayRecord]) -> list[str]:

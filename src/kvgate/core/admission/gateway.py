@@ -188,18 +188,30 @@ class GatewayAdmission(Stage1Limiter):
         return [q.size + a.size for q, a in zip(self._queues, self._awaiting, strict=True)]
 
     def p2_to_reclaim(self) -> int:
-        """How many P2 requests to end now (``reclaim_p2``): the fewest that let in as
-        many of the P0 and P1 requests waiting here as P2's credits beyond its cap can
-        (the grant shrank as their demand grew; in safe mode the cap is 0). None while
-        the breaker is not closed, nor when ending them would let nobody in (the total
-        shrank below what is in use; the credits freed are P0's reserve and only P1
-        waits; P1 is at its own cap)."""
+        """How many P2 requests to end now (``reclaim_p2``), of those holding credits
+        beyond P2's cap (the grant shrank as P0 and P1 demand grew; in safe mode the cap
+        is 0); none while the breaker is not closed. The more of:
+
+        - for the P0 and P1 requests waiting here: the fewest that let in as many as
+          those credits can (none when that would let nobody in: the total shrank below
+          what is in use; the credits freed are P0's reserve and only P1 waits; P1 is
+          at its own cap);
+        - for the P0 and P1 requests waiting at other gateways (the grant says how
+          many; an active grant only): as many as this gateway holds beyond its lease,
+          up to that many. The coordinator cannot lend them credits this gateway still
+          uses, and P2 would keep those for its requests' whole life (minutes of
+          decode) while they time out. Another gateway's P2 ends none."""
         over = self._inuse[2] - self._caps[2]
         if over <= 0 or not self.config.reclaim_p2 or self._breaker.state is not _CLOSED:
             return 0
+        owed = 0
+        grant = self._book.grant
+        if self._book.state is LeaseState.ACTIVE and grant is not None:
+            beyond = max(0, self._inuse_total - self._total)
+            owed = min(over, beyond, grant.waiting_elsewhere)
         most = self._admitted_with(over)
         if most == 0:
-            return 0
+            return owed
         lo, hi = 1, over  # the fewest that admit as many (admitted_with grows with k)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -207,7 +219,7 @@ class GatewayAdmission(Stage1Limiter):
                 hi = mid
             else:
                 lo = mid + 1
-        return lo
+        return max(lo, owed)
 
     def _admitted_with(self, freed: int) -> int:
         """The waiting P0 and P1 requests ``freed`` more free credits would admit (the

@@ -269,6 +269,9 @@ class LeaseGrant:
     epoch: str
     gateways_live: int
     learning: bool = False  # granted by echo (after lost coordinator state)
+    # P0 and P1 requests queued at the other live gateways when granted: what P2 this
+    # gateway holds beyond its grant keeps waiting (``p2_to_reclaim``)
+    waiting_elsewhere: int = 0
 
     @property
     def total(self) -> int:
