@@ -20,6 +20,7 @@ from kvgate.core.admission import (
     SloConfig,
     TenantUsage,
 )
+from kvgate.core.admission.coordinator_state import dump_state, load_state
 
 ONE_CLASS = (
     ClassConfig(share=1.0, lendable=1.0),
@@ -366,3 +367,22 @@ def test_p2_at_one_gateway_gives_credits_back_to_p0_waiting_at_another() -> None
 def test_p2_ends_no_p2_for_another_gateways_p2() -> None:
     a, b, _held, _ = _p2_at_a_p0_at_b(p0_at_b=False)
     assert b.queued_total > 0 and a.p2_to_reclaim() == 0
+
+
+def test_a_fleet_clock_stepped_back_neither_rewinds_nor_freezes_deadlines() -> None:
+    """Redis's TIME is a wall clock: stepped back an hour, a gateway's record would
+    have been held an hour past its TTL (its deadline an hour in the new clock's
+    future). Time now goes on from the last refresh at the clock's pace."""
+    coord = InProcessCoordinator(_one_class(100, lease=LeaseConfig(reuse_timeout_s=0.0)))
+    coord.refresh(report("a", 100, inuse0=100, has=100), 3600.0)  # a, then a dies
+    assert coord.refresh(report("b", 100), 3601.0).total == 0
+    assert coord.refresh(report("b", 100), 1.5).total == 0  # stepped back: 3601 again
+    assert coord.refresh(report("b", 100), 2.6).total == 100  # 3602.1: a's TTL passed
+
+
+def test_the_fleet_clock_offset_survives_the_store() -> None:
+    coord = InProcessCoordinator(_one_class(100))
+    coord.refresh(report("a", 10), 3600.0)
+    coord.refresh(report("a", 10), 5.0)
+    again = load_state(coord.config, dump_state(coord))
+    assert (again.clock_s, again.clock_offset_s) == (3600.0, 3595.0)

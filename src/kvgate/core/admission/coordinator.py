@@ -67,6 +67,7 @@ before each gateway's first report, and ends when those requests finish.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -106,12 +107,23 @@ class InProcessCoordinator:
         self.records: dict[str, GatewayRecord] = {}
         self.learning_until = -1.0
         self.refreshes = 0
+        # The fleet's clock (Redis's TIME, a wall clock) may step back: the time a
+        # refresh runs at is that clock plus ``clock_offset_s``, grown by every step
+        # back, so it never goes back and goes on at the clock's pace (deadlines
+        # neither move back nor freeze for the step's length). ``clock_s``: the last.
+        self.clock_s = -math.inf
+        self.clock_offset_s = 0.0
         self.slo_seen: dict[str, int] = {}
         self.slo_pending: dict[str, float | None] = {}
         self.slo_next: float | None = None
 
     # ----------------------------------------------------------------- public
     def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
+        now += self.clock_offset_s
+        if now < self.clock_s:  # the clock stepped back: no time passed since the last
+            self.clock_offset_s += self.clock_s - now
+            now = self.clock_s
+        self.clock_s = now
         if self.learn_on_start or self._lapsed(now):
             self.learn_on_start = False
             self.learning_until = now + self.config.lease.ttl_s

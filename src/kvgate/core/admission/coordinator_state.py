@@ -13,6 +13,7 @@ run the same admission settings; each refresh applies those of the gateway makin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,8 @@ def dump_state(coord: InProcessCoordinator) -> dict[str, Any]:
         "capacity": coord.capacity,
         "learning_until": coord.learning_until,
         "refreshes": coord.refreshes,
+        "clock_s": coord.clock_s,
+        "clock_offset_s": coord.clock_offset_s,
         "slo": {
             **{name: getattr(coord.slo, name) for name in _SLO_FIELDS},
             # P2's ceiling is a fraction now (slow start); "p2_on" is kept for gateways
@@ -66,6 +69,9 @@ def load_state(config: AdmissionConfig, data: Mapping[str, Any]) -> InProcessCoo
     coord.capacity = int(data["capacity"])
     coord.learning_until = float(data["learning_until"])
     coord.refreshes = int(data["refreshes"])
+    # absent from state an older version wrote
+    coord.clock_s = float(data.get("clock_s", -math.inf))
+    coord.clock_offset_s = float(data.get("clock_offset_s", 0.0))
     slo = data["slo"]
     for name in _SLO_FIELDS:
         setattr(coord.slo, name, slo[name])
