@@ -8,6 +8,7 @@ a wrong type is a :class:`ConfigError` naming ``section.key``, never a late cras
 from __future__ import annotations
 
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -203,6 +204,21 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 # ----------------------------------------------------------------------------- nodes
 
+#: What a node id may be: hostnames, host:port, IPv6 host:port, pod names. The id
+#: goes out in the X-Kvgate-Node header and in metric labels, so nothing else.
+NODE_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def check_node_id(node_id: object, where: str = "nodes.static") -> str:
+    """``node_id`` if it is a valid node id, else a :class:`ConfigError` naming ``where``."""
+    if not isinstance(node_id, str) or NODE_ID_RE.fullmatch(node_id) is None:
+        raise ConfigError(
+            f"{where}: node id {node_id!r} must be 1 to 128 of the characters "
+            "A-Z a-z 0-9 . _ : - (e.g. a hostname, host:port or pod name)",
+            param="id",
+        )
+    return node_id
+
 
 def default_node_id(url: str) -> str:
     """A node's short name when none is given: the URL's host:port."""
@@ -232,13 +248,15 @@ def parse_node(spec: Any, where: str = "nodes.static") -> NodeConfig:
         if not sep:
             name, url = "", spec
         url = normalise_url(url)
-        return NodeConfig(id=name.strip() or default_node_id(url), url=url)
+        node_id = check_node_id(name.strip() or default_node_id(url), where)
+        return NodeConfig(id=node_id, url=url)
     if isinstance(spec, Mapping):
         values = dict(spec)
         if "url" not in values or not isinstance(values["url"], str):
             raise ConfigError(f"{where}: a node needs a url")
         values["url"] = normalise_url(values["url"])
         values.setdefault("id", default_node_id(values["url"]))
+        check_node_id(values["id"], where)
         return typing.cast(NodeConfig, _build(NodeConfig, values, where))
     raise ConfigError(f"{where}: a node is a URL, NAME=URL or a mapping, got {spec!r}")
 

@@ -9,11 +9,21 @@ The loop over decisions (:meth:`Relay.run`)::
                                        └► Dispatch (the one retry) ─► attempt ...
                                        └► Fail / Reject ─► error response
 
-"First byte" is the first body chunk of a stream: the client has seen nothing
-before it (and ``on_first_byte`` feeds the P0 TTFT SLO from it). A non-streamed
-answer has no such moment; a failure while reading it is reported as after the
-first byte (work was done, no retry). After the first byte of a stream a failure
-ends it with an OpenAI error event and ``data: [DONE]``.
+"First byte" is the first data event of a stream (``data:``; comment blocks such
+as ``: keep-alive`` are not): the client has seen nothing before it, the attempt
+stays abortable (its node marked down: NODE_DOWN, retried elsewhere) until it,
+and ``on_first_byte`` feeds the P0 TTFT SLO and the TTFT metrics from it. The
+client's response (status and headers) starts with it, so comments sent before it
+are dropped; comments after it are forwarded. A non-streamed answer has no such
+moment; a failure while reading it is reported as after the first byte (work was
+done, no retry). After the first byte of a stream a failure ends it with an
+OpenAI error event and ``data: [DONE]``.
+
+An engine's error answer (>= 400) whose body is a JSON object is passed through.
+One with no body or a body that is not JSON (an HTML page from a proxy) gets an
+OpenAI-shaped body of ours: a 4xx (not 429) keeps the engine's status with an
+``invalid_request_error`` and ``x-should-retry: false``; anything else is
+answered as a failed attempt (502/503 with Retry-After).
 
 Every admitted request ends in exactly one terminal core call: ``on_finished``,
 a final ``on_failed`` or, from the ``finally`` of :meth:`Relay.run`, ``on_cancelled``
@@ -25,7 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import aiohttp
@@ -43,6 +55,7 @@ from kvgate.gateway.errors import (
     NODE_HEADER,
     REASON_HEADER,
     REQUEST_ID_HEADER,
+    SHOULD_RETRY_HEADER,
     fail_response,
     reject_response,
 )
@@ -91,22 +104,31 @@ class Flight:
 
 class StreamFilter:
     """SSE events in, bytes to forward out; takes the usage chunk's cached_tokens and
-    drops that chunk when the gateway (not the client) asked for it."""
+    drops that chunk when the gateway (not the client) asked for it.
 
-    __slots__ = ("_parser", "cached", "done", "saw_error", "wants_usage")
+    ``started`` turns true at the first data event (the stream's first byte); comment
+    blocks (``: keep-alive``) before it are dropped, after it forwarded."""
+
+    __slots__ = ("_parser", "cached", "done", "saw_error", "started", "wants_usage")
 
     def __init__(self, wants_usage: bool) -> None:
-        self._parser = SSEParser()
+        self._parser = SSEParser(comments=True)
         self.wants_usage = wants_usage
         self.cached: int | None = None
         self.done = False
         self.saw_error = False
+        self.started = False
 
     def feed(self, chunk: bytes) -> bytes:
         out: list[bytes] = []
         for ev in self._parser.feed(chunk):
             if self.done:
                 continue
+            if ev.comment:
+                if self.started:
+                    out.append(ev.raw)
+                continue
+            self.started = True
             if ev.is_done:
                 self.done = True
                 out.append(ev.raw)
@@ -253,8 +275,10 @@ class Relay:
         headers = {**flight.headers, **rt.headers} if rt.headers else flight.headers
         resp: UpstreamResponse | None = None
         first = b""
-        # Until the answer starts (headers; a stream's first chunk) the driver may abort
-        # the attempt through this handle: its node was marked down, e.g. a hung engine.
+        filt: StreamFilter | None = None
+        # Until the answer starts (headers; a stream's first data event) the driver may
+        # abort the attempt through this handle: its node was marked down, e.g. a hung
+        # engine (or one that only sends keep-alive comments).
         guard = asyncio.timeout(None)
         try:
             async with guard:
@@ -266,9 +290,14 @@ class Relay:
                     )
                     if (resp.status < 300 and flight.stream
                             and resp.content_type == "text/event-stream"):
-                        first = await resp.content.readany()
+                        filt = StreamFilter(flight.wants_usage)
+                        first = await _first_event(resp.content, filt)
                 finally:
                     self.driver.unguard(flight.rid)
+        except ProtocolError:  # an oversized event before the first: the engine misbehaves
+            if resp is not None:
+                resp.close()
+            return self._next(flight, FailureKind.UPSTREAM_ERROR)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             if resp is not None:
                 resp.close()
@@ -283,8 +312,8 @@ class Relay:
         try:
             if resp.status >= 300:
                 result = await self._upstream_error(flight, resp)
-            elif flight.stream and resp.content_type == "text/event-stream":
-                result = await self._relay_stream(request, flight, resp, first)
+            elif filt is not None:
+                result = await self._relay_stream(request, flight, resp, filt, first)
             else:
                 result = await self._relay_unary(flight, resp)
             clean = resp.content.at_eof()
@@ -305,16 +334,31 @@ class Relay:
         except (aiohttp.ClientError, TimeoutError, OSError):
             body, complete = b"", False
         decision = self._next(flight, kind)
-        if isinstance(decision, Fail) and kind in (
+        if not (isinstance(decision, Fail) and kind in (
             FailureKind.CLIENT_ERROR, FailureKind.RATE_LIMITED, FailureKind.UPSTREAM_ERROR
-        ) and body and resp.status >= 400:  # a 3xx (no Location passed) is our 502
-            flight.done = True  # the engine's own error body, passed through
-            headers = self._headers(flight)
-            headers[NODE_HEADER] = decision.node_id or flight.node or ""
-            if not complete:  # its first ERROR_BODY_LIMIT bytes would be broken JSON
-                return json_response(resp.status, _cut_error_body(resp.status, kind), headers)
-            headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
+        ) and resp.status >= 400):  # a 3xx (no Location passed) is our 502
+            return decision
+        client_error = kind is FailureKind.CLIENT_ERROR
+        node = decision.node_id or flight.node or ""
+        headers = self._headers(flight)
+        headers[NODE_HEADER] = node
+        if body and complete and _is_json_object(body):  # the engine's own, passed through
+            flight.done = True
+            content_type = resp.headers.get("Content-Type", "")
+            headers["Content-Type"] = content_type if "json" in content_type else (
+                "application/json")
             return web.Response(status=resp.status, body=body, headers=headers)
+        if client_error:  # the request itself is bad: resending it is no use
+            headers[SHOULD_RETRY_HEADER] = "false"
+        if body and not complete:  # its first ERROR_BODY_LIMIT bytes would be broken JSON
+            flight.done = True
+            return json_response(resp.status, _cut_error_body(resp.status, kind), headers)
+        if client_error:  # no body, or not JSON (an HTML page): ours, OpenAI-shaped
+            flight.done = True
+            return json_response(resp.status, _engine_refusal_body(resp.status, node, kind),
+                                 headers)
+        # a 5xx or 429 with no usable body: answered as the failed attempt it is
+        # (502/503, Retry-After; fail_response builds the OpenAI-shaped body)
         return decision
 
     async def _relay_unary(
@@ -338,10 +382,12 @@ class Relay:
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def _relay_stream(
-        self, request: web.Request, flight: Flight, resp: UpstreamResponse, chunk: bytes
+        self, request: web.Request, flight: Flight, resp: UpstreamResponse,
+        filt: StreamFilter, data: bytes,
     ) -> web.StreamResponse | Decision:
+        """``data``: what ``filt`` gave for the chunks up to the first data event."""
         content = resp.content
-        if not chunk:
+        if not filt.started:  # the stream ended before its first data event
             return self._next(flight, FailureKind.UPSTREAM_ERROR)
         self.driver.first_byte(flight.rid)
         headers = self._headers(flight)
@@ -349,24 +395,18 @@ class Relay:
         headers["Cache-Control"] = "no-cache"
         out = flight.response = web.StreamResponse(status=200, headers=headers)
         try:
-            await self._pump(request, flight, content, chunk, out)
+            await self._pump(request, flight, content, filt, data, out)
         except ConnectionResetError:  # the client went away; run() forgets the request
             self.metrics.client_disconnects += 1
             request[CLIENT_GONE] = True  # a 499, however the disconnect was noticed
         return out  # already prepared: aiohttp only finishes it
 
     async def _pump(self, request: web.Request, flight: Flight, content: aiohttp.StreamReader,
-                    chunk: bytes, out: web.StreamResponse) -> None:
+                    filt: StreamFilter, data: bytes, out: web.StreamResponse) -> None:
         await out.prepare(request)
         send = _ClientWriter(request, out, self.write_timeout_s)
-        filt = StreamFilter(flight.wants_usage)
         failure: FailureKind | None = None
         while True:
-            try:
-                data = filt.feed(chunk)
-            except ProtocolError:  # an oversized event: the engine misbehaves
-                failure = FailureKind.UPSTREAM_ERROR
-                break
             if data:
                 await send(data)
             if filt.done:
@@ -377,6 +417,11 @@ class Relay:
                 failure = classify_exception(exc)
                 break
             if not chunk:  # EOF without [DONE]
+                failure = FailureKind.UPSTREAM_ERROR
+                break
+            try:
+                data = filt.feed(chunk)
+            except ProtocolError:  # an oversized event: the engine misbehaves
                 failure = FailureKind.UPSTREAM_ERROR
                 break
         flight.done = True
@@ -398,6 +443,39 @@ class Relay:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with asyncio.timeout(0.1):
                     await _read_limited(content, ERROR_BODY_LIMIT)
+
+
+async def _first_event(content: aiohttp.StreamReader, filt: StreamFilter) -> bytes:
+    """Read until ``filt`` has seen the stream's first data event (or the end); what it
+    gives to forward. Comment blocks before it (keep-alives during a long prefill) are
+    no first byte: they are dropped and the attempt stays retryable until the data."""
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            return b""
+        data = filt.feed(chunk)
+        if filt.started:
+            return data
+
+
+def _is_json_object(body: bytes) -> bool:
+    try:
+        return isinstance(json.loads(body), dict)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8 (or UTF-16/32)
+        return False
+
+
+def _engine_refusal_body(status: int, node: str | None, kind: FailureKind) -> dict[str, Any]:
+    """Ours, for a node's 4xx with no body or a body that is not JSON."""
+    try:
+        phrase = f" {HTTPStatus(status).phrase}"
+    except ValueError:
+        phrase = ""
+    message = (
+        f"The inference node {node or ''} refused the request: HTTP {status}{phrase}, "
+        "with no error message."
+    )
+    return invalid_request_body(message, code=kind.value)
 
 
 def _cut_error_body(status: int, kind: FailureKind) -> dict[str, Any]:

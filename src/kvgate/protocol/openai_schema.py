@@ -101,6 +101,38 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+class _FloatReader:
+    """``parse_float`` for the stdlib json: JSON like ``1e400`` reads as ``inf``, a
+    number no engine accepts and no JSON writer writes back; remember that one did."""
+
+    __slots__ = ("non_finite",)
+
+    def __init__(self) -> None:
+        self.non_finite = False
+
+    def __call__(self, text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            self.non_finite = True
+        return value
+
+
+def _non_finite_path(obj: Any) -> str | None:
+    """OpenAI's path (``a.b[2].c``) to the first non-finite float in ``obj``."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                return path or None
+        elif isinstance(value, dict):
+            items = list(value.items())
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in reversed(items))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value))))
+    return None
+
+
 _NOT_PARSED: Final = object()
 _JSON_WS: Final = b" \t\n\r"
 _INT64: Final = 2.0**63
@@ -129,18 +161,27 @@ def _parse_json_object(body: bytes, max_body_bytes: int, *, fast: bool) -> dict[
         )
     obj: Any = _NOT_PARSED
     if fast and _orjson is not None:
-        # orjson is strict (UTF-8 only, no NaN/Infinity, 64-bit ints): what it takes,
-        # json takes the same way; anything it refuses goes to json for the verdict.
+        # orjson is strict (UTF-8 only, no NaN/Infinity, no number beyond a double's
+        # range, 64-bit ints): what it takes, json takes the same way; anything it
+        # refuses goes to json for the verdict.
         with contextlib.suppress(_orjson.JSONDecodeError):
             obj = _orjson.loads(body)
+    floats = _FloatReader()
     try:
         if obj is _NOT_PARSED:
-            obj = json.loads(body, parse_constant=_reject_constant)
+            obj = json.loads(body, parse_constant=_reject_constant, parse_float=floats)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise InvalidJSONError(
             "We could not parse the JSON body of your request. The API expects a JSON "
             "payload, but what was sent was not valid JSON."
         ) from exc
+    if floats.non_finite:
+        # refused here, not by the field's own check: any field may hold it, and the
+        # body could not be written back (with_fields) nor read by an engine
+        param = _non_finite_path(obj)
+        raise InvalidValueError(
+            f"Invalid '{param}': must be a finite number." if param is not None
+            else "Invalid request body: numbers must be finite.", param=param)
     if not isinstance(obj, dict):
         raise InvalidJSONError(
             f"Invalid type for request body: expected an object, but got {type_name(obj)} "
@@ -427,6 +468,9 @@ def with_fields(raw: Mapping[str, Any], **updates: Any) -> bytes:
     An object value is merged into an existing object (so
     ``stream_options={"include_usage": True}`` keeps the client's other stream
     options); :data:`REMOVE` deletes the key. ``raw`` itself is not modified.
+    The output is UTF-8 JSON; a lone surrogate the client sent as ``\\ud800`` (valid
+    JSON, not encodable in UTF-8) goes out as the same escape. A body nested too deeply to
+    be written back is the client's :class:`InvalidJSONError` (400), never a crash.
     """
     out = dict(raw)
     for key, value in updates.items():
@@ -436,8 +480,19 @@ def with_fields(raw: Mapping[str, Any], **updates: Any) -> bytes:
             out[key] = {**out[key], **value}
         else:
             out[key] = value
-    return json.dumps(out, ensure_ascii=False, separators=(",", ":"),
-                      allow_nan=False).encode("utf-8")
+    try:
+        text = json.dumps(out, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except RecursionError as exc:
+        raise _too_deep() from exc
+    # UTF-8 as the client's text came; a lone surrogate (only ever inside a JSON string,
+    # and the one thing UTF-8 cannot encode) is written as its \uXXXX escape
+    return text.encode("utf-8", "backslashreplace")
+
+
+def _too_deep() -> InvalidJSONError:
+    return InvalidJSONError(
+        "The JSON body of your request is nested too deeply to be processed.",
+        code="json_too_deep")
 
 
 def edit_body(body: bytes, raw: Mapping[str, Any], updates: Mapping[str, Any]) -> bytes:
@@ -472,7 +527,9 @@ def _reserialise(body: bytes, raw: Mapping[str, Any], updates: Mapping[str, Any]
     # the stdlib json reads from the same bytes, as before orjson.
     try:
         exact: Mapping[str, Any] = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
+    except RecursionError as exc:  # orjson read it; json can neither read nor write it
+        raise _too_deep() from exc
+    except ValueError:
         exact = raw
     if not isinstance(exact, dict):
         exact = raw

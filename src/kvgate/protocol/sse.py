@@ -51,13 +51,17 @@ _BOM: Final = b"\xef\xbb\xbf"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SSEEvent:
-    """One dispatched event. ``data`` is the ``data:`` lines joined with ``\\n``."""
+    """One dispatched event. ``data`` is the ``data:`` lines joined with ``\\n``.
+
+    ``comment`` marks a block with no data but a comment line (``: keep-alive``),
+    which only a parser made with ``comments=True`` dispatches."""
 
     data: str
     event: str | None = None
     id: str | None = None
     retry: int | None = None
     raw: bytes = b""
+    comment: bool = False
 
     @property
     def is_done(self) -> bool:
@@ -76,14 +80,19 @@ class SSEParser:
     ``raw`` of an event is every byte since the previous blank line up to and
     including its own terminating blank line (comments and ``id:`` lines in the
     same block included). Blocks without data (keep-alive comments) dispatch
-    nothing, as the standard says.
+    nothing, as the standard says; with ``comments=True`` a block without data that
+    holds a comment line is dispatched as an event with ``comment=True`` and empty
+    ``data`` (a proxy forwards it, a client would ignore it).
     """
 
-    __slots__ = ("_buf", "_data", "_event", "_event_start", "_id", "_line_start", "_max",
-                 "_retry", "_scan", "_started")
+    __slots__ = ("_buf", "_comment", "_comments", "_data", "_event", "_event_start", "_id",
+                 "_line_start", "_max", "_retry", "_scan", "_started")
 
-    def __init__(self, *, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+    def __init__(self, *, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+                 comments: bool = False) -> None:
         self._max = max_event_bytes
+        self._comments = comments
+        self._comment = False  # the current block has a comment line
         self._buf = bytearray()
         self._line_start = 0  # start of the next unprocessed line in _buf
         self._scan = 0  # where to resume looking for a line terminator
@@ -142,6 +151,7 @@ class SSEParser:
         buf.clear()
         self._line_start = self._scan = self._event_start = 0
         self._data, self._event, self._retry = [], None, None
+        self._comment = False
         return events
 
     @staticmethod
@@ -161,8 +171,11 @@ class SSEParser:
         return -1, -1
 
     def _dispatch(self, raw: bytes) -> SSEEvent | None:
+        comment, self._comment = self._comment, False
         if not self._data:
             self._event = self._retry = None
+            if comment and self._comments:
+                return SSEEvent(data="", id=self._id, raw=raw, comment=True)
             return None
         event = SSEEvent(data="\n".join(self._data), event=self._event, id=self._id,
                          retry=self._retry, raw=raw)
@@ -171,6 +184,7 @@ class SSEParser:
 
     def _field(self, line: bytes) -> None:
         if line.startswith(b":"):
+            self._comment = True
             return
         name, sep, value = line.partition(b":")
         if sep and value.startswith(b" "):

@@ -1,0 +1,109 @@
+"""An engine's error answer without a JSON body (none, or an HTML page) reaches the
+client OpenAI-shaped: a 4xx with its status, invalid_request_error and
+x-should-retry: false (not a retryable 502); a 5xx as the failed attempt it is."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvgate.gateway import start_gateway
+
+C = "/v1/completions"
+Answer = Callable[[], web.Response]
+
+
+@asynccontextmanager
+async def _gateway_over(kit: Any, answer: list[Answer]) -> AsyncIterator[tuple[str, Any]]:
+    """One fake node answering completions with ``answer[0]()``; the gateway's URL."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": kit.MODEL, "object": "model", "max_model_len": 4096}]})
+
+    async def complete(request: web.Request) -> web.Response:
+        await request.read()
+        return answer[0]()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\n")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post(C, complete)
+    runner = web.AppRunner(app, shutdown_timeout=0.2)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    gw = None
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        gw = await start_gateway(kit.config([{"id": "e", "url": url}]))
+        yield gw.url, gw
+    finally:
+        if gw is not None:
+            await gw.stop()
+        await runner.cleanup()
+
+
+def test_engine_errors_without_a_json_body_are_openai_shaped(kit: Any) -> None:
+    answer: list[Answer] = [lambda: web.Response(status=400)]
+
+    async def body() -> None:
+        async with _gateway_over(kit, answer) as (url, gw), aiohttp.ClientSession() as s:
+            async def post(stream: bool) -> tuple[int, Any, Any]:
+                async with s.post(url + C, json={"model": kit.MODEL, "prompt": "x",
+                                                 "stream": stream}) as r:
+                    raw = await r.read()
+                    assert r.content_type == "application/json", raw[:200]
+                    return r.status, r.headers, json.loads(raw)
+
+            client_errors: list[tuple[int, Answer]] = [
+                (400, lambda: web.Response(status=400)),
+                (404, lambda: web.Response(status=404)),
+                (400, lambda: web.Response(status=400, text="<html>bad</html>",
+                                           content_type="text/html")),
+                (422, lambda: web.Response(status=422, body=b"not json {",
+                                           content_type="application/json")),
+            ]
+            for status, make in client_errors:
+                answer[0] = make
+                for stream in (False, True):
+                    got, headers, out = await post(stream)
+                    assert got == status, (status, stream, out)
+                    err = out["error"]
+                    assert set(err) == {"message", "type", "param", "code"}
+                    assert err["type"] == "invalid_request_error" and err["message"]
+                    assert headers["x-should-retry"] == "false"
+                    assert "Retry-After" not in headers
+                    assert headers["X-Kvgate-Node"] == "e"
+
+            # an engine's JSON error body is passed through as it was
+            engine_body = {"error": {"message": "bad", "type": "x", "param": None,
+                                     "code": 422}}
+            answer[0] = lambda: web.json_response(engine_body, status=422)
+            got, headers, out = await post(False)
+            assert (got, out) == (422, engine_body)
+            assert "x-should-retry" not in headers
+
+            # a 5xx HTML page: the failed attempt's 502, OpenAI-shaped, Retry-After
+            answer[0] = lambda: web.Response(status=500, text="<html>oops</html>",
+                                             content_type="text/html")
+            for stream in (False, True):
+                got, headers, out = await post(stream)
+                assert got == 502, out
+                assert out["error"]["type"] == "server_error"
+                assert headers["Retry-After"] == "1"
+            assert gw.controller.num_requests() == 0
+
+    kit.run(body())

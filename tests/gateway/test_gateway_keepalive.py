@@ -1,0 +1,168 @@
+"""SSE comments (``: keep-alive``) from a node: not the stream's first byte (TTFT, the
+P0 SLO loop, the attempt stays retryable), forwarded once the answer has started."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvgate.gateway import GatewayServer, start_gateway
+
+C = "/v1/completions"
+EVENT = b'data: {"id":"x","choices":[{"index":0,"text":"t"}]}\n\n'
+DONE = b"data: [DONE]\n\n"
+Stream = Callable[["Fake", web.StreamResponse], Awaitable[None]]
+
+
+@dataclass
+class Fake:
+    name: str
+    stream: Stream
+    healthy: bool = True
+    attempts: int = 0
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@asynccontextmanager
+async def _gateway_over(kit: Any, fakes: list[Fake]) -> AsyncIterator[GatewayServer]:
+    runners: list[web.AppRunner] = []
+    nodes = []
+    for fake in fakes:
+        def routes(fake: Fake) -> web.Application:
+            async def health(request: web.Request) -> web.Response:
+                return web.Response(status=200 if fake.healthy else 503)
+
+            async def models(request: web.Request) -> web.Response:
+                return web.json_response({"object": "list", "data": [
+                    {"id": kit.MODEL, "object": "model", "max_model_len": 4096}]})
+
+            async def metrics(request: web.Request) -> web.Response:
+                return web.Response(text="vllm:num_requests_running 0\n")
+
+            async def complete(request: web.Request) -> web.StreamResponse:
+                await request.read()
+                fake.attempts += 1
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                await fake.stream(fake, resp)
+                await resp.write_eof()
+                return resp
+
+            app = web.Application()
+            app.router.add_get("/health", health)
+            app.router.add_get("/v1/models", models)
+            app.router.add_get("/metrics", metrics)
+            app.router.add_post(C, complete)
+            return app
+
+        runner = web.AppRunner(routes(fake), handler_cancellation=True, shutdown_timeout=0.2)
+        await runner.setup()
+        runners.append(runner)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        nodes.append({"id": fake.name, "url": f"http://127.0.0.1:{runner.addresses[0][1]}"})
+    gw = None
+    try:
+        gw = await start_gateway(kit.config(nodes))
+        yield gw
+    finally:
+        if gw is not None:
+            await gw.stop()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_comments_after_the_first_event_are_forwarded(kit: Any) -> None:
+    async def stream(fake: Fake, resp: web.StreamResponse) -> None:
+        await resp.write(EVENT)
+        await resp.write(b": keep-alive\n\n")
+        await resp.write(EVENT + b":ping\r\n\r\n" + DONE)
+
+    async def body() -> None:
+        async with _gateway_over(kit, [Fake("a", stream)]) as gw, \
+                aiohttp.ClientSession() as s:
+            async with s.post(gw.url + C, json={"model": kit.MODEL, "prompt": "x",
+                                                 "stream": True}) as r:
+                assert r.status == 200
+                out = await r.read()
+            assert out == EVENT + b": keep-alive\n\n" + EVENT + b":ping\r\n\r\n" + DONE
+
+    kit.run(body())
+
+
+def test_a_comment_is_not_the_first_byte(kit: Any) -> None:
+    async def stream(fake: Fake, resp: web.StreamResponse) -> None:
+        for _ in range(3):  # a long prefill, the line kept alive
+            await resp.write(b": keep-alive\n\n")
+            await asyncio.sleep(0.15)
+        await resp.write(EVENT + DONE)
+
+    async def body() -> None:
+        async with _gateway_over(kit, [Fake("a", stream)]) as gw, \
+                aiohttp.ClientSession() as s:
+            loop = asyncio.get_running_loop()
+            ctl = gw.controller
+            seen: list[float] = []
+            on_first_byte = ctl.on_first_byte
+
+            def record(rid: Any, now: float) -> None:
+                seen.append(loop.time())
+                on_first_byte(rid, now)
+
+            ctl.on_first_byte = record  # type: ignore[method-assign]
+            t0 = loop.time()
+            async with s.post(gw.url + C, json={"model": kit.MODEL, "prompt": "x",
+                                                 "stream": True}) as r:
+                assert r.status == 200
+                out = await r.read()
+            # the leading comments went with the client's response not yet started
+            assert out == EVENT + DONE
+            assert len(seen) == 1 and seen[0] - t0 >= 0.4, [t - t0 for t in seen]
+
+    kit.run(body())
+
+
+def test_a_node_down_after_only_comments_is_retried_elsewhere(kit: Any) -> None:
+    # the first attempt gets keep-alives and nothing else; its node is then marked down:
+    # with no data sent the attempt is aborted and retried on the other node
+    async def stream(fake: Fake, resp: web.StreamResponse) -> None:
+        if fake.attempts == 1 and not any(f.started.is_set() for f in fakes):
+            fake.started.set()
+            for _ in range(300):
+                await resp.write(b": keep-alive\n\n")
+                await asyncio.sleep(0.02)
+            return
+        await resp.write(EVENT + DONE)
+
+    fakes = [Fake("a", stream), Fake("b", stream)]
+
+    async def body() -> None:
+        async with _gateway_over(kit, fakes) as gw, aiohttp.ClientSession() as s:
+            async def mark_down() -> None:
+                started = [asyncio.ensure_future(f.started.wait()) for f in fakes]
+                await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
+                for task in started:
+                    task.cancel()
+                hung = next(f for f in fakes if f.started.is_set())
+                await asyncio.sleep(0.1)  # a few keep-alives go by
+                hung.healthy = False
+
+            marker = asyncio.ensure_future(mark_down())
+            async with s.post(gw.url + C, json={"model": kit.MODEL, "prompt": "x",
+                                                 "stream": True}) as r:
+                out = await r.read()
+                status, node = r.status, r.headers.get("X-Kvgate-Node")
+            await marker
+            hung = next(f for f in fakes if f.started.is_set())
+            assert status == 200 and out == EVENT + DONE, out
+            assert node is not None and node != hung.name
+            assert [f.attempts for f in fakes] == [1, 1]
+            assert gw.controller.stats.retries == {"node_down": 1}
+
+    kit.run(body())
