@@ -28,11 +28,15 @@ CPU. This client keeps only what the hop needs:
   (streams; aiohttp's ``SocketTimeoutError``) and ``total_timeout`` from the call
   until the response is released (non-streamed answers; :class:`aiohttp.ServerTimeoutError`;
   checked every ``SWEEP_S`` by one timer for all requests, so it may fire that late);
-* a request sent on a *reused* connection that the node closed before answering a
-  single byte (the keep-alive race: the node timed the idle connection out as we
-  wrote) is sent once more on a new connection. A node that read the request and
-  then died without a byte is refused on the new connection (``CONNECT_ERROR``).
-  Once any byte of an answer arrived nothing is ever sent again.
+* a request sent on a *reused* connection that the node closed or reset within
+  ``STALE_WINDOW_S`` of our write, before a byte of an answer (the keep-alive race:
+  the node timed the idle connection out as we wrote, so it never processed the
+  request), is sent once more on a new connection (counted in ``resends``). Any
+  other close before the first byte (the node read the request and worked on it)
+  is raised as on a new connection (``ServerDisconnectedError`` or
+  ``ClientOSError``: ``UPSTREAM_ERROR``), so the gateway's retry rule decides and
+  its metrics count it; a generation is never run twice behind its back. Once any
+  byte of an answer arrived nothing is ever sent again.
 
 The connection's parser (made on connect) reads every response on it. The client
 depends on two aiohttp modules beyond the public API (``aiohttp.client_proto`` and
@@ -64,6 +68,15 @@ from yarl import URL
 
 READ_BUFSIZE = 2**16  # the body reader's high-water mark is twice this
 SWEEP_S = 0.1  # how often total timeouts are checked
+# A reused connection the node closed or reset at most this long after our write,
+# without a byte of answer, was stale (its FIN/RST raced the write: already in our
+# socket, or on the wire for one round trip, well under 1 ms inside a cluster, plus
+# the loop turns before we see it, which on a busy gateway take tens of ms), so the
+# request is sent once more. Past it the node may have read the request and worked
+# on it: sending it again could run a generation twice, so the failure is raised
+# instead. 50 ms: a stale socket seen late on a loaded loop is still re-sent (not a
+# 502), and a node dropping a request it read within this spent at most that on it.
+STALE_WINDOW_S = 0.05
 
 
 class UpstreamConnectError(ClientOSError):
@@ -97,13 +110,35 @@ class Target:
 
 
 class _Protocol(ResponseHandler):
-    """aiohttp's client protocol, noting whether the current answer sent any byte."""
+    """aiohttp's client protocol, noting whether the current answer sent any byte and
+    when the node's EOF or reset was first seen."""
 
     answered = False
+    lost_at: float | None = None  # loop time of the EOF or the connection's loss
 
     def data_received(self, data: bytes) -> None:
         self.answered = True
         super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self.lost_at is None:
+            self.lost_at = self._loop.time()
+        super().eof_received()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.lost_at is None:
+            self.lost_at = self._loop.time()
+        super().connection_lost(exc)
+
+    def stale(self, sent_at: float | None) -> bool:
+        """Whether this reused connection, failed before a byte of answer, was stale:
+        the node closed or reset it no later than ``STALE_WINDOW_S`` after our write."""
+        if self.answered:
+            return False
+        if sent_at is None:  # failed before anything was written
+            return True
+        lost_at = self._loop.time() if self.lost_at is None else self.lost_at
+        return lost_at - sent_at <= STALE_WINDOW_S
 
 
 class _Conn:
@@ -215,6 +250,7 @@ class LeanClient:
         self._deadlines: dict[LeanResponse, float] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self.connects = 0  # new connections made (tests read it)
+        self.resends = 0  # requests sent again after a stale pooled connection
 
     # ------------------------------------------------------------------ targets
     def target(self, url: str | URL) -> Target:
@@ -258,6 +294,7 @@ class LeanClient:
             if deadline is not None:
                 self._add_deadline(resp, deadline)
             proto = conn.proto
+            sent_at: float | None = None
             try:
                 if not reused:
                     # The parser made here reads every response on this connection.
@@ -274,6 +311,7 @@ class LeanClient:
                     transport.write(payload)
                 else:
                     transport.writelines((head, body))
+                sent_at = loop.time()
                 if read_timeout is not None:
                     proto.start_timeout()
                 while True:
@@ -282,9 +320,10 @@ class LeanClient:
                         break
             except (ServerDisconnectedError, ClientOSError):
                 resp.close()
-                if reused and attempt == 0 and not proto.answered and not self._closed:
+                if reused and attempt == 0 and not self._closed and proto.stale(sent_at):
+                    self.resends += 1
                     continue  # the node closed the idle connection as we wrote: once more
-                raise
+                raise  # as a new connection's failure: the gateway's retry rule decides
             except HttpProcessingError as exc:
                 resp.close()
                 raise UpstreamProtocolError(f"bad response from {target.url}: {exc}") from exc
