@@ -129,3 +129,50 @@ def test_start_cluster_survives_a_killed_engine_process(e2e: Any) -> None:
         assert not cluster.log_dir.exists()  # the temporary log directory is removed
 
     e2e.run(body(), timeout=40)
+
+
+def test_kvgate_up_stops_everything_on_sighup_with_its_reader_gone(e2e: Any) -> None:
+    """The terminal closed: its reader is gone and SIGHUP arrives. kvgate up used to die
+    on the signal, or on printing "stopping" to the dead pipe, before its teardown:
+    the gateway undrained, the engines left to the kernel (Linux only), the log
+    folder behind. Now every process and the folder go, and it exits 0."""
+
+    async def body() -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvgate.cli", "up", "--nodes", "1", "--port", "0",
+            "--engine-num-blocks", "512",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        lines: list[str] = []
+        engine_pids: list[int] = []
+        try:
+            async with asyncio.timeout(25):
+                while not lines or "Press Ctrl-C" not in lines[-1]:
+                    line = await proc.stdout.readline()
+                    assert line, f"kvgate up exited early: {await proc.stderr.read()!r}"
+                    lines.append(line.decode())
+            out = "".join(lines)
+            engine_pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
+            logs = re.search(r"engine logs (\S+)", out)
+            assert len(engine_pids) == 1 and logs is not None
+            transport = proc._transport  # type: ignore[attr-defined]
+            transport.get_pipe_transport(1).close()  # the reader goes away
+            await asyncio.sleep(0.2)
+            proc.send_signal(signal.SIGHUP)
+            async with asyncio.timeout(15):
+                code = await proc.wait()
+            err = await proc.stderr.read()
+            assert code == 0, err
+            assert b"Traceback" not in err
+            for pid in engine_pids:
+                assert not e2e.pid_alive(pid), f"engine pid {pid} left behind"
+            assert not os.path.exists(logs.group(1))
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            _kill_leftovers([p for p in engine_pids if e2e.pid_alive(p)])
+
+    e2e.run(body(), timeout=50)

@@ -5,7 +5,8 @@ each on a free port of 127.0.0.1, each in its own process group and session so a
 terminal's Ctrl-C reaches only ``kvgate up``), waits until every engine answers
 ``/health``, starts the gateway in this process in front of them (in-process
 coordinator), waits until its ``/ready`` answers, prints the URLs and an example
-request, and serves until SIGINT/SIGTERM. Then it stops the gateway (draining
+request, and serves until SIGINT, SIGTERM or SIGHUP (its terminal closing; a
+closed stdout does not stop the teardown either). Then it stops the gateway (draining
 in-flight requests, bounded) and every engine: SIGTERM by PID, a bounded wait, then
 SIGKILL for any that did not exit. The same teardown runs when start-up fails or is
 interrupted, so no process is left behind; on Linux the engines also get SIGTERM
@@ -45,6 +46,7 @@ from typing import IO, Any
 import aiohttp
 
 from kvgate.commands.argtypes import positive_float, positive_int
+from kvgate.commands.pipes import silence_stdout
 from kvgate.core.errors import ConfigError, KvgateError
 from kvgate.core.hashing import make_hasher
 from kvgate.gateway.app import GatewayServer, start_gateway
@@ -398,7 +400,7 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="start a local cluster: N simulated engines behind one kvgate gateway",
         description="Start --nodes simulated inference engines (kvgate engine, as child "
         "processes) and one gateway in front of them, print the URLs, and serve until "
-        "Ctrl-C or SIGTERM; then stop everything.",
+        "Ctrl-C, SIGTERM or SIGHUP; then stop everything.",
     )
     p.add_argument(
         "--nodes",
@@ -497,7 +499,7 @@ def banner(
 
 
 def run_up(args: argparse.Namespace) -> int:
-    """Blocks until SIGINT/SIGTERM. 0 on a clean stop, 1 when start-up failed."""
+    """Blocks until SIGINT/SIGTERM/SIGHUP. 0 on a clean stop, 1 when start-up failed."""
     logging.basicConfig(
         level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -514,9 +516,11 @@ def run_up(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    # SIGHUP too: the terminal closing must stop the cluster, not kill us mid-run
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
     starting = asyncio.ensure_future(
         start_cluster(
             nodes=args.nodes,
@@ -537,7 +541,7 @@ async def _up(args: argparse.Namespace) -> int:
         starting.cancel()  # start_cluster stops what it started
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await starting
-        print("kvgate up: interrupted during start-up; stopped", file=sys.stderr, flush=True)
+        _say("kvgate up: interrupted during start-up; stopped", err=True)
         return 1
     try:
         cluster = starting.result()
@@ -545,21 +549,16 @@ async def _up(args: argparse.Namespace) -> int:
         stopping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
-        print(
-            f"kvgate up: cannot start: {getattr(exc, 'message', None) or exc}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"kvgate up: cannot start: {getattr(exc, 'message', None) or exc}", err=True)
         return 1
-    print(
+    _say(
         banner(
             cluster,
             model=args.model,
             policy=args.policy,
             speedup=args.engine_speedup,
             token_generated=args.admin_token is None,
-        ),
-        flush=True,
+        )
     )
     watch = asyncio.ensure_future(_watch_engines(cluster))
     try:
@@ -568,10 +567,21 @@ async def _up(args: argparse.Namespace) -> int:
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
-        print("kvgate up: stopping", flush=True)
+        _say("kvgate up: stopping")
         await cluster.stop()
-    print("kvgate up: stopped", flush=True)
+    _say("kvgate up: stopped")
     return 0
+
+
+def _say(text: str, *, err: bool = False) -> None:
+    """Print a line; a stream that cannot take it (its reader gone, a full disk) is
+    no reason to skip the teardown that comes after: it is silenced instead."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        print(text, file=stream, flush=True)
+    except OSError:
+        if not err:
+            silence_stdout()
 
 
 async def _watch_engines(cluster: Cluster) -> None:
@@ -582,9 +592,8 @@ async def _watch_engines(cluster: Cluster) -> None:
         for e in cluster.engines:
             if not e.alive() and e.pid not in reported:
                 reported.add(e.pid)
-                print(
+                _say(
                     f"kvgate up: engine {e.node_id} (pid {e.pid}) exited with code "
                     f"{e.proc.returncode}; see {e.log_path}",
-                    file=sys.stderr,
-                    flush=True,
+                    err=True,
                 )
