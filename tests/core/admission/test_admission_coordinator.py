@@ -386,3 +386,38 @@ def test_the_fleet_clock_offset_survives_the_store() -> None:
     coord.refresh(report("a", 10), 5.0)
     again = load_state(coord.config, dump_state(coord))
     assert (again.clock_s, again.clock_offset_s) == (3600.0, 3595.0)
+
+
+def test_an_idle_quota_tenant_lets_its_lease_go() -> None:
+    """A tenant with a lease and nothing in use or asked was reported, and granted a
+    share of its quota, at every refresh forever: one per API key ever seen, each
+    refresh slower and the shared state larger. Idle past TENANT_IDLE_FORGET_S it is
+    let go; busy again, it asks anew."""
+    from kvgate.core.admission.gateway import TENANT_IDLE_FORGET_S
+
+    cfg = AdmissionConfig(budget=100, default_tenant_quota=4)
+    coord = InProcessCoordinator(cfg)
+    gw = GatewayAdmission(cfg, "g")
+
+    def refresh(t: float) -> Any:
+        sent = gw.make_refresh(t)
+        gw.apply_grant(coord.refresh(sent, t), t)
+        return sent
+
+    refresh(0.0)
+    admitted = gw.admit(req(1, "alice", rid="a1"), 0.1)
+    assert isinstance(admitted, Admitted)
+    refresh(0.2)
+    gw.release(admitted.ticket, 0.3)
+    t = 0.5
+    while t < 0.5 + TENANT_IDLE_FORGET_S - 1:  # idle, within the time: still held
+        assert "alice" in refresh(t).tenants
+        t += 0.5
+    t += 2.0
+    refresh(t)  # idle past it: let go here ...
+    assert "alice" not in refresh(t + 0.5).tenants  # ... and at the coordinator
+    assert "alice" not in coord.records["g"].tenants
+    later = gw.admit(req(1, "alice", rid="a2"), t + 1.0)  # busy again: it asks anew
+    if not isinstance(later, Admitted):
+        refresh(t + 1.05)
+    assert "alice" in refresh(t + 1.1).tenants

@@ -42,6 +42,11 @@ from kvgate.core.admission.types import (
 from kvgate.core.errors import InvariantViolation
 
 _CLOSED = BreakerState.CLOSED
+# A quota tenant with nothing in use or asked here for this long stops being reported
+# (its lease let go): tenants come and go (one per API key), and each one reported
+# costs every refresh and the coordinator's shared state. Long enough that a tenant
+# pausing between bursts keeps its lease (its next request needs no round trip).
+TENANT_IDLE_FORGET_S = 60.0
 
 
 class GatewayAdmission(Stage1Limiter):
@@ -103,6 +108,18 @@ class GatewayAdmission(Stage1Limiter):
             asked = slots + parked.get(tenant, 0) + self._tenant_denied.get(tenant, 0)
             wants = min(quota, asked)
             has = self._tenant_limits.get(tenant, 0)
+            if slots or wants:
+                self._tenant_idle_since.pop(tenant, None)
+            elif has:
+                since = self._tenant_idle_since.setdefault(tenant, now)
+                if now - since > TENANT_IDLE_FORGET_S:
+                    # idle that long: its lease is let go (not reported, so not granted
+                    # again; a request of its later asks for one anew): a lease kept
+                    # per tenant ever seen grows every refresh, and the shared state
+                    del self._tenant_limits[tenant], self._tenant_idle_since[tenant]
+                    continue
+            else:
+                self._tenant_idle_since.pop(tenant, None)
             if slots or wants or has:
                 tenants[tenant] = TenantUsage(inuse=slots, wants=wants, has=has)
                 if wants:

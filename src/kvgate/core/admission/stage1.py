@@ -91,6 +91,7 @@ class Stage1Limiter:
         "_reserve",
         "_serial",
         "_tenant_denied",
+        "_tenant_idle_since",
         "_tenant_limits",
         "_tenant_slots",
         "_tenant_unseen",
@@ -121,6 +122,8 @@ class Stage1Limiter:
         self._tenant_slots: dict[str, int] = {}
         self._tenant_limits: dict[str, int] = {}
         self._tenant_denied: dict[str, int] = {}
+        # quota tenants holding a lease here with nothing in use or asked: since when
+        self._tenant_idle_since: dict[str, float] = {}
         self.pressed = PressedTenants()  # refused while holding a fair share of the quota
         self._tenant_unseen = False
         self._reported_active: set[str] = set()
