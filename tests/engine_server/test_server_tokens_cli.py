@@ -21,6 +21,7 @@ from kvgate.engine.server_tokens import (
     generated_text,
     sim_token_hasher,
 )
+from kvgate.protocol import parse_chat_request, parse_completion_request
 
 
 def test_one_token_per_four_characters_deterministic() -> None:
@@ -48,6 +49,32 @@ def test_prefix_blocks_are_shared_and_match_the_gateway_hasher() -> None:
     longer = tokens.for_messages([*msgs, ("assistant", "ok"), ("user", "more")])
     assert longer.token_ids[: len(tokens.for_messages(msgs).token_ids) - 1] == \
         tokens.for_messages(msgs).token_ids[:-1]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "prompt": ""}',
+        b'{"model": "m", "prompt": "abc"}',
+        b'{"model": "m", "prompt": "abcd"}',
+        b'{"model": "m", "prompt": "abcde"}',
+        rb'{"model": "m", "prompt": "\u00e9\u00e9\u00e9\u00e9\u00e9 \ud83d\ude00\ud800"}',
+        b'{"model": "m", "prompt": [1, 2, 3, 4, 5]}',
+        b'{"model": "m", "messages": [{"role": "system", "content": "be brief"},'
+        b' {"role": "user", "content": "x y z"}]}',
+    ],
+)
+def test_the_cheap_token_count_is_the_tokenized_count(body: bytes) -> None:
+    """``count`` (what a too-long prompt is refused on, before tokenizing) is exact."""
+    tokens = PromptTokenizer(16)
+    parsed = (parse_chat_request(body) if b'"messages"' in body
+              else parse_completion_request(body))
+    source = tokens.source(parsed)
+    assert tokens.count(source) == tokens.for_source(source).num_tokens
+    if not isinstance(source, str):
+        assert tokens.for_source(source) == tokens.for_completion(parse_completion_request(body))
+    elif b'"messages"' in body:
+        assert tokens.for_source(source) == tokens.for_messages(parse_chat_request(body).messages)
 
 
 def test_generated_text_is_deterministic_words() -> None:

@@ -45,7 +45,7 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -83,9 +83,11 @@ from kvgate.protocol import (
     KVEvent,
     ProtocolError,
     RequestTooLargeError,
+    error_body,
     invalid_request_body,
     not_found_body,
     overloaded_body,
+    server_error_body,
 )
 from kvgate.protocol.openai_schema import parse_json_object
 from kvgate.protocol.sse import DONE_EVENT, encode_json_event, error_event
@@ -101,7 +103,11 @@ __all__ = [
 log = logging.getLogger("kvgate.engine.server")
 
 REJECT_HEADER = "X-Kvgate-Reject"
+REQUEST_ID_HEADER = "X-Request-Id"
 _MIN_SLEEP_S = 0.001
+# The gateway's rule for a client's X-Request-Id (kvgate.gateway.proxy, which the
+# engine does not import): at most 128 characters of printable ASCII.
+MAX_REQUEST_ID_LEN = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +119,49 @@ class _Failed:
 
 
 _Item = int | FinishedRequest | RejectedRequest | _Failed
+
+
+def _client_request_id(value: str) -> str | None:
+    """The client's X-Request-Id if usable (see MAX_REQUEST_ID_LEN), else None: a header
+    that is not valid UTF-8 (aiohttp hands it over with surrogate escapes), holds
+    control characters or is too long gets a generated id, as no id at all does (vLLM
+    takes any X-Request-Id and never refuses a request for it)."""
+    value = value.strip()
+    if not value or len(value) > MAX_REQUEST_ID_LEN:
+        return None
+    if not value.isascii() or not value.isprintable():
+        return None
+    return value
+
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _http_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """aiohttp's own 404 (unknown URL) and 405 (method) are raised, as text/plain:
+    answer them in OpenAI's JSON shape, as the gateway does. Responses the handlers
+    return (their own JSON errors included) pass through untouched."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers: dict[str, str] = {}
+        if exc.status == 404:
+            body = error_body("Unknown request URL. Please check the URL and method.",
+                              "invalid_request_error", None, "unknown_url")
+        elif exc.status == 405:
+            allow = exc.headers.get("Allow", "")
+            body = error_body(f"Method not allowed. Allowed: {allow}.",
+                              "invalid_request_error", None, "method_not_allowed")
+            if allow:
+                headers["Allow"] = allow
+        elif exc.status >= 500:
+            body = server_error_body()
+        else:
+            body = error_body(exc.reason, "invalid_request_error")
+        return _json(exc.status, body, headers)
 
 
 def _reject_response(kind: RejectKind, reason: str, headers: dict[str, str]) -> web.Response:
@@ -175,6 +224,7 @@ class EngineServer:
         self._tokens = PromptTokenizer(config.block_size)
         self._pending: dict[str, asyncio.Queue[_Item]] = {}
         self._wake = asyncio.Event()
+        self._fault_changed = asyncio.Event()  # wakes a step's sleep (_sleep_until)
         self._changed = asyncio.Event()
         self._t0 = time.monotonic()
         self._vnow = 0.0
@@ -243,8 +293,30 @@ class EngineServer:
         return self._vnow
 
     async def _sleep_until(self, vt: float) -> None:
-        delay = self._t0 + vt / self.config.speedup - time.monotonic()
-        await asyncio.sleep(delay if delay > _MIN_SLEEP_S else 0)
+        """Sleep out the step in progress, to its end ``vt``. A fault action during the
+        sleep re-plans it: after a crash the step ends at once (its requests have
+        failed); a new slow factor scales the time the step has left (so ``recover``
+        ends a ``slow:1000`` step promptly instead of after its thousandfold time)."""
+        factor = self.engine.faults.slow_factor  # the step was planned with it
+        while True:
+            delay = self._t0 + vt / self.config.speedup - time.monotonic()
+            if delay <= _MIN_SLEEP_S:
+                await asyncio.sleep(0)
+                break
+            changed = self._fault_changed
+            changed.clear()
+            try:
+                async with asyncio.timeout(delay):
+                    await changed.wait()
+            except TimeoutError:
+                break
+            faults = self.engine.faults
+            if faults.crashed:
+                return
+            if faults.slow_factor != factor:
+                now = self.now()
+                vt = now + max(vt - now, 0.0) * faults.slow_factor / factor
+                factor = faults.slow_factor
         self._vnow = max(self._vnow, vt)
 
     # --------------------------------------------------------- engine loop
@@ -257,16 +329,25 @@ class EngineServer:
                 if out is None:
                     await self._idle()
                     continue
+                results: list[FinishedRequest | RejectedRequest] = [*out.finished, *out.rejected]
+                # The handlers the step's outputs are for, fixed before the sleep: during
+                # it a request may end (client gone, crash) and a new one take its id.
+                pending = self._pending
+                owners = {rid: q for rid in out.tokens if (q := pending.get(rid)) is not None}
+                for res in results:
+                    if (q := pending.get(res.request_id)) is not None:
+                        owners[res.request_id] = q
                 if out.duration_s > 0:
                     await self._sleep_until(out.end)
                 for rid, n in out.tokens.items():
-                    queue = self._pending.get(rid)
-                    if queue is not None:
+                    queue = owners.get(rid)
+                    if queue is not None:  # a handler that left reads it no more
                         queue.put_nowait(n)
-                results: list[FinishedRequest | RejectedRequest] = [*out.finished, *out.rejected]
                 for res in results:
-                    done = self._pending.pop(res.request_id, None)
+                    done = owners.get(res.request_id)
                     if done is not None:
+                        if pending.get(res.request_id) is done:
+                            del pending[res.request_id]
                         done.put_nowait(res)
                 self._notify()
                 if out.duration_s == 0:
@@ -345,6 +426,7 @@ class EngineServer:
             self.wire_faults.arm(spec)
         self._drain_events(now)
         self._wake.set()
+        self._fault_changed.set()
         self._notify()
 
     def fault_state(self) -> dict[str, Any]:
@@ -354,7 +436,8 @@ class EngineServer:
 
     # ------------------------------------------------------------ the app
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[_http_errors])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -387,10 +470,12 @@ class EngineServer:
         return await self._generate(request, "chat")
 
     def _request_id(self, request: web.Request, kind: str) -> str:
-        """The client's X-Request-Id (vLLM-prefixed) unless in flight, else a fresh one."""
+        """The client's X-Request-Id (vLLM-prefixed) if usable and not in flight, else a
+        fresh one. Claimed by the submission that follows with no await between (an id
+        found free could otherwise be taken twice)."""
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        given = request.headers.get("X-Request-Id", "").strip()
-        if given and len(given) <= 128:
+        given = _client_request_id(request.headers.get(REQUEST_ID_HEADER, ""))
+        if given is not None:
             rid = given if given.startswith(prefix) else prefix + given
             if rid not in self._pending and self.engine.request_status(rid) is None:
                 return rid
@@ -408,13 +493,14 @@ class EngineServer:
         except ProtocolError as exc:
             return _json(exc.http_status, exc.body())
         parsed, max_tokens = gen.request, gen.max_tokens
-        rid = self._request_id(request, kind)
-        headers = {"X-Request-Id": rid}
         if self.wire_faults.reset_connection.take() is not None:
             return await self._reset(request)
         delay = self.wire_faults.slow_first_byte.take()
         if delay:
             await asyncio.sleep(delay)
+        # no await from here to the queue's registration: the id is ours once picked
+        rid = self._request_id(request, kind)
+        headers = {REQUEST_ID_HEADER: rid}
         decision = self._submit(rid, gen.tokens, max_tokens, parsed.priority or 0)
         if decision.rejected:
             assert decision.reject_kind is not None
@@ -431,7 +517,11 @@ class EngineServer:
                                           parsed.include_usage, headers)
             return await self._unary(queue, shape, headers)
         finally:
-            if self._pending.pop(rid, None) is not None:  # client gone or mid-stream fault
+            # client gone or mid-stream fault: abort, if the id is still ours. Once the
+            # engine has finished it (the queue was taken out of _pending), a new request
+            # may hold the id while we still write to a slow client.
+            if self._pending.get(rid) is queue:
+                del self._pending[rid]
                 self.engine.abort(rid, self.now())
                 self._notify()
 
@@ -548,7 +638,7 @@ class EngineServer:
             model = obj.get("model")
             if model is not None and model != self.config.model:
                 return _json(404, not_found_body(str(model)))
-            tokens = tokenize_body(obj, self._tokens, self.config.model)
+            tokens = tokenize_body(body, obj, self._tokens, self.config.model)
         except ProtocolError as exc:
             return _json(exc.http_status, exc.body())
         return _json(200, {"count": tokens.num_tokens, "max_model_len": self.max_model_len,
@@ -578,8 +668,9 @@ class EngineServer:
             spec = FaultSpec.from_json(obj)
         except ProtocolError as exc:
             return _json(exc.http_status, exc.body())
-        except ValueError as exc:
-            return _json(400, invalid_request_body(str(exc), param="action"))
+        except ValueError as exc:  # an unknown action, or FaultParamError naming the param
+            return _json(400, invalid_request_body(str(exc),
+                                                   param=getattr(exc, "param", "action")))
         self.apply_fault(spec)
         return _json(200, {"ok": True, "faults": self.fault_state()})
 

@@ -12,7 +12,8 @@ crash               -                           every in-flight request fails (s
                                                 with an error event, the others get 503), the
                                                 KV cache is cleared, /health and new requests
                                                 answer 503 until ``recover``
-slow                factor (K, default 2)       every engine step takes K times longer
+slow                factor (K, default 2,       every engine step takes K times longer
+                    at most 1000)
 reject              on (default true)           every submission gets 503 retry-elsewhere
 mass_evict          fraction (X, default 0.5)   ``engine.bulk_evict(X)`` (announced when bulk)
 midstream_error     after (N, default 3),       the next ``count`` streamed responses end after
@@ -43,7 +44,9 @@ from kvgate.engine.profiles import DEFAULT_PROFILE, EngineProfile
 
 __all__ = [
     "FAULT_ACTIONS",
+    "MAX_SLOW_FACTOR",
     "EngineServerConfig",
+    "FaultParamError",
     "FaultSpec",
     "WireFaults",
     "parse_fault_flag",
@@ -68,23 +71,39 @@ _ALLOWED: Final[dict[str, frozenset[str]]] = {
     "reset_connection": frozenset({"count"}),
     "slow_first_byte": frozenset({"seconds", "count"}),
 }
+# A slow step is already 1000 times its modelled time (a 20 ms step: 20 s); beyond
+# that a single step would outlast any test or benchmark and read as a hang.
+MAX_SLOW_FACTOR: Final = 1000.0
+
+
+class FaultParamError(ValueError):
+    """A fault's parameter is missing its type or range; ``param`` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _number(params: Mapping[str, Any], name: str, default: float, *, low: float,
             high: float = math.inf, low_open: bool = False) -> float:
     value = params.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"fault param {name!r} must be a number, got {value!r}")
+        raise FaultParamError(f"fault param {name!r} must be a number, got {value!r}", name)
     number = float(value)
     if not math.isfinite(number) or number < low or (low_open and number <= low) or number > high:
-        raise ValueError(f"fault param {name!r} out of range: {value!r}")
+        bounds = f"{'>' if low_open else '>='} {low:g}"
+        if high < math.inf:
+            bounds += f" and <= {high:g}"
+        raise FaultParamError(f"fault param {name!r} out of range: {value!r} (must be "
+                              f"{bounds})", name)
     return number
 
 
 def _count(params: Mapping[str, Any], name: str, default: int) -> int:
     value = params.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"fault param {name!r} must be an integer >= 0, got {value!r}")
+        raise FaultParamError(f"fault param {name!r} must be an integer >= 0, got {value!r}",
+                              name)
     return value
 
 
@@ -113,13 +132,15 @@ class FaultSpec:
             raise ValueError(f"fault {action!r} takes no param(s) {unknown}")
         on = params.get("on", True)
         if not isinstance(on, bool):
-            raise ValueError(f"fault param 'on' must be a boolean, got {on!r}")
+            raise FaultParamError(f"fault param 'on' must be a boolean, got {on!r}", "on")
         reason = params.get("reason", "fault")
         if not isinstance(reason, str):
-            raise ValueError(f"fault param 'reason' must be a string, got {reason!r}")
+            raise FaultParamError(f"fault param 'reason' must be a string, got {reason!r}",
+                                  "reason")
         return cls(
             action=action,  # type: ignore[arg-type]  # checked against FAULT_ACTIONS
-            factor=_number(params, "factor", 2.0, low=0.0, low_open=True),
+            factor=_number(params, "factor", 2.0, low=0.0, high=MAX_SLOW_FACTOR,
+                           low_open=True),
             on=on,
             fraction=_number(params, "fraction", 0.5, low=0.0, high=1.0, low_open=True),
             reason=reason,

@@ -70,20 +70,32 @@ def parse_generate(kind: Kind, body: bytes, *, tokens: PromptTokenizer, model: s
     kvgate's 256 for chat, where vLLM would use the rest of the context),
     clamped to what ``max_model_len`` leaves after the prompt. Raises a
     ProtocolError (400; 404 :class:`ModelNotFoundError` for another model).
+
+    A prompt that cannot fit (prompt + max_tokens > max_model_len) is refused
+    before it is tokenized, from its token count (exact, from its length:
+    :meth:`PromptTokenizer.count`), with the engine's own 400
+    ``context_length_exceeded`` answer: tokenizing and hashing a body of many
+    MiB would hold the event loop (and every stream on it) for most of a second.
     """
     parsed: CompletionRequest | ChatRequest
     if kind == "chat":
         parsed = parse_chat_request(body, max_body_bytes=max_body_bytes)
-        sim = tokens.for_messages(parsed.messages)
     else:
         parsed = parse_completion_request(body, max_body_bytes=max_body_bytes)
-        sim = tokens.for_completion(parsed)
     if parsed.model != model:
         raise ModelNotFoundError(parsed.model, param="model")
-    if sim.num_tokens == 0:
+    source = tokens.source(parsed)
+    num_tokens = tokens.count(source)
+    if num_tokens == 0:
         raise InvalidValueError("The prompt is empty.", param="prompt")
     max_tokens = parsed.max_tokens or max(1, min(default_max_tokens,
-                                                 max_model_len - sim.num_tokens))
+                                                 max_model_len - num_tokens))
+    if num_tokens + max_tokens > max_model_len:
+        # the words and code of SimEngine.submit's BAD_REQUEST (the server's 400)
+        raise ProtocolError(
+            f"prompt ({num_tokens}) + max_tokens ({max_tokens}) exceeds max_model_len "
+            f"({max_model_len})", code="context_length_exceeded")
+    sim = tokens.for_source(source)
     return GenerateInput(request=parsed, tokens=sim, max_tokens=max_tokens)
 
 

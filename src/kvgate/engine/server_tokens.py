@@ -36,7 +36,6 @@ a short word with a leading space.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -46,8 +45,14 @@ from xxhash import xxh3_64_intdigest
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.hashing import Message, TokenBlockHasher
 from kvgate.engine.sequence import SIM_VOCAB_SIZE, generated_token_id
-from kvgate.protocol import CompletionRequest, parse_chat_request, parse_completion_request
+from kvgate.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
 from kvgate.protocol.errors import InvalidValueError
+from kvgate.protocol.openai_schema import edit_body
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -129,6 +134,30 @@ class PromptTokenizer:
     def for_prompt(self, text: str) -> SimTokens:
         return self.for_token_ids(self._encoder.encode(text))
 
+    def source(self, parsed: CompletionRequest | ChatRequest) -> str | Sequence[int]:
+        """What ``parsed``'s prompt is tokenized from: its text (a chat rendered by the
+        template) or the token ids it gave. Cheap: nothing is encoded or hashed."""
+        if isinstance(parsed, ChatRequest):
+            return self._hasher.render_messages(parsed.messages)
+        if parsed.prompt_token_ids is not None:
+            return parsed.prompt_token_ids
+        return parsed.prompt_text or ""
+
+    @staticmethod
+    def count(source: str | Sequence[int]) -> int:
+        """The number of tokens :meth:`for_source` gives ``source``, without encoding it:
+        the ids as given, or one token per 4 characters (code points, as
+        :meth:`SimTokenizer.encode` cuts them), so a prompt too long for the model can
+        be refused before it is tokenized."""
+        if isinstance(source, str):
+            return -(-len(source) // CHARS_PER_TOKEN)
+        return len(source)
+
+    def for_source(self, source: str | Sequence[int]) -> SimTokens:
+        if isinstance(source, str):
+            return self.for_prompt(source)
+        return self.for_token_ids(source)
+
     def for_messages(self, messages: Sequence[Message]) -> SimTokens:
         return self.for_prompt(self._hasher.render_messages(messages))
 
@@ -156,10 +185,16 @@ def generated_text(request_id: str, start: int, count: int) -> list[str]:
     return [token_text(generated_token_id(request_id, i)) for i in range(start, start + count)]
 
 
-def tokenize_body(obj: Mapping[str, Any], tokens: PromptTokenizer, model: str) -> SimTokens:
+def tokenize_body(body: bytes, obj: Mapping[str, Any], tokens: PromptTokenizer,
+                  model: str) -> SimTokens:
     """vLLM ``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` (validated as the
-    generation endpoints validate them; ``model`` optional). Raises ProtocolError."""
-    filled = json.dumps({**obj, "model": model}).encode()
+    generation endpoints validate them; ``model`` optional). ``obj`` is ``body``
+    parsed, its ``model`` (if any) already checked. Raises ProtocolError.
+
+    The client's bytes are validated as sent; a missing ``model`` is spliced in
+    (``edit_body``), never a re-serialisation of the client's structures (a deeply
+    nested extra field cannot be written back: a 400 at worst, not a crash)."""
+    filled = body if obj.get("model") is not None else edit_body(body, obj, {"model": model})
     if "messages" in obj:
         return tokens.for_messages(parse_chat_request(filled).messages)
     return tokens.for_completion(parse_completion_request(filled))
