@@ -7,6 +7,12 @@ Keys printed (one JSON object with --json):
                                kvgate policy scoring; hashing excluded) for 32 000-character
                                prompts, 64 nodes, 1 000 000 indexed (block, node) entries,
                                with the gateway holding a lease (normal operation)
+  arrival_p50_us, arrival_p99_us
+                               what the core costs one request on the same setup:
+                               Controller.on_arrival (admission, routing, the index
+                               insert, the node's load bookkeeping) plus its on_finished
+                               (credit and load released), 32 requests in flight; the
+                               route keys time route() alone on a frozen index and loads
   route_safe_mode_p50_us, ...  the same in safe mode (no lease: candidates are also
                                filtered by their reported load)
   hash_32k_p50_us              hashing one 32 000-character prompt into its chain (seeded
@@ -27,6 +33,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections import deque
 from collections.abc import Callable
 
 from kvgate.core.admission import (
@@ -39,6 +46,8 @@ from kvgate.core.admission import (
 )
 from kvgate.core.config import ControllerConfig
 from kvgate.core.controller import Controller
+from kvgate.core.decisions import Dispatch
+from kvgate.core.events import RequestArrived
 from kvgate.core.hashing import TextChunkHasher
 from kvgate.core.ids import NodeId, RequestId, TenantId
 from kvgate.core.index import ClusterIndex
@@ -139,6 +148,60 @@ def _time_route(
     return samples
 
 
+ARRIVAL_IN_FLIGHT = 32  # requests between one's arrival and its on_finished
+
+
+def _time_arrivals(
+    ctl: Controller,
+    coord: InProcessCoordinator,
+    hasher: TextChunkHasher,
+    prompts: list[str],
+    reps: int,
+    now: float,
+) -> list[float]:
+    """Per request, the time of on_arrival plus that of its on_finished (chains hashed
+    beforehand, as for route). The index, loads and admission change as they would in
+    traffic: every arrival inserts its chain on its node and adds to that node's load."""
+    chains = [(hasher.chain_for_prompt(t), hasher.estimate_tokens_prompt(t)) for t in prompts]
+    samples: list[float] = []
+    arrive, finish = ctl.on_arrival, ctl.on_finished
+    clock = time.perf_counter_ns
+    k = 0
+    for rep in range(reps):
+        ctl.refresh_with(coord, now)  # a fresh lease every pass, outside the timing
+        assert not ctl.admission.degraded
+        reqs = []
+        for chain, tokens in chains:
+            k += 1
+            reqs.append(RequestArrived(request_id=RequestId(f"bench-{k}"), block_ids=chain,
+                                       prompt_tokens=tokens))
+        gc.collect()
+        gc.disable()
+        try:
+            in_flight: deque[tuple[RequestId, int]] = deque()
+            # arrivals, each ending ARRIVAL_IN_FLIGHT arrivals later, then the last ends
+            for i in range(len(reqs) + ARRIVAL_IN_FLIGHT):
+                now += 1e-4
+                if i < len(reqs):
+                    req = reqs[i]
+                    t0 = clock()
+                    d = arrive(req, now)
+                    t1 = clock()
+                    assert isinstance(d, Dispatch), d
+                    in_flight.append((req.request_id, t1 - t0))
+                if in_flight and (len(in_flight) > ARRIVAL_IN_FLIGHT or i >= len(reqs)):
+                    rid, spent = in_flight.popleft()
+                    t0 = clock()
+                    finish(rid, now)
+                    t1 = clock()
+                    if rep:  # the first pass warms up
+                        samples.append((spent + t1 - t0) / 1000)
+        finally:
+            gc.enable()
+    assert ctl.num_requests() == 0
+    return samples
+
+
 def bench_route(args: argparse.Namespace, out: dict[str, float]) -> None:
     rng = random.Random(1)
     hasher = TextChunkHasher(block_chars=256)
@@ -160,7 +223,8 @@ def bench_route(args: argparse.Namespace, out: dict[str, float]) -> None:
     out["route_safe_mode_p99_us"] = round(_pct(samples, 0.99), 2)
 
     # Normal operation: a lease from the coordinator.
-    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 1.0)
+    coord = InProcessCoordinator(ctl.config.admission)
+    ctl.refresh_with(coord, 1.0)
     assert not ctl.admission.degraded
     samples = _time_route(ctl, hasher, prompts, args.reps, now)
     out["route_p50_us"] = round(statistics.median(samples), 2)
@@ -168,6 +232,11 @@ def bench_route(args: argparse.Namespace, out: dict[str, float]) -> None:
     out["route_samples"] = len(samples)
     matched = [len(ctl.index.match(hasher.chain_for_prompt(t), now)) for t in prompts]
     out["route_prompts_with_a_holder"] = sum(1 for m in matched if m)
+
+    # The whole request on the same controller (last: its inserts change the index).
+    samples = _time_arrivals(ctl, coord, hasher, prompts, args.reps, now)
+    out["arrival_p50_us"] = round(statistics.median(samples), 2)
+    out["arrival_p99_us"] = round(_pct(samples, 0.99), 2)
 
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -263,6 +332,14 @@ def bench_memory(args: argparse.Namespace, out: dict[str, float]) -> None:
     out["index_memory_entries"] = index.num_entries()
 
 
+def print_order(out: dict[str, float]) -> list[str]:
+    """Keys sorted, but the arrival_* keys right after route_p99_us, to read beside it."""
+    arrival = [k for k in sorted(out) if k.startswith("arrival_")]
+    keys = [k for k in sorted(out) if not k.startswith("arrival_")]
+    at = keys.index("route_p99_us") + 1 if "route_p99_us" in keys else len(keys)
+    return keys[:at] + arrival + keys[at:]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -288,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, sort_keys=True))
     else:
-        for k, v in sorted(out.items()):
-            print(f"{k:32s} {v}")
+        for k in print_order(out):
+            print(f"{k:32s} {out[k]}")
     return 0
 
 

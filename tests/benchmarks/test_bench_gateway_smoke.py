@@ -5,6 +5,7 @@ The full benchmark (minutes of load) is not run here.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import importlib.util
 import json
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -168,3 +170,57 @@ def test_wrk_against_stub(stub_port: int, tmp_path: Path) -> None:
         assert got["requests"] > 0
         assert got["non2xx"] == 0 and got["socket_errors"] == 0
         assert 0 < got["p50_ms"] <= got["p99_ms"]
+
+
+def _wrk_run(p50: float, *, rps: float = 500.0, requests: int = 5000,
+             non2xx: int = 0, socket_errors: int = 0) -> dict[str, object]:
+    return {"p50_ms": p50, "p75_ms": p50, "p90_ms": p50, "p99_ms": p50, "rps": rps,
+            "requests": requests, "duration_s": 10.0, "non2xx": non2xx,
+            "socket_errors": socket_errors, "wrk_cpu_s": 1.0}
+
+
+def _summary(max_rps_run: dict[str, object], **via: dict[str, object]) -> dict[str, object]:
+    runs = {"direct_unary": _wrk_run(1.0), "via_unary": _wrk_run(1.5),
+            "direct_stream": _wrk_run(2.0), "via_stream": _wrk_run(2.5),
+            "via_max_rps": {**max_rps_run, "gw_cpu_s": 1.0, "stub_cpu_s": 0.5},
+            "direct_max_rps": _wrk_run(1.0, rps=6000.0, requests=60000), **via}
+    args = argparse.Namespace(latency_connections=1, rps_connections=64, prompt_chars=1500,
+                              repeat=1)
+    out: dict[str, object] = bench.summarize(
+        args, runs, {}, duration=10, pin=bench.Pinning(), gw_cmd=["gw"], gw_rss=1.0,
+        body_bytes=1)
+    return out
+
+
+def test_goals_met_on_a_clean_run() -> None:
+    r = _summary(_wrk_run(3.0, rps=5000.0, requests=50000))
+    assert r["max_rps"] == 5000.0 and r["max_rps_errors"] == 0
+    assert r["cpu_ms_per_request"] == 0.02 and r["all_goals_ok"] is True
+
+
+def test_errors_fail_the_goals(capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A throughput run where every answer through the gateway was a 503 reported
+    max_rps 5000, 0.02 ms CPU per request and all goals met (--strict exit 0)."""
+    r = _summary(_wrk_run(3.0, rps=5000.0, requests=50000, non2xx=50000))
+    assert r["max_rps"] == 0.0 and r["max_rps_errors"] == 50000
+    assert r["cpu_ms_per_request"] == 1000.0  # 1 s of CPU, no request served
+    goals: Any = r["goals"]
+    assert not goals["max_rps"]["ok"] and goals["max_rps"]["errors"] == 50000
+    assert not goals["cpu_ms_per_request"]["ok"]
+    assert goals["added_p50_ms"]["ok"] and r["all_goals_ok"] is False
+    # some answers failed: only the good ones count, and the goal is missed anyway
+    r = _summary(_wrk_run(3.0, rps=5000.0, requests=50000, non2xx=10),
+                 via_stream=_wrk_run(2.5, socket_errors=2))
+    goals = r["goals"]
+    assert r["max_rps"] == 4999.0 and not goals["max_rps"]["ok"]
+    assert not goals["stream_added_p50_ms"]["ok"] and goals["stream_added_p50_ms"]["errors"] == 2
+    assert goals["added_p99_ms"]["ok"] and not r["all_goals_ok"]
+    bench.print_table(r)
+    text = capsys.readouterr().out
+    assert "NO (10 errors)" in text and "NO (2 errors)" in text
+    assert "a goal measured on a run with errors is missed" in text
+    assert text.rstrip().endswith("some goals missed")
+    monkeypatch.setattr(bench, "run_benchmark", lambda args: r)
+    assert bench.main(["--strict"]) == 1
+    assert bench.main([]) == 0

@@ -3,7 +3,8 @@
 It streams ``tokens`` one-character tokens ``delay_s`` apart, reports usage with a
 prefix cache of its own (cached tokens = longest common prefix with any earlier prompt,
 in 4-character tokens, rounded down to 64-character blocks), can fail chosen requests
-with an HTTP status or a mid-stream error, and records what it received.
+with an HTTP status or a mid-stream error, can answer ``GET /v1/models`` with HTML or
+not at all, and records what it received.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Stub:
     fail: Callable[[int], int | None] = lambda i: None  # request index -> status
     stream_error_at: int | None = None  # request index that errors mid-stream
     cached: bool = True
+    models_mode: str = "ok"  # GET /v1/models: "ok", "html" (200 text/html) or "hang"
+    models_calls: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
     in_flight: int = 0
@@ -58,6 +61,12 @@ class Stub:
         return usage
 
     async def models(self, request: web.Request) -> web.Response:
+        self.models_calls += 1
+        if self.models_mode == "html":
+            return web.Response(text="<html>\n<body>gateway login</body>\n</html>",
+                                content_type="text/html")
+        if self.models_mode == "hang":
+            await asyncio.sleep(60)  # cancelled when the server stops
         return web.json_response({"object": "list", "data": [{"id": "stub-model"}]})
 
     async def complete(self, request: web.Request) -> web.StreamResponse:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,3 +150,66 @@ def test_main_all_failed_returns_1(stub_server: Callable[..., Any]) -> None:
             return await asyncio.to_thread(main, argv)
 
     assert asyncio.run(go()) == 1
+
+
+def _bench_against(stub_server: Callable[..., Any], stub_kw: dict[str, Any],
+                   *argv: str) -> tuple[int, Any, float]:
+    """run_bench against a stub: (exit code, the stub, seconds taken)."""
+    async def go() -> tuple[int, Any, float]:
+        async with stub_server(**stub_kw) as stub:
+            args = _parse("--base-url", stub.base_url, "--num-requests", "2",
+                          "--no-progress", *argv)
+            t0 = asyncio.get_running_loop().time()
+            code = await asyncio.to_thread(run_bench, args)
+            return code, stub, asyncio.get_running_loop().time() - t0
+
+    return asyncio.run(go())
+
+
+def _one_setup_error(capsys: pytest.CaptureFixture[str]) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvgate bench: "), captured.err
+    return lines[0]
+
+
+def test_models_not_json_is_a_setup_error(
+    stub_server: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 200 text/html GET /v1/models (a login page) raised JSONDecodeError out of
+    run_bench: a traceback instead of exit 2."""
+    code, stub, _ = _bench_against(stub_server, {"models_mode": "html"})
+    assert code == 2 and stub.models_calls == 1 and stub.received == []
+    line = _one_setup_error(capsys)
+    assert "did not return JSON" in line and "text/html" in line and "--model" in line
+
+
+def test_model_discovery_is_bounded_by_max_seconds(
+    stub_server: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hanging GET /v1/models waited --request-timeout (20 s here), not --max-seconds."""
+    code, stub, took = _bench_against(stub_server, {"models_mode": "hang"},
+                                      "--max-seconds", "0.5", "--request-timeout", "20")
+    assert code == 2 and stub.received == []
+    assert took < 5.0
+    assert "GET /v1/models did not answer within 0.5 s" in _one_setup_error(capsys)
+
+
+@pytest.mark.parametrize("where", ["missing_folder", "a_folder", "read_only_folder"])
+def test_bad_json_path_fails_before_any_request(
+    stub_server: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, where: str,
+) -> None:
+    """--json into a missing folder was found only after the whole run (a traceback)."""
+    target = {"missing_folder": tmp_path / "nope" / "r.json", "a_folder": tmp_path,
+              "read_only_folder": tmp_path / "r.json"}[where]
+    if where == "read_only_folder":  # os.access, as root sees everything writable
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: (
+            False if Path(p) == tmp_path and mode & os.W_OK else real_access(p, mode)))
+    code, stub, _ = _bench_against(stub_server, {}, "--json", str(target))
+    assert code == 2
+    assert stub.models_calls == 0 and stub.received == []  # nothing sent
+    assert "--json" in _one_setup_error(capsys)
+    assert not (tmp_path / "r.json").exists()

@@ -14,13 +14,19 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
 
-from kvgate.commands.argtypes import check_closed_loop, positive_float, positive_int
+from kvgate.commands.argtypes import (
+    check_closed_loop,
+    check_output_file,
+    positive_float,
+    positive_int,
+)
 from kvgate.loadgen.prompts import SYNTHETIC_WORKLOADS, synthetic_workload, trace_workload
 from kvgate.loadgen.report import parse_goodput
 from kvgate.loadgen.runner import LoadConfig, run_load
@@ -200,6 +206,21 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     _fill_parser(p)
 
 
+def check_json_output(json_path: str | None) -> None:
+    """Fail before the run, not after it, when ``--json FILE`` cannot be written: its
+    folder is missing or not writable, it is a folder, or it is a read-only file.
+    Raises ValueError."""
+    if json_path is None:
+        return
+    path = Path(json_path)
+    check_output_file(path, "--json")
+    parent = path.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--json {path}: the folder {parent} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"--json {path}: the file is not writable")
+
+
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
     """The :class:`LoadConfig` for parsed ``bench`` arguments (reads ``--trace``; one
     line on stderr when ``--num-requests`` leaves out part of the trace)."""
@@ -210,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         )
     if args.save_detailed and not args.json:
         raise ValueError("--save-detailed needs --json FILE")
+    check_json_output(args.json)
     check_closed_loop(args)
     num_requests: int
     if args.trace:
@@ -272,9 +294,13 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     print(report.format_table())
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(report.to_dict(detailed=args.save_detailed), indent=2) + "\n"
-        )
+        try:
+            Path(args.json).write_text(
+                json.dumps(report.to_dict(detailed=args.save_detailed), indent=2) + "\n"
+            )
+        except OSError as e:  # checked before the run; the disk or folder changed since
+            print(f"kvgate bench: cannot write --json {args.json}: {e}", file=sys.stderr)
+            return 2
     return 0 if report.completed or not report.sent else 1
 
 

@@ -37,13 +37,28 @@ def endpoint_url(base_url: str, endpoint: str) -> str:
     return v1_base(base_url) + path
 
 
+def _one_line(text: str, limit: int = 200) -> str:
+    """``text`` as one line of at most ``limit`` characters (for error messages)."""
+    return " ".join(text.split())[:limit]
+
+
 async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
-    """The first model id listed by ``GET /v1/models``."""
+    """The first model id listed by ``GET /v1/models``; RuntimeError (one line) when the
+    answer is not a 200 JSON list of models."""
     async with session.get(v1_base(base_url) + "/models") as resp:
         if resp.status != 200:
-            body = (await resp.text())[:200]
+            body = _one_line(await resp.text(errors="replace"))
             raise RuntimeError(f"GET /v1/models returned HTTP {resp.status}: {body}")
-        data = await resp.json(content_type=None)
+        raw = await resp.read()
+        try:
+            data = json.loads(raw)
+        except ValueError:  # not JSON, or not UTF-8: a login page, a proxy's error page
+            kind = resp.headers.get("Content-Type", "no Content-Type")
+            body = _one_line(raw.decode("utf-8", errors="replace"), 80)
+            raise RuntimeError(
+                f"GET /v1/models did not return JSON ({kind}: {body!r}); "
+                "check --base-url or pass --model"
+            ) from None
     models = data.get("data") if isinstance(data, dict) else None
     first = models[0] if isinstance(models, list) and models else None
     if not isinstance(first, dict) or not isinstance(first.get("id"), str):

@@ -267,6 +267,19 @@ async def _drive(
     return results, end - t0
 
 
+async def discover_model(session: aiohttp.ClientSession, config: LoadConfig) -> str:
+    """The endpoint's first model (``GET /v1/models``), waited for at most
+    ``min(max_seconds, request_timeout_s)``; RuntimeError (one line) on a timeout."""
+    limit = min(config.max_seconds, config.request_timeout_s)
+    try:
+        return await asyncio.wait_for(first_model(session, config.base_url), limit)
+    except TimeoutError:
+        raise RuntimeError(
+            f"GET /v1/models did not answer within {limit:g} s "
+            "(min of --max-seconds and --request-timeout); pass --model"
+        ) from None
+
+
 async def run_load(config: LoadConfig) -> LoadReport:
     """Run the benchmark described by ``config`` and aggregate it (see module doc)."""
     connector = aiohttp.TCPConnector(limit=config.concurrency or 0, limit_per_host=0)
@@ -274,7 +287,7 @@ async def run_load(config: LoadConfig) -> LoadReport:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
     async with aiohttp.ClientSession(connector=connector, timeout=timeout,
                                      headers=headers) as session:
-        model = config.model or await first_model(session, config.base_url)
+        model = config.model or await discover_model(session, config)
         results, duration = await _drive(session, config, model)
     return build_report(results, duration_s=duration, goodput_slos_ms=config.goodput_slos_ms,
                         settings=config.settings(model))
