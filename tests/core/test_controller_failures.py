@@ -214,3 +214,27 @@ def test_a_node_that_never_ran_the_request_is_not_learned_as_holding_its_prefix(
     assert isinstance(d, Dispatch) and d.node_id == first
     ctl.on_failed(RequestId("s"), FailureKind.UPSTREAM_ERROR, 0.7, before_first_byte=False)
     assert ctl.index.match((1, 5), 0.8)[first] == 2
+
+
+@pytest.mark.parametrize("second_fails", [False, True])
+def test_a_failed_request_unlearns_only_blocks_nobody_else_carries(second_fails: bool) -> None:
+    """Approximate mode takes back what a dispatch taught the index when the node ran
+    nothing of it. A and B share a prompt on n0; A taught the index, B found it known.
+    A refused by the node used to take the blocks away while B ran there; now B keeps
+    them, and they are taken back if B fails in turn."""
+    ctl = Controller(ControllerConfig(policy="round_robin"), rng=random.Random(0))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.0)
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.1, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    prompt = "shared system prompt " * 200
+    for rid, t in (("A", 0.1), ("B", 0.2)):
+        d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), prompt=prompt), t)
+        assert isinstance(d, Dispatch) and d.node_id == "n0"
+    chain, _ = ctl.chain_for(RequestArrived(request_id=RequestId("x"), prompt=prompt))
+    known = {NodeId("n0"): len(chain)}
+    assert ctl.index.match(chain, 0.3) == known
+    ctl.on_failed(RequestId("A"), FailureKind.HTTP_503, 0.4, before_first_byte=True)
+    assert ctl.index.match(chain, 0.5) == known  # B will compute them
+    if second_fails:
+        ctl.on_failed(RequestId("B"), FailureKind.HTTP_503, 0.6, before_first_byte=True)
+        assert ctl.index.match(chain, 0.7) == {}  # nobody computed them

@@ -223,6 +223,26 @@ class Controller:
                     self._aborts[rid] = node_id
         self._capacity_changed(now)
 
+    def _unlearn(self, node: NodeState, record: _Request) -> None:
+        """Take back the blocks ``record``'s dispatch taught the index about ``node``,
+        but for those another request in flight there also carries: that one will
+        compute them (they become its to take back if it fails in turn)."""
+        self.flush_index()  # a deferred insert fills ``learned``
+        learned = record.learned
+        if not learned:
+            return
+        mine = set(learned)
+        for other in self._requests.values():
+            if other is record or other.node is not node or other.learned is None:
+                continue
+            backed = mine.intersection(other.ctx.chain)
+            if backed:
+                other.learned.extend(b for b in learned if b in backed)
+                mine -= backed
+                if not mine:
+                    return
+        self.index.remove_blocks(node.spec.node_id, [b for b in learned if b in mine])
+
     def take_aborts(self) -> list[RequestId]:
         """The attempts to abort now: their node was marked down before their first byte.
 
@@ -657,8 +677,7 @@ class Controller:
                 self._note_node_failure(node, failure, now)
                 if record.learned is not None and before_first_byte and failure in _NEVER_RAN:
                     # the node computed nothing of the prompt: unlearn what it was taught
-                    # (self.index first applies a deferred insert, which fills `learned`)
-                    self.index.remove_blocks(node.spec.node_id, record.learned)
+                    self._unlearn(node, record)
             record.learned = None
             record.excluded.add(node.spec.node_id)
             record.node = None
