@@ -394,6 +394,7 @@ class Controller:
             hot_blocks=hot_blocks,
             hot_rate=rate,
             fleet=self._fleet,
+            request_id=str(req.request_id),
             # P0's first token is owed within the P0 TTFT SLO from its arrival
             ttft_target_s=self.config.admission.slo.p0_ttft_p99_s
             if req.priority == 0 and not req.bypass
@@ -621,6 +622,8 @@ class Controller:
         record.first_byte = True
         if record.node is not None:
             self.nodes.on_prefilled(record.node, record.request_id, now=now)
+            if self._is_current(record.node):
+                self.policy.on_first_token(record.node.spec.node_id, now, record.request_id)
         if record.ticket is not None and record.attempts == 1:
             # the SLO is the client's TTFT: a wait in our queue for a credit counts too
             # (a P0 request queued behind credits P1 or P2 hold is what the loop must see)
@@ -673,7 +676,7 @@ class Controller:
                 tenant=record.arrived.tenant,
             )
             if self._is_current(node):
-                self.policy.on_finished(node.spec.node_id, now)
+                self.policy.on_finished(node.spec.node_id, now, record.request_id)
                 self._note_node_failure(node, failure, now)
                 if record.learned is not None and before_first_byte and failure in _NEVER_RAN:
                     # the node computed nothing of the prompt: unlearn what it was taught
@@ -755,7 +758,7 @@ class Controller:
                 tenant=record.arrived.tenant,
             )
             if self._is_current(node):
-                self.policy.on_finished(node.spec.node_id, now)
+                self.policy.on_finished(node.spec.node_id, now, record.request_id)
         if record.attempts == 2 and node_done:
             self._retries_in_flight = max(0, self._retries_in_flight - 1)
         if record.ticket is None:

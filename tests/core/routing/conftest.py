@@ -67,6 +67,7 @@ def build_ctx(
     tokens_per_block: int = 64,
     max_tokens: int = 256,
     model: str = "m",
+    request_id: str = "",
 ) -> RouteContext:
     blocks = tuple(chain)
     return RouteContext(
@@ -75,6 +76,7 @@ def build_ctx(
         tokens_per_block=tokens_per_block,
         max_tokens=max_tokens,
         model=model,
+        request_id=request_id,
     )
 
 

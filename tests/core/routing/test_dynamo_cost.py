@@ -14,12 +14,13 @@ RNG = random.Random(0)
 TPB = 16
 
 
-def _ctx(make_ctx, prompt_tokens, base=0):
+def _ctx(make_ctx, prompt_tokens, base=0, rid=""):
     """A prompt whose chain is ``base, base + 1, ...`` (distinct bases share no block)."""
     return make_ctx(
         tuple(range(base, base + prompt_tokens // TPB)),
         tokens_per_block=TPB,
         prompt_tokens=prompt_tokens,
+        request_id=rid,
     )
 
 
@@ -30,10 +31,13 @@ def _route(p, c, ctx, matches, cands, now):
 
 
 def _loaded_policy(c, make_ctx, **kw):
-    """n0: two 320-token (20-block) requests, n2: one 160-token request, all at t = 0."""
+    """n0: two 320-token (20-block) requests, n2: one 160-token request, all routed at
+    t = 0 (ids r1, r2, r3) and past their first tokens (decoding)."""
     p = DynamoCostPolicy(**kw)
     for base, (node, tokens) in enumerate((("n0", 320), ("n0", 320), ("n2", 160))):
-        _route(p, c, _ctx(make_ctx, tokens, 1000 * (base + 1)), {}, c.candidates(node), 0.0)
+        rid = f"r{base + 1}"
+        _route(p, c, _ctx(make_ctx, tokens, 1000 * (base + 1), rid), {}, c.candidates(node), 0.0)
+        p.on_first_token(node, 0.5, rid)
     return p
 
 
@@ -84,43 +88,56 @@ def test_overlap_weight_shifts_the_argmin(make_cluster, make_ctx, matches):
     assert d.node_id == "n0" and d.score == 66.0 and d.reason is RouteReason.CACHE_HIT
 
 
-def test_active_prefill_decays_over_the_estimated_prefill(make_cluster, make_ctx, matches):
+def test_active_prefill_counts_until_the_first_token(make_cluster, make_ctx, matches):
+    """Dynamo's default prefill load: a request's uncached tokens count on its worker
+    from routing to its first token (mark_prefill_completed), however long that is."""
     c = make_cluster(3)
     p = _loaded_policy(c, make_ctx)
-    # n1 gets 1,200 uncached tokens at t = 9.95: 0.1 s at 12,000 tok/s → half left at t = 10
-    _route(p, c, _ctx(make_ctx, 1200), {}, c.candidates("n1"), 9.95)
-    assert p.active_prefill_tokens("n1", 9.95) == 1200.0
-    assert p.active_prefill_tokens("n1", 10.0) == pytest.approx(600.0)
-    assert p.active_prefill_tokens("n1", 10.1) == 0.0
-    # n1: (600 + 128) / 16 + (75 + 10) = 130.5; n2: 30 → n2; n0: 52
-    d = _route(p, c, _ctx(make_ctx, 160), matches(n0=8, n1=2), c.candidates(), 10.0)
+    _route(p, c, _ctx(make_ctx, 1200, rid="long"), {}, c.candidates("n1"), 9.95)
+    assert p.active_prefill_tokens("n1") == 1200.0
+    # n1: (1200 + 128) / 16 + (75 + 10) = 168; n2: 30 → n2; n0: 52
+    d = _route(p, c, _ctx(make_ctx, 160, rid="x"), matches(n0=8, n1=2), c.candidates(), 60.0)
     assert d.node_id == "n2" and d.score == 30.0 and d.reason is RouteReason.LOAD
+    p.on_first_token("n1", 61.0, "long")
+    assert p.active_prefill_tokens("n1") == 0.0
+    p.on_first_token("n1", 62.0, "long")  # once only
+    assert p.active_prefill_tokens("n1") == 0.0 and p.active_blocks("n1") == 75
 
 
-def test_prefills_queue_behind_each_other(make_cluster, make_ctx):
-    c = make_cluster(1)
+def test_a_request_is_released_by_its_id(make_cluster, make_ctx):
+    """Completion frees the request that left (Dynamo's free(request_id)), not the
+    node's oldest: a short request finishing under a long one frees only itself."""
+    c = make_cluster(2)
     p = DynamoCostPolicy()
-    for _ in range(2):
-        _route(p, c, _ctx(make_ctx, 1200), {}, c.candidates(), 0.0)
-    assert p.active_prefill_tokens("n0", 0.1) == pytest.approx(1200.0)  # second starts at 0.1
-    assert p.active_prefill_tokens("n0", 0.15) == pytest.approx(600.0)
+    _route(p, c, _ctx(make_ctx, 32_000, rid="long"), {}, c.candidates("n0"), 0.0)
+    _route(p, c, _ctx(make_ctx, 160, 90_000, rid="short"), {}, c.candidates("n0"), 0.1)
+    p.on_first_token("n0", 0.2, "short")
+    p.on_finished("n0", 0.3, "short")
+    assert p.active_blocks("n0") == 2000 and p.active_prefill_tokens("n0") == 32_000.0
+    p.on_finished("n0", 9.0, "long")
+    assert p.active_blocks("n0") == 0 and p.active_prefill_tokens("n0") == 0.0
 
 
 def test_on_finished_releases_blocks(make_cluster, make_ctx):
     c = make_cluster(3)
     p = _loaded_policy(c, make_ctx)
-    p.on_finished(c["n0"].node_id, 5.0)
+    p.on_finished(c["n0"].node_id, 5.0, "r1")
     assert p.active_blocks("n0") == 20
-    p.on_finished(c["n0"].node_id, 5.0)
+    p.on_finished(c["n0"].node_id, 5.0)  # no id: the oldest left
     p.on_finished(c["n0"].node_id, 5.0)  # nothing left: ignored
     assert p.active_blocks("n0") == 0
 
 
-def test_ties_break_by_queue_then_slot(make_cluster, make_ctx):
+def test_ties_break_at_random_among_the_cheapest(make_cluster, make_ctx, scripted):
     c = make_cluster(3)
-    c.load("n0", waiting=2)
-    d = _route(DynamoCostPolicy(), c, _ctx(make_ctx, 160), {}, c.candidates(), 1.0)
-    assert d.node_id == "n1"
+    c.load("n0", waiting=2)  # queue length is no part of Dynamo's cost or tie-break
+    picks = {
+        DynamoCostPolicy()
+        .select(_ctx(make_ctx, 160), c.candidates(), {}, c.table, scripted(u), 1.0)
+        .node_id
+        for u in (0.1, 0.5, 0.9)
+    }
+    assert picks == {"n0", "n1", "n2"}
 
 
 def test_temperature_sampling_matches_softmax(make_cluster, make_ctx, matches):

@@ -59,6 +59,9 @@ class RouteContext:
     # seconds left for this request's first token under its class's TTFT SLO (P0: the
     # admission SLO less its wait in the local queue); 0: no target
     ttft_target_s: float = 0.0
+    # the request's id, for a policy that follows each request it routed (the same id
+    # comes back in on_first_token / on_finished); "" when there is none
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,8 +102,15 @@ class RoutingPolicy(Protocol):
         """
         ...
 
-    def on_finished(self, node_id: NodeId, now: float) -> None:
-        """A request routed by this policy left ``node_id``; most policies ignore it."""
+    def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        """Request ``request_id`` (``RouteContext.request_id``), routed by this policy
+        to ``node_id``, produced its first token there (its prefill is done); most
+        policies ignore it."""
+        ...
+
+    def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        """Request ``request_id`` (``RouteContext.request_id``; "" when unknown), routed
+        by this policy, left ``node_id``; most policies ignore it."""
         ...
 
     def on_node_removed(self, node_id: NodeId) -> None:

@@ -16,13 +16,15 @@ smaller radix tree, then at random). ``> 0``: the logits are min-max normalised,
 ``overlap_score_weight = 1.0`` (renamed ``--router-kv-overlap-score-credit`` in
 newer builds, still 1), ``router_temperature = 0.0``.
 
-Mapping onto kvgate (the load approximation)
---------------------------------------------
+Mapping onto kvgate (Dynamo's router-local bookkeeping, exactly)
+----------------------------------------------------------------
 Dynamo's load is router-local *predicted* state (``ActiveSequences``): it adds a
-request's blocks and prefill tokens to the chosen worker at routing time, drops
-the prefill tokens at the first token and the blocks at completion; replicas do
-not share it unless ``--router-replica-sync`` is on (off by default). kvgate keeps
-the same bookkeeping per node from its own decisions:
+request's blocks and prefill tokens to the chosen worker at routing time, drops the
+prefill tokens at the request's first token (``mark_prefill_completed``) and its
+blocks at its completion (``free(request_id)``); replicas do not share it unless
+``--router-replica-sync`` is on (off by default). kvgate keeps the same, per node and
+per request (``RouteContext.request_id``; the controller reports each request's
+first token and end by id):
 
 * ``block_size`` = ``ctx.tokens_per_block`` (chain blocks); this request's blocks
   = ``ceil(prompt_tokens / tokens_per_block)``, its uncached tokens on a node =
@@ -32,25 +34,19 @@ the same bookkeeping per node from its own decisions:
   requests still on the node counts once) plus this request's blocks not already
   among them (``new_blocks``). A prompt's partial last block has no chain hash
   and counts as its own. No output blocks (Dynamo's output-block tracking is off
-  by default). ``on_finished`` removes the node's oldest entry (requests are
-  assumed to leave in FIFO order; the protocol does not say which one left).
-* Active un-prefilled tokens: kvgate gets no first-token event, so each node's
-  prefills are modelled as served one after the other at ``prefill_tokens_per_s``
-  (default 12,000 tok/s, the Llama-3-8B A100 profile of workloads.md §3.2, ≈ 12.3 K
-  tok/s at 8 K tokens); a request's uncached tokens count in full until its
-  estimated start, then linearly less until its estimated end. This is Dynamo's
-  newer ``--router-prefill-load-model aic`` idea (decay the oldest active prefill
-  with a predicted duration) with a linear throughput model.
+  by default).
+* Active un-prefilled tokens: the uncached tokens of the node's requests that have
+  not produced a first token yet (Dynamo's default prefill load model).
 
-Ties at temperature 0 → lower :meth:`NodeTable.queue` → lower slot. ``score`` is
-the chosen logit (a cost). A sampled node that is not an argmin is reported as
-``EXPLORATION``.
+Ties at temperature 0, as Dynamo: uniformly at random among the cheapest (Dynamo
+first prefers the worker with the smaller radix tree, which kvgate's index does not
+report per policy). ``score`` is the chosen logit (a cost). A sampled node that is
+not an argmin is reported as ``EXPLORATION``.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -68,23 +64,14 @@ from kvgate.core.routing._common import (
 )
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
 
-MAX_ACTIVE_PER_NODE = 65_536  # memory bound if on_finished is ever missed
+MAX_ACTIVE_PER_NODE = 65_536  # memory bound if an end is ever missed: the oldest goes
 
 
 @dataclass(slots=True)
 class _Active:
     blocks: int  # prompt blocks of the sequence
     hashes: tuple[int, ...]  # its full blocks' chain hashes (at most ``blocks``)
-    prefill_tokens: int  # its uncached tokens on this node
-    start: float  # estimated prefill start / end
-    end: float
-
-    def remaining(self, now: float) -> float:
-        if now >= self.end:
-            return 0.0
-        if now <= self.start or self.end <= self.start:
-            return float(self.prefill_tokens)
-        return self.prefill_tokens * (self.end - now) / (self.end - self.start)
+    prefill_tokens: int  # its uncached tokens on this node; 0 once it has a first token
 
 
 class DynamoCostPolicy:
@@ -94,22 +81,17 @@ class DynamoCostPolicy:
     uses_cache: ClassVar[bool] = True
     uses_hot_rate: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        *,
-        overlap_weight: float = 1.0,
-        temperature: float = 0.0,
-        prefill_tokens_per_s: float = 12_000.0,
-    ) -> None:
+    def __init__(self, *, overlap_weight: float = 1.0, temperature: float = 0.0) -> None:
         require(overlap_weight >= 0.0, self.name, "overlap_weight must be >= 0")
         require(temperature >= 0.0, self.name, "temperature must be >= 0")
-        require(prefill_tokens_per_s > 0.0, self.name, "prefill_tokens_per_s must be > 0")
         self.overlap_weight = overlap_weight
         self.temperature = temperature
-        self.prefill_tokens_per_s = prefill_tokens_per_s
-        self._active: dict[NodeId, deque[_Active]] = {}
+        # per node, its active sequences by request id, in routing order
+        self._active: dict[NodeId, dict[str, _Active]] = {}
+        self._prefill: dict[NodeId, int] = {}  # active un-prefilled tokens
         self._refs: dict[NodeId, dict[int, int]] = {}  # chain hash -> active sequences
         self._tails: dict[NodeId, int] = {}  # active blocks without a chain hash
+        self._serial = 0  # keys for requests routed without an id
 
     # --- the router-local active-load view ---------------------------------------
     def active_blocks(self, node_id: NodeId) -> int:
@@ -123,28 +105,28 @@ class DynamoCostPolicy:
             return blocks
         return blocks - sum(1 for h in hashes[:blocks] if h in refs)
 
-    def active_prefill_tokens(self, node_id: NodeId, now: float) -> float:
-        total = 0.0
-        for seq in reversed(self._active.get(node_id, ())):  # ends are monotonic per node
-            if seq.end <= now:
-                break
-            total += seq.remaining(now)
-        return total
+    def active_prefill_tokens(self, node_id: NodeId, now: float = 0.0) -> float:
+        """The node's active un-prefilled tokens (requests without a first token)."""
+        return float(self._prefill.get(node_id, 0))
 
     def _add(
-        self, node_id: NodeId, blocks: int, hashes: Sequence[int], prefill_tokens: int, now: float
+        self, node_id: NodeId, key: str, blocks: int, hashes: Sequence[int], prefill_tokens: int
     ) -> None:
-        q = self._active.setdefault(node_id, deque())
-        start = max(now, q[-1].end) if q else now
-        end = start + prefill_tokens / self.prefill_tokens_per_s
-        seq = _Active(blocks, tuple(hashes[:blocks]), prefill_tokens, start, end)
-        q.append(seq)
+        if not key:
+            self._serial += 1
+            key = f"\0{self._serial}"
+        active = self._active.setdefault(node_id, {})
+        if key in active:  # the same id routed here again: its old entry is over
+            self._release(node_id, active.pop(key))
+        seq = _Active(blocks, tuple(hashes[:blocks]), prefill_tokens)
+        active[key] = seq
+        self._prefill[node_id] = self._prefill.get(node_id, 0) + prefill_tokens
         refs = self._refs.setdefault(node_id, {})
         for h in seq.hashes:
             refs[h] = refs.get(h, 0) + 1
         self._tails[node_id] = self._tails.get(node_id, 0) + blocks - len(seq.hashes)
-        if len(q) > MAX_ACTIVE_PER_NODE:
-            self._release(node_id, q.popleft())
+        if len(active) > MAX_ACTIVE_PER_NODE:
+            self._release(node_id, active.pop(next(iter(active))))
 
     def _release(self, node_id: NodeId, seq: _Active) -> None:
         refs = self._refs[node_id]
@@ -155,14 +137,26 @@ class DynamoCostPolicy:
             else:
                 del refs[h]
         self._tails[node_id] -= seq.blocks - len(seq.hashes)
+        self._prefill[node_id] -= seq.prefill_tokens
 
-    def on_finished(self, node_id: NodeId, now: float) -> None:
-        q = self._active.get(node_id)
-        if q:
-            self._release(node_id, q.popleft())
+    def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        seq = self._active.get(node_id, {}).get(request_id)
+        if seq is not None and seq.prefill_tokens:
+            self._prefill[node_id] -= seq.prefill_tokens
+            seq.prefill_tokens = 0
+
+    def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        active = self._active.get(node_id)
+        if not active:
+            return
+        seq = active.pop(request_id, None)
+        if seq is None:  # routed without an id (or unknown here): the oldest
+            seq = active.pop(next(iter(active)))
+        self._release(node_id, seq)
 
     def on_node_removed(self, node_id: NodeId) -> None:
         self._active.pop(node_id, None)
+        self._prefill.pop(node_id, None)
         self._refs.pop(node_id, None)
         self._tails.pop(node_id, None)
 
@@ -196,10 +190,8 @@ class DynamoCostPolicy:
         lo, hi = min(logits), max(logits)
         probability = 1.0
         if self.temperature == 0.0 or len(ordered) == 1:
-            i = min(
-                range(len(ordered)),
-                key=lambda k: (logits[k], nodes.queue(ordered[k], now), ordered[k].slot),
-            )
+            cheapest = [k for k in range(len(ordered)) if logits[k] == lo]
+            i = cheapest[pick_index(rng, len(cheapest))] if len(cheapest) > 1 else cheapest[0]
         elif lo == hi:
             i = pick_index(rng, len(ordered))
             probability = 1.0 / len(ordered)
@@ -222,7 +214,9 @@ class DynamoCostPolicy:
         reason = cache_reason(matched, best)
         if logit > lo:
             reason = RouteReason.EXPLORATION
-        self._add(chosen.node_id, request_blocks, ctx.chain, uncached_tokens(ctx, matched), now)
+        self._add(
+            chosen.node_id, ctx.request_id, request_blocks, ctx.chain, uncached_tokens(ctx, matched)
+        )
         return RouteDecision(
             node_id=chosen.node_id,
             reason=reason,

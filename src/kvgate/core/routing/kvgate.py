@@ -462,7 +462,10 @@ class KvgatePolicy:
     def uses_hot_rate(self) -> bool:
         return self.replica_rps is not None  # only replication reads the rate
 
-    def on_finished(self, node_id: NodeId, now: float) -> None:
+    def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        return None
+
+    def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
         return None
 
     def on_node_removed(self, node_id: NodeId) -> None:

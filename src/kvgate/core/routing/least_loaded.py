@@ -67,7 +67,10 @@ class LeastLoadedPolicy:
             parts={"queue": q, "inflight": inflight(chosen)},
         )
 
-    def on_finished(self, node_id: NodeId, now: float) -> None:
+    def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        return None
+
+    def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
         return None
 
     def on_node_removed(self, node_id: NodeId) -> None:

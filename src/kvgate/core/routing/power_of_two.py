@@ -87,7 +87,10 @@ class PowerOfTwoPolicy:
             parts={"load": load, "other_load": keys[0](other), "other_slot": float(other.slot)},
         )
 
-    def on_finished(self, node_id: NodeId, now: float) -> None:
+    def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        return None
+
+    def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
         return None
 
     def on_node_removed(self, node_id: NodeId) -> None:

@@ -189,7 +189,10 @@ class PrebleE2Policy:
             parts=parts,
         )
 
-    def on_finished(self, node_id: NodeId, now: float) -> None:
+    def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        return None
+
+    def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
         return None  # Preble's load is a time window of routed work, not in-flight
 
     def on_node_removed(self, node_id: NodeId) -> None:

@@ -70,7 +70,10 @@ class RoundRobinPolicy:
             parts={"slot": float(chosen.slot), "wrapped": 0.0 if after is not None else 1.0},
         )
 
-    def on_finished(self, node_id: NodeId, now: float) -> None:
+    def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        return None
+
+    def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
         return None
 
     def on_node_removed(self, node_id: NodeId) -> None:

@@ -156,7 +156,10 @@ class SglangCacheAwarePolicy:
             },
         )
 
-    def on_finished(self, node_id: NodeId, now: float) -> None:
+    def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:
+        return None
+
+    def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
         return None  # load is the NodeTable's in-flight count; `processed` never decreases
 
     def on_node_removed(self, node_id: NodeId) -> None:
