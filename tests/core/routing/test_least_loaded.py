@@ -1,4 +1,4 @@
-"""Least loaded: min queue, then in-flight, then slot."""
+"""Least loaded: min in-flight (this gateway's own count), then queue, then slot."""
 
 import random
 
@@ -12,30 +12,53 @@ def _pick(c, ctx, cands=None, matches=None):
     )
 
 
-def test_min_queue_wins_over_cache(make_cluster, make_ctx, matches):
+def test_min_inflight_wins_over_cache(make_cluster, make_ctx, matches):
     c = make_cluster(3)
-    c.load("n0", waiting=4)
-    c.load("n1", waiting=1)
-    c.load("n2", waiting=2)
+    c.load("n0", inflight=4)
+    c.load("n1", inflight=1)
+    c.load("n2", inflight=2)
     d = _pick(c, make_ctx(), matches=matches(n0=4))
     assert d.node_id == "n1" and d.reason is RouteReason.LOAD
-    assert d.score == 1.0 and d.parts["queue"] == 1.0
+    assert d.score == 1.0 and d.parts["inflight"] == 1.0
     assert (d.matched_blocks, d.best_matched_blocks) == (0, 4)
 
 
-def test_ties_by_inflight_then_slot(make_cluster, make_ctx):
+def test_equal_reported_queues_fewer_inflight_wins(make_cluster, make_ctx):
+    # right after a report every queue reads 0 (vLLM waiting = 0): the node running
+    # 50 of this gateway's requests must not tie with the one running 5
+    c = make_cluster(2)
+    c.load("n0", inflight=50, waiting=0, running=50)
+    c.load("n1", inflight=5, waiting=0, running=5)
+    assert c.table.queue(c["n0"], c.now) == c.table.queue(c["n1"], c.now) == 0
+    picks = []
+    for _ in range(6):
+        d = _pick(c, make_ctx())
+        picks.append(d.node_id)
+        c.table.on_sent(c[d.node_id], now=c.now)
+    assert picks == ["n1"] * 6
+    assert d.parts == {"inflight": 10.0, "queue": 5.0}
+
+
+def test_inflight_ranks_before_the_reported_queue(make_cluster, make_ctx):
+    c = make_cluster(2)
+    c.load("n0", inflight=3, waiting=0)
+    c.load("n1", inflight=1, waiting=4)
+    assert _pick(c, make_ctx()).node_id == "n1"
+
+
+def test_ties_by_queue_then_slot(make_cluster, make_ctx):
     c = make_cluster(3)
-    c.load("n0", inflight=3, waiting=2)  # queue 2, in-flight 3
-    c.load("n1", inflight=1, waiting=2)  # queue 2, in-flight 1
-    c.load("n2", inflight=1, waiting=2)
+    c.load("n0", inflight=2, waiting=3)  # in-flight 2, queue 3
+    c.load("n1", inflight=2, waiting=1)  # in-flight 2, queue 1
+    c.load("n2", inflight=2, waiting=1)
     assert _pick(c, make_ctx()).node_id == "n1"
     assert _pick(c, make_ctx(), cands=c.candidates("n2", "n0")).node_id == "n2"
 
 
-def test_stale_report_counts_own_inflight(make_cluster, make_ctx):
+def test_stale_report_breaks_ties_by_own_inflight(make_cluster, make_ctx):
     c = make_cluster(2)
-    c.load("n0", inflight=5, waiting=0, stale=True)  # stale: queue = in-flight = 5
-    c.load("n1", waiting=3)
+    c.load("n0", inflight=2, waiting=0, stale=True)  # stale: queue = in-flight = 2
+    c.load("n1", inflight=2, waiting=1)
     assert _pick(c, make_ctx()).node_id == "n1"
 
 

@@ -12,11 +12,15 @@ RNG = random.Random(0)
 A, B = 0.066, 0.25  # default ms per prefill token / per decode token
 
 
-def _ctx(make_ctx, prompt_tokens=1000, max_tokens=100):
+def _ctx(make_ctx, prompt_tokens=1000, max_tokens=100, request_id=""):
     # blocks of 100 tokens: a match of k blocks caches 100 k tokens
     n = -(-prompt_tokens // 100)
     return make_ctx(
-        tuple(range(n)), tokens_per_block=100, prompt_tokens=prompt_tokens, max_tokens=max_tokens
+        tuple(range(n)),
+        tokens_per_block=100,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        request_id=request_id,
     )
 
 
@@ -63,7 +67,7 @@ def test_equal_split_explores_by_hand_computed_cost(make_cluster, make_ctx, matc
     d = _route(p, c, _ctx(make_ctx), matches(n0=5))
     assert d.node_id == "n2" and d.score == pytest.approx(66.0)
     assert d.parts["exploit"] == 0.0 and d.reason is RouteReason.EXPLORATION
-    # its own cost is now in n2's window: prefill 66 + decode 0.25 * 100
+    # its own cost now counts on n2: prefill 66 (window) + active decode 0.25 * 100
     assert p.recent_load("n2") == pytest.approx(66.0 + 25.0)
 
 
@@ -82,12 +86,71 @@ def test_window_forgets_after_h(make_cluster, make_ctx):
     c = make_cluster(2)
     for now, expected in ((179.0, "n1"), (180.0, "n0")):
         p = PrebleE2Policy()
-        _route(p, c, _ctx(make_ctx), {}, c.candidates("n0"), now=0.0)  # 66 + 25 = 91 ms
+        _route(p, c, _ctx(make_ctx, request_id="a"), {}, c.candidates("n0"), now=0.0)
+        p.on_finished("n0", 1.0, "a")  # n0: prefill 66 ms stays in the window, decode gone
         _route(p, c, _ctx(make_ctx, 500, 0), {}, c.candidates("n1"), now=100.0)  # 33 ms
-        # at 179 s: n0 91 + 66 > n1 33 + 66; at 180 s n0's entry has left the window
+        # at 179 s: n0 66 + 66 > n1 33 + 66; at 180 s n0's entry has left the window
         d = _route(p, c, _ctx(make_ctx), {}, now=now)
         assert d.node_id == expected
         assert d.parts["recent_load_ms"] == pytest.approx(0.0 if now == 180.0 else 33.0)
+
+
+def test_finished_requests_release_their_decode_but_keep_prefill(make_cluster, make_ctx):
+    # the audit's repro: 40 short chats on n0, all finished by t=1 s; n1 has one active
+    c = make_cluster(2)
+    p = PrebleE2Policy()
+    for k in range(40):
+        ctx = _ctx(make_ctx, 100, 1024, request_id=f"r{k}")
+        _route(p, c, ctx, {}, c.candidates("n0"), now=k * 0.01)
+        p.on_finished("n0", 1.0, f"r{k}")
+    _route(p, c, _ctx(make_ctx, 100, 64, request_id="live"), {}, c.candidates("n1"), now=1.0)
+    # at 170 s n0 is idle: only its prefill history (40 x 6.6 ms) is left, no decode
+    d = _route(p, c, _ctx(make_ctx, 100, 0), {}, c.candidates("n0"), now=170.0)
+    assert d.parts["recent_load_ms"] == pytest.approx(40 * A * 100)
+    assert p.active_decode("n0") == 0.0
+    # n1's request is still running: its decode still counts
+    assert p.recent_load("n1") == pytest.approx(A * 100 + B * 64)
+    assert p.active_decode("n1") == pytest.approx(B * 64)
+    p.on_finished("n1", 171.0, "live")
+    assert p.recent_load("n1") == pytest.approx(A * 100)
+
+
+def test_finish_by_id_and_fallbacks(make_cluster, make_ctx):
+    c = make_cluster(2)
+    p = PrebleE2Policy()
+    for rid, out in (("a", 100), ("b", 200), ("", 400)):
+        _route(p, c, _ctx(make_ctx, 100, out, request_id=rid), {}, c.candidates("n0"), now=0.0)
+    assert p.active_decode("n0") == pytest.approx(B * 700)
+    p.on_finished("n0", 1.0, "b")  # by id
+    assert p.active_decode("n0") == pytest.approx(B * 500)
+    p.on_finished("n0", 1.0, "unknown")  # unknown id: the oldest (a)
+    assert p.active_decode("n0") == pytest.approx(B * 400)
+    p.on_finished("n1", 1.0, "x")  # nothing active there: no-op
+    p.on_finished("n0", 1.0)  # no id: the oldest (the id-less one)
+    assert p.active_decode("n0") == 0.0 and not p._active
+    p.on_finished("n0", 1.0, "a")  # already released: no-op
+    assert p.recent_load("n0") == pytest.approx(3 * A * 100)
+
+
+def test_same_id_routed_again_replaces_and_removal_forgets(make_cluster, make_ctx):
+    c = make_cluster(2)
+    p = PrebleE2Policy()
+    _route(p, c, _ctx(make_ctx, 100, 100, request_id="a"), {}, c.candidates("n0"), now=0.0)
+    _route(p, c, _ctx(make_ctx, 100, 40, request_id="a"), {}, c.candidates("n0"), now=0.0)
+    assert p.active_decode("n0") == pytest.approx(B * 40)
+    p.on_node_removed("n0")
+    assert p.active_decode("n0") == 0.0 and not p._active and not p._decode
+
+
+def test_active_requests_are_bounded(make_cluster, make_ctx, monkeypatch):
+    monkeypatch.setattr("kvgate.core.routing.preble_e2.MAX_ACTIVE_PER_NODE", 3)
+    c = make_cluster(1)
+    p = PrebleE2Policy()
+    for k in range(5):
+        ctx = _ctx(make_ctx, 100, 100 * (k + 1), request_id=f"r{k}")
+        _route(p, c, ctx, {}, now=0.0)
+    assert list(p._active["n0"]) == ["r2", "r3", "r4"]  # the oldest went first
+    assert p.active_decode("n0") == pytest.approx(B * (300 + 400 + 500))
 
 
 def test_eviction_cost_is_off_by_default_and_uses_utilisation(make_cluster, make_ctx):

@@ -1,4 +1,4 @@
-"""Least loaded: the shortest queue, cache-blind.
+"""Least loaded: the fewest in-flight requests, cache-blind.
 
 Algorithm
 ---------
@@ -6,14 +6,19 @@ The "load-aware" baseline of the anchors: KubeAI's default ``LeastLoad``
 strategy (fewest in-flight requests, routing-anchors.md §8), vidur's ``lor``
 (least outstanding requests, workloads.md §2), SMG ``least_load`` without its
 token/KV terms, and llm-d's queue scorer alone (§4). kvgate's queue signal is
-the one the whole gateway uses, :meth:`NodeTable.queue`:
+this gateway's exact count of its own requests sent to the node and not yet
+finished (``state.inflight``, running or waiting), as KubeAI's ``LeastLoad``
+keeps per endpoint. Ties → the smaller queue of the one signal the whole gateway
+uses, :meth:`NodeTable.queue`:
 
     queue = reported waiting + this gateway's sends since that report
             (or this gateway's in-flight count when the report is stale)
 
-Pick ``min(queue)``; ties → fewer in-flight requests from this gateway
-(``state.inflight``, which also counts requests already running) → lower slot.
-No parameters; ``uses_cache = False``; reason ``LOAD``; ``score`` is the queue.
+→ lower slot. In-flight ranks first because the reported queue reads 0 on every
+node right after a report (vLLM's ``waiting`` is 0 while the batch has room), so
+ranking by it first would tie a node running 50 requests with one running 5.
+No parameters; ``uses_cache = False``; reason ``LOAD``; ``score`` is the in-flight
+count.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
 
 
 class LeastLoadedPolicy:
-    """Minimum queue, then in-flight, then slot."""
+    """Minimum in-flight, then queue, then slot."""
 
     name: ClassVar[str] = "least_loaded"
     uses_cache: ClassVar[bool] = False
@@ -56,15 +61,15 @@ class LeastLoadedPolicy:
         def inflight(state: NodeState) -> float:
             return float(state.inflight)
 
-        chosen = least_loaded(candidates, queue, inflight)
-        q = queue(chosen)
+        chosen = least_loaded(candidates, inflight, queue)
+        n = inflight(chosen)
         return RouteDecision(
             node_id=chosen.node_id,
             reason=RouteReason.LOAD,
             matched_blocks=match_of(matches, chosen.node_id),
             best_matched_blocks=best_match(candidates, matches),
-            score=q,
-            parts={"queue": q, "inflight": inflight(chosen)},
+            score=n,
+            parts={"inflight": n, "queue": queue(chosen)},
         )
 
     def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:

@@ -13,8 +13,11 @@ Preble (ICLR 2025, arXiv 2407.00023, ``WukLab/preble``
   ``recent load over a window H`` + ``eviction cost of making room`` +
   ``this request's prefill cost on that GPU``.
 
-Preble's load of a GPU is the prefill and decode time of the requests routed
-there within the last H; its eviction cost is the prefill time of what LRU would
+Preble's load of a GPU is the prefill time of the requests routed there within
+the last H plus the decode time of its *active* requests (Preble's
+``get_node_cost`` counts decode over the running requests' ref counter, so a
+finished request's decode stops counting while its prefill stays in the window);
+its eviction cost is the prefill time of what LRU would
 evict, weighted by those prefixes' hit frequency. Rebalancing and hot-prefix
 autoscaling are separate Preble mechanisms and are not part of E2 here.
 
@@ -30,8 +33,12 @@ Defaults and the cost model
   0.066 + 8.7e-5 × ~2 K context. Preble prices decode as output length × time per
   token; the marginal batched time keeps both terms in the same GPU-time unit.
   Output tokens = ``ctx.max_tokens`` (Preble uses the median output length).
-* The window is this policy's own record of ``(time, node, cost)`` for every
-  request it routed, kept in a bounded deque with running per-node sums.
+* The window is this policy's own record of ``(time, node, prefill cost)`` for
+  every request it routed, kept in a bounded deque with running per-node sums.
+  The decode cost is held per node by request id (``RouteContext.request_id``)
+  until :meth:`on_finished` releases it; an unknown or empty id at the end
+  releases that node's oldest active request; at most ``MAX_ACTIVE_PER_NODE``
+  are held per node (the oldest goes first if an end is ever missed).
 * ``eviction_weight = 0.0`` (off): when set, explore adds
   ``eviction_weight × utilisation × prefill_ms_per_token × uncached tokens`` —
   writing that many new tokens into a full cache evicts about as many cached
@@ -64,6 +71,7 @@ from kvgate.core.routing._common import (
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
 
 MAX_WINDOW_ENTRIES = 200_000  # memory bound on the load window
+MAX_ACTIVE_PER_NODE = 65_536  # memory bound on active requests if an end is missed
 
 
 class PrebleE2Policy:
@@ -92,11 +100,20 @@ class PrebleE2Policy:
         self._window: deque[tuple[float, NodeId, float]] = deque()
         self._load: dict[NodeId, float] = {}
         self._count: dict[NodeId, int] = {}
+        # active requests' decode ms per node, by request id (insertion = routing order)
+        self._active: dict[NodeId, dict[str, float]] = {}
+        self._decode: dict[NodeId, float] = {}
+        self._serial = 0
 
     # --- the sliding-window load ---------------------------------------------------
     def recent_load(self, node_id: NodeId) -> float:
-        """GPU milliseconds of the requests routed to ``node_id`` within the window."""
-        return self._load.get(node_id, 0.0)
+        """GPU milliseconds on ``node_id``: prefill of the requests routed there within
+        the window plus decode of its active (routed, not finished) requests."""
+        return self._load.get(node_id, 0.0) + self.active_decode(node_id)
+
+    def active_decode(self, node_id: NodeId) -> float:
+        """Decode milliseconds of the requests routed to ``node_id`` and not finished."""
+        return self._decode.get(node_id, 0.0) if self._active.get(node_id) else 0.0
 
     def _drop_oldest(self) -> None:
         _, node_id, cost = self._window.popleft()
@@ -118,6 +135,26 @@ class PrebleE2Policy:
         self._count[node_id] = self._count.get(node_id, 0) + 1
         if len(self._window) > MAX_WINDOW_ENTRIES:
             self._drop_oldest()
+
+    def _start(self, node_id: NodeId, request_id: str, decode_ms: float) -> None:
+        if not request_id:
+            self._serial += 1
+            request_id = f"\0{self._serial}"
+        old = self._active.get(node_id, {}).pop(request_id, None)
+        if old is not None:  # the same id routed here again: its old entry is over
+            self._release(node_id, old)
+        active = self._active.setdefault(node_id, {})
+        active[request_id] = decode_ms
+        self._decode[node_id] = self._decode.get(node_id, 0.0) + decode_ms
+        if len(active) > MAX_ACTIVE_PER_NODE:
+            self._release(node_id, active.pop(next(iter(active))))
+
+    def _release(self, node_id: NodeId, decode_ms: float) -> None:
+        if self._active.get(node_id):
+            self._decode[node_id] -= decode_ms
+        else:  # none left: drop the node and its float residue
+            self._active.pop(node_id, None)
+            self._decode.pop(node_id, None)
 
     # --- selection ------------------------------------------------------------------
     def select(
@@ -179,7 +216,8 @@ class PrebleE2Policy:
             "eviction_ms": eviction_ms(chosen),
             "decode_ms": decode_ms,
         }
-        self._record(chosen.node_id, prefill_ms(chosen) + decode_ms, now)
+        self._record(chosen.node_id, prefill_ms(chosen), now)
+        self._start(chosen.node_id, ctx.request_id, decode_ms)
         return RouteDecision(
             node_id=chosen.node_id,
             reason=reason,
@@ -193,7 +231,16 @@ class PrebleE2Policy:
         return None
 
     def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
-        return None  # Preble's load is a time window of routed work, not in-flight
+        """Release the request's decode cost; its prefill stays in the window."""
+        active = self._active.get(node_id)
+        if not active:
+            return
+        decode_ms = active.pop(request_id, None)
+        if decode_ms is None:  # routed without an id (or unknown here): the oldest
+            decode_ms = active.pop(next(iter(active)))
+        self._release(node_id, decode_ms)
 
     def on_node_removed(self, node_id: NodeId) -> None:
-        return None  # its window entries expire; _drop_oldest forgets it then
+        # its window entries expire; _drop_oldest forgets it then
+        self._active.pop(node_id, None)
+        self._decode.pop(node_id, None)
