@@ -116,9 +116,9 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"admission": {"reclaim_retry_after_s": -1}},
      "reclaim_retry_after_s and tenant_retry_after_s must be >= 0"),
     ({"admission": {"reclaim_retry_after_s": float("nan")}},
-     "admission reclaim_retry_after_s must be a finite number"),
+     "admission.reclaim_retry_after_s must be a finite number"),
     ({"admission": {"queue_timeout_s": float("inf")}},
-     "admission classes[0].queue_timeout_s must be a finite number"),
+     "admission.queue_timeout_s must be a finite number"),
 ])
 def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
                                              tmp_path: Path) -> None:

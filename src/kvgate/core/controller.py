@@ -742,7 +742,9 @@ class Controller:
         bucket.predicted_hit_tokens += record.predicted_hit_tokens
         if cached_tokens is not None:
             bucket.measured_prompt_tokens += tokens
-            bucket.measured_hit_tokens += min(cached_tokens, tokens)
+            # an engine's figure is clamped to [0, prompt tokens]: a buggy (negative)
+            # report must not move a counter down
+            bucket.measured_hit_tokens += min(max(cached_tokens, 0), tokens)
 
     def _close(self, record: _Request, now: float, *, node_done: bool = True) -> list[Decision]:
         if self._aborts:  # the request is over: nothing left to abort

@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import hmac
 import json
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,11 +39,11 @@ from kvgate.edge import json_response
 from kvgate.gateway.body import read_body
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.config_load import parse_node
+from kvgate.gateway.redact import REDACTED, redact_url
 
 if TYPE_CHECKING:
     from kvgate.gateway.app import Gateway
 
-REDACTED = "***"
 DECISIONS_DEFAULT = 50
 
 
@@ -77,7 +78,7 @@ def node_view(gw: Gateway, state: NodeState, now: float) -> dict[str, Any]:
     age = None if state.report_time is None else round(max(0.0, now - state.report_time), 3)
     return {
         "id": node_id,
-        "url": rt.url if rt is not None else None,
+        "url": redact_url(rt.url) if rt is not None else None,
         "healthy": state.healthy,
         "draining": state.draining,
         "eligible": state.healthy and not state.draining,
@@ -189,13 +190,15 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # strict JSON has no Infinity / NaN (validation keeps them out)
     return value
 
 
 def redacted_config(config: GatewayConfig) -> dict[str, Any]:
     """The configuration as JSON with every secret replaced by ``***``: the admin token,
-    the API keys (kept as entries so their tenants and caps stay visible) and the
-    nodes' API keys."""
+    the API keys (kept as entries so their tenants and caps stay visible), the
+    nodes' API keys and the passwords in the nodes' URLs and in ``admission.redis_url``."""
     out: dict[str, Any] = _plain(config)
     server = out["server"]
     if server.get("admin_token") is not None:
@@ -203,6 +206,8 @@ def redacted_config(config: GatewayConfig) -> dict[str, Any]:
     for node in out["nodes"]["static"]:
         if node.get("api_key") is not None:
             node["api_key"] = REDACTED
+        node["url"] = redact_url(node["url"])
+    out["admission"]["redis_url"] = redact_url(out["admission"]["redis_url"])
     keys = out["auth"]["keys"]
     out["auth"]["keys"] = [{"key": REDACTED, **spec} for _, spec in sorted(keys.items(),
                            key=lambda kv: (kv[1]["tenant"], kv[0]))]
@@ -280,9 +285,11 @@ class AdminApi:
         if NodeId(config.id) in gw.controller.nodes or gw.watcher.get(config.id) is not None:
             raise Conflict(f"node {config.id!r} already exists; DELETE it first",
                            param="id", code="node_exists")
-        await gw.watcher.add(config)
+        # the watcher completes the add even if this handler is cancelled (client gone)
+        rt = await gw.watcher.add(config)
         state = gw.controller.nodes.get(NodeId(config.id))
-        if state is None:  # removed while it was being probed
+        if state is None or gw.watcher.get(config.id) is not rt:
+            # removed (maybe even added again by another call) while it was being probed
             raise Conflict(f"node {config.id!r} was removed while being added", param="id")
         return json_response(201, node_view(gw, state, gw.clock()))
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Literal
 
@@ -56,8 +56,23 @@ def _frozen_map(value: Mapping[str, object]) -> Mapping[str, object]:
 
 def _positive(section: str, **values: float) -> None:
     for key, value in values.items():
-        if not value > 0:
-            raise ConfigError(f"{section}.{key} must be > 0, got {value}", param=key)
+        if not 0 < value < math.inf:
+            raise ConfigError(f"{section}.{key} must be > 0 and finite, got {value}",
+                              param=key)
+
+
+def _finite(section: str, obj: object) -> None:
+    """Every float knob of a section (and of its mappings, e.g. ``routing.params``) must be
+    finite: ``.inf`` / ``.nan`` pass a ``> 0`` check but break timers and timeouts at run
+    time, and cannot be shown as strict JSON."""
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        items = value.items() if isinstance(value, Mapping) else [(None, value)]
+        for sub, v in items:
+            if isinstance(v, float) and not math.isfinite(v):
+                key = f.name if sub is None else f"{f.name}.{sub}"
+                raise ConfigError(f"{section}.{key} must be a finite number, got {v}",
+                                  param=f.name)
 
 
 DEFAULT_GATEWAY_ID = "gw0"  # with a redis coordinator, replaced by host-pid-random (app.py)
@@ -82,12 +97,18 @@ class ServerConfig:
     seed: int | None = None  # routing randomness (exploration); None = from the OS
 
     def __post_init__(self) -> None:
+        _finite("server", self)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"server.log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ConfigError("server.admin_token must be at least 8 characters")
+        if self.admin_token is not None and self.admin_token != self.admin_token.strip():
+            # clients' Authorization headers are trimmed: such a token could never match
+            raise ConfigError("server.admin_token must not start or end with whitespace "
+                              "(no client could send it: HTTP trims header values)",
+                              param="admin_token")
         if not self.gateway_id:
             raise ConfigError("server.gateway_id must be non-empty")
         _positive("server", client_max_size=self.client_max_size,
@@ -113,6 +134,7 @@ class UpstreamConfig:
     # (keep it below the nodes' own keep-alive timeout: uvicorn/vLLM's is 5 s)
 
     def __post_init__(self) -> None:
+        _finite("upstream", self)
         if self.client not in ("lean", "aiohttp"):
             raise ConfigError(f"upstream.client must be 'lean' or 'aiohttp', got {self.client!r}",
                               param="client")
@@ -159,6 +181,7 @@ class NodesConfig:
     startup_probe_timeout_s: float = 3.0  # first discovery round before serving
 
     def __post_init__(self) -> None:
+        _finite("nodes", self)
         _positive("nodes", health_interval_s=self.health_interval_s,
                   health_timeout_s=self.health_timeout_s,
                   metrics_interval_s=self.metrics_interval_s,
@@ -185,6 +208,7 @@ class RoutingConfig:
     eject_s: float = 30.0
 
     def __post_init__(self) -> None:
+        _finite("routing", self)
         object.__setattr__(self, "params", _frozen_map(self.params))
         object.__setattr__(self, "hasher_params", _frozen_map(self.hasher_params))
         _positive("routing", default_max_tokens=self.default_max_tokens,
@@ -230,9 +254,17 @@ class AdmissionSection:
     redis_key: str = "kvgate:coordinator"
 
     def __post_init__(self) -> None:
+        _finite("admission", self)
         object.__setattr__(self, "tenant_quotas", _frozen_map(self.tenant_quotas))
         _check_lease(self)
         _positive("admission", tick_interval_s=self.tick_interval_s)
+        if self.tick_interval_s >= self.lease_refresh_s:
+            # the lease refresh is only checked on a tick: ticks as far apart as the
+            # refresh period let the lease lapse between two refreshes
+            raise ConfigError(f"admission.tick_interval_s ({self.tick_interval_s}) must be "
+                              f"below admission.lease_refresh_s ({self.lease_refresh_s}): "
+                              f"the lease refresh is checked once per tick",
+                              param="tick_interval_s")
         if not (math.isfinite(self.tenant_confine_s) and self.tenant_confine_s >= 0):
             raise ConfigError(f"admission.tenant_confine_s must be a finite number >= 0, got "
                               f"{self.tenant_confine_s}", param="tenant_confine_s")

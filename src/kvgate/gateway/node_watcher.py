@@ -120,12 +120,18 @@ class NodeWatcher:
             await self.remove(NodeId(config.id))
         rt = self._register(config)
         self.controller.add_node(self._spec(rt), self.clock())
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.config.startup_probe_timeout_s):
-                await self._first_probe(rt)
-        if not rt.passes:
-            self._mark(rt, healthy=False)
-        self._spawn(rt)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.startup_probe_timeout_s):
+                    await self._first_probe(rt)
+        finally:
+            # Even when the caller is cancelled mid-probe (an admin client gave up), the
+            # node ends fully added: held out until it passes, with its loops running.
+            # Removed (or replaced) meanwhile: nothing more to do for this runtime.
+            if self._current(rt) and not self._stopped:
+                if not rt.passes:
+                    self._mark(rt, healthy=False)
+                self._spawn(rt)
         return rt
 
     async def remove(self, node_id: NodeId) -> bool:
@@ -142,6 +148,11 @@ class NodeWatcher:
 
     def get(self, node_id: str) -> NodeRuntime | None:
         return self.nodes.get(NodeId(node_id))
+
+    def _current(self, rt: NodeRuntime) -> bool:
+        """``rt`` is still the watched runtime of its id (not removed, nor replaced by a
+        later node with the same id): only then may its probes act on the controller."""
+        return self.nodes.get(rt.node_id) is rt
 
     def _register(self, config: NodeConfig) -> NodeRuntime:
         """Watch ``config``'s node; the caller adds it to the controller."""
@@ -173,8 +184,10 @@ class NodeWatcher:
     async def _every(
         self, interval: float, rt: NodeRuntime, probe: Callable[[NodeRuntime], Awaitable[None]]
     ) -> None:
-        while not self._stopped:
+        while not self._stopped and self._current(rt):
             await asyncio.sleep(interval)
+            if self._stopped or not self._current(rt):
+                return
             try:
                 await probe(rt)
             except asyncio.CancelledError:
@@ -221,7 +234,7 @@ class NodeWatcher:
             if healthy:
                 _forget_notices(rt)  # most likely a new process: its log starts afresh
         rt.watch_healthy = healthy
-        if rt.node_id in self.nodes:
+        if self._current(rt):
             self.controller.set_healthy(rt.node_id, healthy, self.clock())
             if not healthy and self.after_down is not None:
                 self.after_down()
@@ -233,7 +246,7 @@ class NodeWatcher:
             rt.errors["models"] += 1
             return
         rt.models = info
-        if rt.node_id in self.nodes:
+        if self._current(rt):
             spec = self._spec(rt)
             state = self.controller.nodes.get(rt.node_id)
             if state is None or state.spec != spec:
@@ -246,6 +259,8 @@ class NodeWatcher:
             sample = parse_load(got[1].decode("utf-8", "replace"))
         if sample is None:
             rt.errors["metrics"] += 1
+            return
+        if not self._current(rt):
             return
         self.controller.on_load_report(
             rt.node_id, waiting=sample.waiting, running=sample.running, kv_util=sample.kv_util,
@@ -262,6 +277,8 @@ class NodeWatcher:
                 rt.evictions_supported = False
             else:
                 rt.errors["evictions"] += 1
+            return
+        if not self._current(rt):
             return
         events, cursor = parse_evictions(_json(got[1]))
         now = self.clock()

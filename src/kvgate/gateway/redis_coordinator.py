@@ -39,6 +39,7 @@ from kvgate.core.admission import AdmissionConfig, CoordinatorUnavailable, InPro
 from kvgate.core.admission.coordinator_state import dump_state, load_state
 from kvgate.core.admission.types import LeaseGrant, RefreshRequest
 from kvgate.core.errors import ConfigError
+from kvgate.gateway.redact import redact_url
 
 T = TypeVar("T")
 
@@ -63,6 +64,7 @@ class RedisCoordinator:
     ) -> None:
         self.config = config
         self.url = url
+        self.shown_url = redact_url(url)  # in error messages and logs: no password
         self.key = key
         # long enough that a fleet restart keeps its state, short enough that a store
         # shared by test runs or abandoned fleets does not keep it forever
@@ -119,7 +121,7 @@ class RedisCoordinator:
                         lost = _lost_connection(exc)
                         if lost is not None:
                             raise CoordinatorUnavailable(
-                                f"redis coordinator at {self.url}: {lost}"
+                                f"redis coordinator at {self.shown_url}: {lost}"
                             ) from exc
                         self.conflicts += 1
                 if attempt < MAX_ATTEMPTS:
@@ -127,9 +129,9 @@ class RedisCoordinator:
                     # collide again in lock step
                     await asyncio.sleep(self._rng.uniform(0.0, 0.002 * attempt))
         except RedisError as exc:
-            raise CoordinatorUnavailable(f"redis coordinator at {self.url}: {exc}") from exc
+            raise CoordinatorUnavailable(f"redis coordinator at {self.shown_url}: {exc}") from exc
         raise CoordinatorUnavailable(
-            f"redis coordinator at {self.url}: {MAX_ATTEMPTS} conflicting refreshes in a row"
+            f"redis coordinator at {self.shown_url}: {MAX_ATTEMPTS} conflicting refreshes in a row"
         )
 
     def _load(self, raw: Any) -> InProcessCoordinator:
@@ -142,7 +144,7 @@ class RedisCoordinator:
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             # never overwrite what we cannot read (another version's state, say)
             raise CoordinatorUnavailable(
-                f"redis coordinator at {self.url}: unreadable state under {self.key!r}: {exc}"
+                f"redis coordinator at {self.shown_url}: unreadable state under {self.key!r}: {exc}"
             ) from exc
 
 
