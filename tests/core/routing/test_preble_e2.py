@@ -127,7 +127,7 @@ def test_finish_by_id_and_fallbacks(make_cluster, make_ctx):
     assert p.active_decode("n0") == pytest.approx(B * 400)
     p.on_finished("n1", 1.0, "x")  # nothing active there: no-op
     p.on_finished("n0", 1.0)  # no id: the oldest (the id-less one)
-    assert p.active_decode("n0") == 0.0 and not p._active
+    assert p.active_decode("n0") == 0.0 and not p._active.holds("n0")
     p.on_finished("n0", 1.0, "a")  # already released: no-op
     assert p.recent_load("n0") == pytest.approx(3 * A * 100)
 
@@ -139,17 +139,18 @@ def test_same_id_routed_again_replaces_and_removal_forgets(make_cluster, make_ct
     _route(p, c, _ctx(make_ctx, 100, 40, request_id="a"), {}, c.candidates("n0"), now=0.0)
     assert p.active_decode("n0") == pytest.approx(B * 40)
     p.on_node_removed("n0")
-    assert p.active_decode("n0") == 0.0 and not p._active and not p._decode
+    assert p.active_decode("n0") == 0.0 and not p._active.holds("n0") and not p._decode
 
 
-def test_active_requests_are_bounded(make_cluster, make_ctx, monkeypatch):
-    monkeypatch.setattr("kvgate.core.routing.preble_e2.MAX_ACTIVE_PER_NODE", 3)
+def test_active_requests_are_bounded(make_cluster, make_ctx):
     c = make_cluster(1)
     p = PrebleE2Policy()
+    p._active.cap = 3
     for k in range(5):
         ctx = _ctx(make_ctx, 100, 100 * (k + 1), request_id=f"r{k}")
         _route(p, c, ctx, {}, now=0.0)
-    assert list(p._active["n0"]) == ["r2", "r3", "r4"]  # the oldest went first
+    # the oldest went first
+    assert [p._active.get("n0", f"r{k}") is not None for k in range(5)] == [0, 0, 1, 1, 1]
     assert p.active_decode("n0") == pytest.approx(B * (300 + 400 + 500))
 
 

@@ -62,9 +62,8 @@ from kvgate.core.routing._common import (
     require,
     uncached_tokens,
 )
+from kvgate.core.routing.active_requests import ActiveRequests
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
-
-MAX_ACTIVE_PER_NODE = 65_536  # memory bound if an end is ever missed: the oldest goes
 
 
 @dataclass(slots=True)
@@ -86,12 +85,11 @@ class DynamoCostPolicy:
         require(temperature >= 0.0, self.name, "temperature must be >= 0")
         self.overlap_weight = overlap_weight
         self.temperature = temperature
-        # per node, its active sequences by request id, in routing order
-        self._active: dict[NodeId, dict[str, _Active]] = {}
+        # per node, its active sequences by request id, and what they add up to
+        self._active: ActiveRequests[_Active] = ActiveRequests(self._release)
         self._prefill: dict[NodeId, int] = {}  # active un-prefilled tokens
         self._refs: dict[NodeId, dict[int, int]] = {}  # chain hash -> active sequences
         self._tails: dict[NodeId, int] = {}  # active blocks without a chain hash
-        self._serial = 0  # keys for requests routed without an id
 
     # --- the router-local active-load view ---------------------------------------
     def active_blocks(self, node_id: NodeId) -> int:
@@ -112,21 +110,13 @@ class DynamoCostPolicy:
     def _add(
         self, node_id: NodeId, key: str, blocks: int, hashes: Sequence[int], prefill_tokens: int
     ) -> None:
-        if not key:
-            self._serial += 1
-            key = f"\0{self._serial}"
-        active = self._active.setdefault(node_id, {})
-        if key in active:  # the same id routed here again: its old entry is over
-            self._release(node_id, active.pop(key))
         seq = _Active(blocks, tuple(hashes[:blocks]), prefill_tokens)
-        active[key] = seq
         self._prefill[node_id] = self._prefill.get(node_id, 0) + prefill_tokens
         refs = self._refs.setdefault(node_id, {})
         for h in seq.hashes:
             refs[h] = refs.get(h, 0) + 1
         self._tails[node_id] = self._tails.get(node_id, 0) + blocks - len(seq.hashes)
-        if len(active) > MAX_ACTIVE_PER_NODE:
-            self._release(node_id, active.pop(next(iter(active))))
+        self._active.add(node_id, key, seq)
 
     def _release(self, node_id: NodeId, seq: _Active) -> None:
         refs = self._refs[node_id]
@@ -140,22 +130,16 @@ class DynamoCostPolicy:
         self._prefill[node_id] -= seq.prefill_tokens
 
     def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:
-        seq = self._active.get(node_id, {}).get(request_id)
+        seq = self._active.get(node_id, request_id)
         if seq is not None and seq.prefill_tokens:
             self._prefill[node_id] -= seq.prefill_tokens
             seq.prefill_tokens = 0
 
     def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
-        active = self._active.get(node_id)
-        if not active:
-            return
-        seq = active.pop(request_id, None)
-        if seq is None:  # routed without an id (or unknown here): the oldest
-            seq = active.pop(next(iter(active)))
-        self._release(node_id, seq)
+        self._active.end(node_id, request_id)
 
     def on_node_removed(self, node_id: NodeId) -> None:
-        self._active.pop(node_id, None)
+        self._active.forget(node_id)
         self._prefill.pop(node_id, None)
         self._refs.pop(node_id, None)
         self._tails.pop(node_id, None)

@@ -37,8 +37,7 @@ Defaults and the cost model
   every request it routed, kept in a bounded deque with running per-node sums.
   The decode cost is held per node by request id (``RouteContext.request_id``)
   until :meth:`on_finished` releases it; an unknown or empty id at the end
-  releases that node's oldest active request; at most ``MAX_ACTIVE_PER_NODE``
-  are held per node (the oldest goes first if an end is ever missed).
+  releases that node's oldest active request (``ActiveRequests``).
 * ``eviction_weight = 0.0`` (off): when set, explore adds
   ``eviction_weight × utilisation × prefill_ms_per_token × uncached tokens`` —
   writing that many new tokens into a full cache evicts about as many cached
@@ -68,10 +67,10 @@ from kvgate.core.routing._common import (
     require,
     uncached_tokens,
 )
+from kvgate.core.routing.active_requests import ActiveRequests
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
 
 MAX_WINDOW_ENTRIES = 200_000  # memory bound on the load window
-MAX_ACTIVE_PER_NODE = 65_536  # memory bound on active requests if an end is missed
 
 
 class PrebleE2Policy:
@@ -100,10 +99,9 @@ class PrebleE2Policy:
         self._window: deque[tuple[float, NodeId, float]] = deque()
         self._load: dict[NodeId, float] = {}
         self._count: dict[NodeId, int] = {}
-        # active requests' decode ms per node, by request id (insertion = routing order)
-        self._active: dict[NodeId, dict[str, float]] = {}
+        # active requests' decode ms (per node, by request id), and their sum per node
+        self._active: ActiveRequests[float] = ActiveRequests(self._release)
         self._decode: dict[NodeId, float] = {}
-        self._serial = 0
 
     # --- the sliding-window load ---------------------------------------------------
     def recent_load(self, node_id: NodeId) -> float:
@@ -113,7 +111,7 @@ class PrebleE2Policy:
 
     def active_decode(self, node_id: NodeId) -> float:
         """Decode milliseconds of the requests routed to ``node_id`` and not finished."""
-        return self._decode.get(node_id, 0.0) if self._active.get(node_id) else 0.0
+        return self._decode.get(node_id, 0.0)
 
     def _drop_oldest(self) -> None:
         _, node_id, cost = self._window.popleft()
@@ -136,24 +134,10 @@ class PrebleE2Policy:
         if len(self._window) > MAX_WINDOW_ENTRIES:
             self._drop_oldest()
 
-    def _start(self, node_id: NodeId, request_id: str, decode_ms: float) -> None:
-        if not request_id:
-            self._serial += 1
-            request_id = f"\0{self._serial}"
-        old = self._active.get(node_id, {}).pop(request_id, None)
-        if old is not None:  # the same id routed here again: its old entry is over
-            self._release(node_id, old)
-        active = self._active.setdefault(node_id, {})
-        active[request_id] = decode_ms
-        self._decode[node_id] = self._decode.get(node_id, 0.0) + decode_ms
-        if len(active) > MAX_ACTIVE_PER_NODE:
-            self._release(node_id, active.pop(next(iter(active))))
-
     def _release(self, node_id: NodeId, decode_ms: float) -> None:
-        if self._active.get(node_id):
+        if self._active.holds(node_id):
             self._decode[node_id] -= decode_ms
-        else:  # none left: drop the node and its float residue
-            self._active.pop(node_id, None)
+        else:  # none left: drop the node's sum and its float residue
             self._decode.pop(node_id, None)
 
     # --- selection ------------------------------------------------------------------
@@ -217,7 +201,8 @@ class PrebleE2Policy:
             "decode_ms": decode_ms,
         }
         self._record(chosen.node_id, prefill_ms(chosen), now)
-        self._start(chosen.node_id, ctx.request_id, decode_ms)
+        self._decode[chosen.node_id] = self._decode.get(chosen.node_id, 0.0) + decode_ms
+        self._active.add(chosen.node_id, ctx.request_id, decode_ms)
         return RouteDecision(
             node_id=chosen.node_id,
             reason=reason,
@@ -232,15 +217,9 @@ class PrebleE2Policy:
 
     def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
         """Release the request's decode cost; its prefill stays in the window."""
-        active = self._active.get(node_id)
-        if not active:
-            return
-        decode_ms = active.pop(request_id, None)
-        if decode_ms is None:  # routed without an id (or unknown here): the oldest
-            decode_ms = active.pop(next(iter(active)))
-        self._release(node_id, decode_ms)
+        self._active.end(node_id, request_id)
 
     def on_node_removed(self, node_id: NodeId) -> None:
         # its window entries expire; _drop_oldest forgets it then
-        self._active.pop(node_id, None)
+        self._active.forget(node_id)
         self._decode.pop(node_id, None)
