@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
@@ -45,6 +45,7 @@ from kvgate.core.admission import (
 )
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
+from kvgate.core.finite import first_nonfinite
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SECTIONS = ("server", "upstream", "nodes", "routing", "admission", "auth")
@@ -56,23 +57,18 @@ def _frozen_map(value: Mapping[str, object]) -> Mapping[str, object]:
 
 def _positive(section: str, **values: float) -> None:
     for key, value in values.items():
-        if not 0 < value < math.inf:
-            raise ConfigError(f"{section}.{key} must be > 0 and finite, got {value}",
-                              param=key)
+        if not value > 0:
+            raise ConfigError(f"{section}.{key} must be > 0, got {value}", param=key)
 
 
 def _finite(section: str, obj: object) -> None:
     """Every float knob of a section (and of its mappings, e.g. ``routing.params``) must be
     finite: ``.inf`` / ``.nan`` pass a ``> 0`` check but break timers and timeouts at run
     time, and cannot be shown as strict JSON."""
-    for f in fields(obj):  # type: ignore[arg-type]
-        value = getattr(obj, f.name)
-        items = value.items() if isinstance(value, Mapping) else [(None, value)]
-        for sub, v in items:
-            if isinstance(v, float) and not math.isfinite(v):
-                key = f.name if sub is None else f"{f.name}.{sub}"
-                raise ConfigError(f"{section}.{key} must be a finite number, got {v}",
-                                  param=f.name)
+    if (bad := first_nonfinite(obj)) is not None:
+        key, value = bad
+        raise ConfigError(f"{section}.{key} must be a finite number, got {value}",
+                          param=key.split(".", 1)[0])
 
 
 DEFAULT_GATEWAY_ID = "gw0"  # with a redis coordinator, replaced by host-pid-random (app.py)

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from kvgate.core.admission.retry import RetryBudget
 from kvgate.core.admission.types import NUM_CLASSES
 from kvgate.core.errors import ConfigError
+from kvgate.core.finite import first_nonfinite
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,31 +148,9 @@ def floor_fraction(value: int, fraction: float) -> int:
     return math.floor(round(value * fraction, 9))
 
 
-def _nonfinite(obj: object, path: str) -> str | None:
-    """The dotted name of the first float knob in ``obj`` (a config dataclass, nested
-    ones and tuples of them included) that is NaN or infinite, else None. Every range
-    check below compares, and a NaN passes every comparison: a NaN queue timeout never
-    expires, a NaN reuse timeout never reaches SAFE (the gateway would fail open)."""
-    if isinstance(obj, float):
-        return None if math.isfinite(obj) else path
-    if isinstance(obj, tuple):
-        for i, item in enumerate(obj):
-            if (bad := _nonfinite(item, f"{path}[{i}]")) is not None:
-                return bad
-        return None
-    names = getattr(obj, "__dataclass_fields__", None)
-    if names is None:
-        return None
-    for name in names:
-        sub = f"{path}.{name}" if path else name
-        if (bad := _nonfinite(getattr(obj, name), sub)) is not None:
-            return bad
-    return None
-
-
 def _validate(cfg: AdmissionConfig) -> None:
-    if (bad := _nonfinite(cfg, "")) is not None:
-        raise ConfigError(f"admission {bad} must be a finite number", param=bad)
+    if (bad := first_nonfinite(cfg)) is not None:  # before any range check: NaN passes them
+        raise ConfigError(f"admission {bad[0]} must be a finite number", param=bad[0])
     if cfg.budget < 1:
         raise ConfigError(f"admission budget must be >= 1, got {cfg.budget}", param="budget")
     if len(cfg.classes) != NUM_CLASSES:
