@@ -394,7 +394,7 @@ class Controller:
             hot_blocks=hot_blocks,
             hot_rate=rate,
             fleet=self._fleet,
-            request_id=str(req.request_id),
+            request_id=req.request_id,
             # P0's first token is owed within the P0 TTFT SLO from its arrival
             ttft_target_s=self.config.admission.slo.p0_ttft_p99_s
             if req.priority == 0 and not req.bypass

@@ -184,9 +184,9 @@ class NodeWatcher:
     async def _every(
         self, interval: float, rt: NodeRuntime, probe: Callable[[NodeRuntime], Awaitable[None]]
     ) -> None:
-        while not self._stopped and self._current(rt):
+        while True:
             await asyncio.sleep(interval)
-            if self._stopped or not self._current(rt):
+            if self._stopped or not self._current(rt):  # stopped, or the node removed
                 return
             try:
                 await probe(rt)

@@ -210,9 +210,10 @@ class SimCluster:
         # progress bar's feed (the simulation itself reads no clock)
         self.on_progress: Callable[[int, int], None] | None = None
         self.hooks: list[tuple[float, Callable[[SimCluster], None]]] = []
-        # told (gateway index, attempt) at every dispatch, once it is counted in flight:
-        # a probe of what admission let in, exact where a sampling hook could miss a peak
-        self.on_dispatch: list[Callable[[int, int], None]] = []
+        # told (gateway index, attempt, requests in flight over all gateways) at every
+        # dispatch, once it is counted in flight: a probe of what admission let in, exact
+        # where a sampling hook could miss a peak
+        self.on_dispatch: list[Callable[[int, int, int], None]] = []
         self.max_inflight_total = 0
         # cache-loss funnel (blocks): why each prompt block was or was not a hit
         self.funnel: Counter[str] = Counter()
@@ -331,7 +332,7 @@ class SimCluster:
         inflight = sum(c.in_flight() for c in self.gateways)
         self.max_inflight_total = max(self.max_inflight_total, inflight)
         for observe in self.on_dispatch:
-            observe(g, d.attempt)
+            observe(g, d.attempt, inflight)
 
     def _tick(self, g: int) -> None:
         """Gateway housekeeping: queue deadlines, lease refresh when due."""

@@ -113,7 +113,7 @@ def _watch(probe: Probe, start: float, end: float) -> tuple[tuple[float, Hook], 
     """Hooks that have the cluster report every dispatch to ``probe`` (from time 0),
     and take the requests already in flight when the window opens."""
 
-    def observe(c: SimCluster, g: int, attempt: int) -> None:
+    def observe(c: SimCluster, g: int, attempt: int, total: int) -> None:
         now = c.loop.now
         gateways = c.gateways
         fleet: dict[str, int] = {}  # a tenant's quota is fleet-wide: sum its gateways
@@ -126,7 +126,6 @@ def _watch(probe: Probe, start: float, end: float) -> tuple[tuple[float, Hook], 
                     rec.tenant_inflight[t] = n
         if not start <= now < end:
             return
-        total = sum(ctl.in_flight() for ctl in gateways)
         adm = gateways[g].admission
         safe = adm.lease_state is LeaseState.SAFE
         for rec in (probe.total, probe.run):
