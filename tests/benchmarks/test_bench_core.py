@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
+from benchlib import load_bench
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = ["--entries", "3000", "--prompts", "12", "--nodes", "16", "--reps", "2"]
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_kvgate_bench_{name}", BENCH_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-bench = _load("bench_core")
+bench = load_bench("bench_core")
 
 ROUTE_KEYS = {"route_p50_us", "route_p99_us", "route_safe_mode_p50_us",
               "route_safe_mode_p99_us", "route_samples", "route_prompts_with_a_holder",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import importlib.util
 import json
 import select
 import shutil
@@ -15,24 +14,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from benchlib import BENCH_DIR, load_bench
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_kvgate_bench_{name}", BENCH_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("bench_gateway")
+bench = load_bench("bench_gateway")
 
 
 @pytest.fixture(scope="module")

@@ -5,29 +5,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
-import sys
 import time
-from pathlib import Path
-from types import ModuleType
 
 import pytest
+from benchlib import load_bench
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_kvgate_bench_{name}", BENCH_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("bench_redis_coordinator")
+bench = load_bench("bench_redis_coordinator")
 
 
 def test_retried_is_the_share_of_refreshes_that_retried() -> None:

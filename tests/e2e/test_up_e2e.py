@@ -24,24 +24,34 @@ def _kill_leftovers(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+async def _start_up(*args: str) -> asyncio.subprocess.Process:
+    """``kvgate up --port 0 *args`` as a child process, its output piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvgate.cli", "up", "--port", "0", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+async def _banner(proc: asyncio.subprocess.Process) -> str:
+    """What ``kvgate up`` printed up to its "Press Ctrl-C" line (it is serving then)."""
+    assert proc.stdout is not None and proc.stderr is not None
+    lines: list[str] = []
+    async with asyncio.timeout(25):
+        while not lines or "Press Ctrl-C" not in lines[-1]:
+            line = await proc.stdout.readline()
+            assert line, f"kvgate up exited early: {await proc.stderr.read()!r}"
+            lines.append(line.decode())
+    return "".join(lines)
+
+
 def test_kvgate_up_subprocess_serves_and_stops_cleanly(e2e: Any) -> None:
     async def body() -> None:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvgate.cli", "up", "--nodes", "2", "--port", "0",
-            "--engine-num-blocks", "2048",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        proc = await _start_up("--nodes", "2", "--engine-num-blocks", "2048")
         assert proc.stdout is not None and proc.stderr is not None
-        lines: list[str] = []
         engine_pids: list[int] = []
         try:
-            async with asyncio.timeout(25):
-                while not lines or "Press Ctrl-C" not in lines[-1]:
-                    line = await proc.stdout.readline()
-                    assert line, f"kvgate up exited early: {await proc.stderr.read()!r}"
-                    lines.append(line.decode())
-            out = "".join(lines)
+            out = await _banner(proc)
             gateway = re.search(r"gateway\s+(http://127\.0\.0\.1:\d+)", out)
             assert gateway is not None, out
             url = gateway.group(1)
@@ -138,22 +148,11 @@ def test_kvgate_up_stops_everything_on_sighup_with_its_reader_gone(e2e: Any) -> 
     folder behind. Now every process and the folder go, and it exits 0."""
 
     async def body() -> None:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvgate.cli", "up", "--nodes", "1", "--port", "0",
-            "--engine-num-blocks", "512",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        proc = await _start_up("--nodes", "1", "--engine-num-blocks", "512")
         assert proc.stdout is not None and proc.stderr is not None
-        lines: list[str] = []
         engine_pids: list[int] = []
         try:
-            async with asyncio.timeout(25):
-                while not lines or "Press Ctrl-C" not in lines[-1]:
-                    line = await proc.stdout.readline()
-                    assert line, f"kvgate up exited early: {await proc.stderr.read()!r}"
-                    lines.append(line.decode())
-            out = "".join(lines)
+            out = await _banner(proc)
             engine_pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
             logs = re.search(r"engine logs (\S+)", out)
             assert len(engine_pids) == 1 and logs is not None
