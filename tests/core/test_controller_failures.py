@@ -102,14 +102,18 @@ def test_a_request_no_node_ran_fails_with_503_other_failures_with_502() -> None:
         FailureKind.UPSTREAM_ERROR: 502,
         FailureKind.TIMEOUT: 502,
     }
+    # one node: a retry finds no other node, and the request fails with its own
+    # failure all the same (it used to be rejected as overloaded, do not retry)
     for kind, status in expected.items():
-        ctl = cluster(2)
-        dispatch(ctl, "r")
-        out = ctl.on_failed(RequestId("r"), kind, 0.2, before_first_byte=True)
-        if isinstance(out[0], Dispatch):  # retried once; the other node fails it too
-            out = ctl.on_failed(RequestId("r"), kind, 0.3, before_first_byte=True)
-        assert isinstance(out[0], Fail), kind
-        assert out[0].http_status == status, kind
+        for nodes in (1, 2):
+            ctl = cluster(nodes)
+            dispatch(ctl, "r")
+            out = ctl.on_failed(RequestId("r"), kind, 0.2, before_first_byte=True)
+            if isinstance(out[0], Dispatch):  # retried once; the other node fails it too
+                out = ctl.on_failed(RequestId("r"), kind, 0.3, before_first_byte=True)
+            assert isinstance(out[0], Fail), (kind, nodes)
+            assert (out[0].reason, out[0].http_status) == (kind.value, status), (kind, nodes)
+            assert ctl.num_requests() == 0 and ctl.stats.rejects["overloaded"] == 0
 
 
 def test_a_node_marked_down_aborts_the_attempts_it_has_not_answered() -> None:
@@ -149,7 +153,13 @@ def test_an_ejection_aborts_the_other_attempts_on_the_node() -> None:
     assert sorted(ctl.take_aborts()) == sorted(waiting)
     out = ctl.on_failed(RequestId(waiting[0]), FailureKind.NODE_DOWN, 0.3,
                         before_first_byte=True)
-    assert [type(d).__name__ for d in out] == ["Reject"]  # the retry found no node
+    # the retry found no node: the request fails with its own failure, a 503 the
+    # client may retry (a Reject would say overloaded, do not retry)
+    assert [type(d).__name__ for d in out] == ["Fail"]
+    assert isinstance(out[0], Fail)
+    assert (out[0].reason, out[0].http_status) == ("node_down", 503)
+    assert ctl.stats.rejects["overloaded"] == 0  # the ejecting failures, then this one
+    assert ctl.stats.outcomes["failed"] == len(failing) + 1
     ctl.on_cancelled(RequestId(waiting[1]), 0.3)
     assert ctl.num_requests() == 0 and ctl.take_aborts() == []
 

@@ -81,10 +81,11 @@ def test_inflight_context_follows_dispatch_and_end() -> None:
 
 
 def test_credit_freed_by_a_failed_retry_reaches_a_queued_request() -> None:
-    """A retry that finds no node releases its credit; the request queued behind it is
-    dispatched with it, not forgotten until its queue deadline."""
+    """A retry that finds no node fails the request (with its own failure) and releases
+    its credit; the request queued behind it is dispatched with it, not forgotten until
+    its queue deadline."""
     from kvgate.core.admission import AdmissionConfig
-    from kvgate.core.decisions import Hold, Reject
+    from kvgate.core.decisions import Fail, Hold
 
     cfg = ControllerConfig(
         hasher="trace", policy_params={"epsilon": 0}, admission=AdmissionConfig(budget=4)
@@ -112,7 +113,8 @@ def test_credit_freed_by_a_failed_retry_reaches_a_queued_request() -> None:
     assert held and sent, "the small budget must queue someone"
     # n0 refuses the first request before its first byte; its retry has nowhere to go
     out = ctl.on_failed(sent[0].request_id, FailureKind.CONNECT_ERROR, 0.2, before_first_byte=True)
-    assert [d.request_id for d in out if isinstance(d, Reject)] == [sent[0].request_id]
+    failed = [(d.request_id, d.reason, d.http_status) for d in out if isinstance(d, Fail)]
+    assert failed == [(sent[0].request_id, "connect_error", 502)]
     dispatched = [d.request_id for d in out if isinstance(d, Dispatch)]
     assert dispatched == [held[0].request_id]
 

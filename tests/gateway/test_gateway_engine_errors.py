@@ -107,3 +107,24 @@ def test_engine_errors_without_a_json_body_are_openai_shaped(kit: Any) -> None:
             assert gw.controller.num_requests() == 0
 
     kit.run(body())
+
+
+def test_a_bare_503_from_the_only_node_is_a_503_the_client_may_retry(kit: Any) -> None:
+    """The gateway's retry finds no other node: the client gets the node's failure, a
+    503 with Retry-After it may retry (the request never ran), not the cluster-wide
+    "overloaded" that tells it not to."""
+    answer: list[Answer] = [lambda: web.Response(status=503)]
+
+    async def body() -> None:
+        async with _gateway_over(kit, answer) as (url, gw), aiohttp.ClientSession() as s:
+            async with s.post(url + C, json={"model": kit.MODEL, "prompt": "x"}) as r:
+                out = await r.json()
+                assert r.status == 503, out
+                assert out["error"]["code"] == "http_503" and out["error"]["type"]
+                assert r.headers["Retry-After"] == "1"
+                assert "x-should-retry" not in r.headers
+                assert r.headers["X-Kvgate-Node"] == "e"
+            assert gw.controller.num_requests() == 0
+            assert gw.controller.stats.rejects["overloaded"] == 0
+
+    kit.run(body())

@@ -44,6 +44,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal, overload
 
 from kvgate.core.admission import (
     NOT_RUN_FAILURES,
@@ -448,7 +449,19 @@ class Controller:
         matches = self.index.match(ctx.chain, now) if self.policy.uses_cache else {}
         return self.policy.select(ctx, cands, matches, self.nodes, self.rng, now)
 
-    def _dispatch(self, record: _Request, ticket: Ticket, now: float) -> Decision:
+    @overload
+    def _dispatch(self, record: _Request, ticket: Ticket, now: float) -> Decision: ...
+
+    @overload
+    def _dispatch(
+        self, record: _Request, ticket: Ticket, now: float, *, retry: Literal[True]
+    ) -> Dispatch | None: ...
+
+    def _dispatch(
+        self, record: _Request, ticket: Ticket, now: float, *, retry: bool = False
+    ) -> Decision | None:
+        """Route and send ``record``. With no node to take it: rejected as overloaded,
+        or, for a ``retry``, None (the request then fails with its own failure)."""
         record.ticket = ticket
         decision = None
         if record.ctx.ttft_target_s > 0.0 and now > record.arrived_at:
@@ -463,7 +476,7 @@ class Controller:
         if decision is None:
             decision = self._route_around_floods(record, now)
         if decision is None:
-            return self._finish_rejected(record, now)
+            return None if retry else self._finish_rejected(record, now)
         node = self.nodes.get(decision.node_id)
         assert node is not None
         record.node = node
@@ -696,12 +709,14 @@ class Controller:
             retries_in_flight=self._retries_in_flight,
         )
         if may_retry and record.ticket is not None:
-            decision = self._dispatch(record, record.ticket, now)
-            if isinstance(decision, Dispatch):
+            retried = self._dispatch(record, record.ticket, now, retry=True)
+            if retried is not None:
                 self._retries_in_flight += 1
                 self.stats.retries[failure.value] += 1
-                return [decision]
-            return [decision, *self._take_deferred()]
+                return [retried]
+            # no other node can take it: the request fails with what failed it (a 503
+            # the client may retry when no node ran it), not as a cluster overload,
+            # which tells the client not to retry
         self._requests.pop(request_id, None)
         self.stats.outcomes["failed"] += 1
         if failure in _FAULTS:
