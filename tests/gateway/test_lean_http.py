@@ -579,7 +579,32 @@ def test_idle_connections_past_keepalive_are_not_reused() -> None:
                 await read_all(r)
                 r.release()
                 await asyncio.sleep(0.1)
-            assert c.connects == 2 and c.open_connections == 1
+            assert c.connects == 2 and c.open_connections == 0
+
+    run(body())
+
+
+def test_idle_connections_are_closed_once_past_keepalive() -> None:
+    """A burst's connections close once idle past keepalive_s, with no request to meet
+    them: they used to stay open until the node hung up (which may be never)."""
+
+    async def body() -> None:
+        async with RawServer(ok) as srv, open_client(keepalive_s=0.2) as c:
+            t = c.target(srv.url + "/x")
+
+            async def one() -> None:
+                r = await c.request(t, b"{}", {})
+                await read_all(r)
+                r.release()
+
+            await asyncio.gather(*(one() for _ in range(3)))
+            assert c.connects == 3 and c.open_connections == 3
+            async with asyncio.timeout(5):  # closed by the timer, with no request to meet them
+                while c.open_connections:
+                    await asyncio.sleep(0.05)
+            assert not c._idle
+            await one()  # a new connection, and the pool works on
+            assert c.connects == 4 and c.open_connections == 1
 
     run(body())
 

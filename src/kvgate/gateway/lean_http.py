@@ -10,7 +10,9 @@ CPU. This client keeps only what the hop needs:
 * one pool of keep-alive connections per (host, port, tls), last used first, with
   a total limit across nodes (``upstream.pool_limit``); an idle connection older
   than ``keepalive_s`` is closed instead of reused (below the 5 s keep-alive of
-  uvicorn, which serves vLLM), and one the node closed is dropped when met;
+  uvicorn, which serves vLLM), and one the node closed is dropped when met; a timer
+  closes idle connections once they pass ``keepalive_s``, so the sockets a burst
+  opened do not stay open until the node hangs up (which may be never);
 * request heads built as text: ``POST <path> HTTP/1.1`` and ``Host`` computed once
   per target, then the caller's headers and a ``Content-Length``; the head and the
   body go out in one write (``TCP_NODELAY`` is set on connect);
@@ -249,6 +251,7 @@ class LeanClient:
         # (cheaper than a timer per request; a deadline fires up to SWEEP_S late).
         self._deadlines: dict[LeanResponse, float] = {}
         self._sweeper: asyncio.TimerHandle | None = None
+        self._reaper: asyncio.TimerHandle | None = None  # closes expired idle connections
         self.connects = 0  # new connections made (tests read it)
         self.resends = 0  # requests sent again after a stale pooled connection
 
@@ -431,7 +434,31 @@ class LeanClient:
         elif idle and now - idle[0].idle_since >= self.keepalive_s:
             self._discard(idle.popleft())  # the coldest one expired: amortised cleanup
         idle.append(conn)
+        if self._reaper is None:
+            self._reaper = self._loop.call_later(self.keepalive_s, self._reap)
         self._wake()
+
+    def _reap(self) -> None:
+        """Close the idle connections past ``keepalive_s``; again when the next one is."""
+        self._reaper = None
+        if self._closed:
+            return
+        now = self._loop.time()
+        oldest = None
+        for key in list(self._idle):
+            idle = self._idle[key]
+            # oldest on the left: put back on the right, taken from the right
+            while idle and now - idle[0].idle_since >= self.keepalive_s:
+                self._discard(idle.popleft())
+            if idle:
+                since = idle[0].idle_since
+                oldest = since if oldest is None else min(oldest, since)
+            else:
+                del self._idle[key]  # a removed node's pool goes with its last connection
+        if oldest is not None:
+            self._reaper = self._loop.call_later(
+                max(oldest + self.keepalive_s - now, SWEEP_S), self._reap
+            )
 
     def _discard(self, conn: _Conn) -> None:
         conn.proto.close()
@@ -471,6 +498,9 @@ class LeanClient:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
