@@ -168,7 +168,8 @@ def p2_flood(base: Workload, config: ClusterConfig, rng: Rng, *, factor: float =
 
 
 def nodes_fail(base: Workload, config: ClusterConfig, rng: Rng, *, fraction: float = 0.3) -> Plan:
-    """30% of nodes crash at 30% of the run and return at 60%; <= 1.2 attempts per request."""
+    """30% of nodes crash at 30% of the run and return at 60%; <= 1.2 attempts per request
+    and every request ends with one outcome."""
     d = base.duration_s
     k = max(1, round(config.nodes * fraction))
 
