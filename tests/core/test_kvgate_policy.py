@@ -499,10 +499,11 @@ def test_ttft_form_default_explores_whenever_a_node_is_idle() -> None:
 
 
 def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() -> None:
-    """A cheap hit is explored if it is shared: no other candidate holds any of it, or
-    what the winner holds beyond the longest other match saves at most
-    affinity_min_gain_s. A session's own context on top of a shared prefix leaves its
-    holder only for a first token no later at the idle node."""
+    """A cheap hit is explored if it is shared: what the winner holds beyond the longest
+    other match saves at most affinity_min_gain_s. A hit nobody else holds any of (a
+    first copy: a session's context as likely as a shared prefix) and a session's own
+    context on top of a shared prefix leave their holder only for a first token no
+    later at the idle node."""
     t, c = table({"holder": (0, 0.2), "other": (0, 0.2), "idle": (0, 0.0)})
     p = KvgatePolicy(
         epsilon=1.0, prefill_tokens_per_s=1000.0, attention_s_per_pair=0.0,
@@ -515,7 +516,8 @@ def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() ->
         assert d is not None
         return d.node_id, d.reason
 
-    assert pick(0) == ("idle", RouteReason.EXPLORATION)  # nobody else holds any of it
+    # nobody else holds any of it: 15 blocks (0.96 s) lost against the holder's 0.6 s
+    assert pick(0) == ("holder", RouteReason.CACHE_HIT)
     assert pick(15) == ("idle", RouteReason.EXPLORATION)  # another holder of all of it
     assert pick(14) == ("idle", RouteReason.EXPLORATION)  # one block beyond: 0.064 s
     # two blocks beyond (0.128 s), 5 blocks (0.32 s): a context of its own, and the idle
@@ -525,6 +527,7 @@ def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() ->
     # the holder's penalty 1.5 s (KV 0.5) >= the loss plus the idle node's (0 or 0.3 s)
     t.report(NodeId("holder"), waiting=0, running=4, kv_util=0.5, now=NOW)
     assert pick(10) == ("idle", RouteReason.EXPLORATION)
+    assert pick(0) == ("idle", RouteReason.EXPLORATION)  # a first copy as well
     t.report(NodeId("idle"), waiting=0, running=4, kv_util=0.1, now=NOW)
     assert pick(10) == ("idle", RouteReason.EXPLORATION)
     t.report(NodeId("idle"), waiting=0, running=4, kv_util=0.2, now=NOW)  # 0.96 + 0.6 > 1.5

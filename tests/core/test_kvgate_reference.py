@@ -75,11 +75,11 @@ class Reference:
         best: NodeState,
         chosen_match: int,
     ) -> bool:
-        """No other candidate holds any of the winner's hit, or what the hit holds beyond
-        the longest other candidate's match saves at most affinity_min_gain_s."""
+        """What the hit holds beyond the longest other candidate's match saves at most
+        affinity_min_gain_s; a hit no other candidate holds any of only in the brief form."""
         other = max((matches.get(s.node_id, 0) for s in candidates if s is not best), default=0)
         if not other:
-            return True
+            return self.p.form != "ttft"  # a first copy: the ttft form asks for no later
         tpb, prompt = ctx.tokens_per_block, ctx.prompt_tokens
         beyond = self.uncached_s(prompt, min(other, chosen_match) * tpb) - self.uncached_s(
             prompt, chosen_match * tpb
