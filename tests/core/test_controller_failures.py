@@ -248,3 +248,43 @@ def test_a_failed_request_unlearns_only_blocks_nobody_else_carries(second_fails:
     if second_fails:
         ctl.on_failed(RequestId("B"), FailureKind.HTTP_503, 0.6, before_first_byte=True)
         assert ctl.index.match(chain, 0.7) == {}  # nobody computed them
+
+
+def test_without_max_tokens_only_the_prompt_must_fit() -> None:
+    """A client that asks for no max_tokens gets what fits (vLLM's rule): the gateway's
+    output estimate must not refuse a prompt the node serves."""
+    ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0"), max_model_len=1000), 0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    def arrive_with(rid: str, prompt: int, given: bool) -> Decision:
+        return ctl.on_arrival(
+            RequestArrived(request_id=RequestId(rid), block_ids=(1, 2), prompt_tokens=prompt,
+                           max_tokens=256, max_tokens_given=given),
+            0.1,
+        )
+
+    assert isinstance(arrive_with("asked", 999, True), Reject)  # 999 + 256 asked for
+    assert isinstance(arrive_with("open", 999, False), Dispatch)  # a node may take it
+    d = arrive_with("full", 1000, False)
+    assert isinstance(d, Reject)  # no room for a single token
+    assert "1001 tokens (1000 of prompt + 1 of max_tokens)" in d.rejected.message
+
+
+def test_an_estimated_prompt_is_refused_only_well_over_the_limit() -> None:
+    """The text hasher counts characters / 4; prose of long words has more characters a
+    token, so a prompt that fits may read too long: refused only past 1.25 x the limit,
+    and the message says the count is an estimate."""
+    ctl = Controller(ControllerConfig(hasher="text"), rng=random.Random(1))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0"), max_model_len=1000), 0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    near = RequestArrived(request_id=RequestId("near"), prompt="x" * 4400, max_tokens=10)
+    assert isinstance(ctl.on_arrival(near, 0.1), Dispatch)  # about 1100 + 10 tokens
+    far = RequestArrived(request_id=RequestId("far"), prompt="x" * 5200, max_tokens=10)
+    d = ctl.on_arrival(far, 0.1)
+    assert isinstance(d, Reject) and d.rejected.http_status == 400
+    assert "about 1310 tokens (about 1300 of prompt + 10 of max_tokens)" in d.rejected.message
+    # a count the client gave is exact: the plain limit
+    exact = RequestArrived(
+        request_id=RequestId("exact"), prompt="x" * 40, prompt_tokens=1001, max_tokens=10
+    )
+    assert isinstance(ctl.on_arrival(exact, 0.1), Reject)

@@ -128,3 +128,29 @@ def test_a_bare_503_from_the_only_node_is_a_503_the_client_may_retry(kit: Any) -
             assert gw.controller.stats.rejects["overloaded"] == 0
 
     kit.run(body())
+
+
+def test_a_prompt_that_fits_without_max_tokens_reaches_the_node(kit: Any) -> None:
+    """No max_tokens: the node generates what fits (vLLM's rule), so only the prompt
+    must fit. The gateway added its 256-token output estimate and refused a prompt the
+    node serves; a prompt well past the context is still refused up front."""
+    done = {"id": "c", "object": "text_completion", "created": 1, "model": kit.MODEL,
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 4000, "completion_tokens": 96, "total_tokens": 4096}}
+    answer: list[Answer] = [lambda: web.json_response(done)]
+
+    async def body() -> None:
+        async with _gateway_over(kit, answer) as (url, gw), aiohttp.ClientSession() as s:
+            prompt = "word " * 3200  # about 4000 tokens by its characters, of 4096
+            async with s.post(url + C, json={"model": kit.MODEL, "prompt": prompt}) as r:
+                assert r.status == 200, await r.text()
+            async with s.post(url + C, json={"model": kit.MODEL, "prompt": prompt,
+                                             "max_tokens": 1500}) as r:
+                out = await r.json()  # asked for: 4000 + 1500 is well past 4096
+                assert r.status == 400 and "1500 of max_tokens" in out["error"]["message"]
+            async with s.post(url + C, json={"model": kit.MODEL, "prompt": prompt * 2}) as r:
+                out = await r.json()  # about 8000 tokens: no node can take it
+                assert r.status == 400 and "about 8001 tokens" in out["error"]["message"], out
+            assert gw.controller.num_requests() == 0
+
+    kit.run(body())

@@ -58,7 +58,7 @@ MALFORMED: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
      "priority"),
     ("body priority a string", "POST", C, {"model": M, "prompt": "x", "priority": "high"}, {},
      400, "priority"),
-    ("prompt over max_model_len", "POST", C, {"model": M, "prompt": "w" * 20000}, {}, 400,
+    ("prompt over max_model_len", "POST", C, {"model": M, "prompt": "w" * 24000}, {}, 400,
      None),
     ("unknown model", "POST", C, {"model": "gpt-99", "prompt": "x"}, {}, 404, "model"),
     ("unknown route", "POST", "/v1/nope", {"model": M}, {}, 404, None),

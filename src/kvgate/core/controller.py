@@ -42,6 +42,7 @@ came in, aborts them (``take_aborts``) and reports each as
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, overload
@@ -65,6 +66,7 @@ from kvgate.core.admission import (
     make_rejection,
     overloaded_rejection,
 )
+from kvgate.core.admission.types import ESTIMATE_SLACK
 from kvgate.core.config import ControllerConfig, bucket_of
 from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Preempt, Reject
 from kvgate.core.errors import ClientRequestError
@@ -349,22 +351,29 @@ class Controller:
                 f"priority must be 0, 1 or 2, got {req.priority}", param="priority"
             ) from exc
         chain, tokens = self.chain_for(req)
+        # no max_tokens asked: the node generates what fits, so the prompt needs one more
+        output = req.max_tokens if req.max_tokens_given else 1
+        estimated = req.prompt_tokens is None and not self.hasher.counts_exact
         verdict = self.admission.admit(
             AdmissionRequest(
                 request_id=rid,
                 tenant=req.tenant,
                 priority=priority,
                 bypass=req.bypass,
-                prompt_tokens=tokens + req.max_tokens,
-                output_tokens=req.max_tokens,
+                prompt_tokens=tokens + output,
+                output_tokens=output,
                 max_seq_len=self._max_seq_len(req.model),
+                prompt_estimated=estimated,
             ),
             now,
         )
         if isinstance(verdict, Rejected):
             self.stats.rejects[verdict.reason.value] += 1
             return Reject(request_id=rid, rejected=verdict)
-        ctx = self._context(chain, tokens, req, now)
+        need = tokens + output
+        ctx = self._context(
+            chain, tokens, req, now, math.ceil(need / ESTIMATE_SLACK) if estimated else need
+        )
         record = _Request(
             request_id=rid, ctx=ctx, arrived=req, excluded=set(req.excluded_nodes), arrived_at=now
         )
@@ -374,7 +383,7 @@ class Controller:
         return self._dispatch(record, verdict.ticket, now)
 
     def _context(
-        self, chain: BlockChain, tokens: int, req: RequestArrived, now: float
+        self, chain: BlockChain, tokens: int, req: RequestArrived, now: float, context_tokens: int
     ) -> RouteContext:
         hot_key: int | None = None
         hot_blocks = 0
@@ -390,6 +399,7 @@ class Controller:
             prompt_tokens=tokens,
             tokens_per_block=self.hasher.tokens_per_block,
             max_tokens=req.max_tokens,
+            context_tokens=context_tokens,
             model=req.model,
             hot_key=hot_key,
             hot_blocks=hot_blocks,
@@ -426,7 +436,7 @@ class Controller:
         # membership/health events, not per request); only what varies per request is
         # filtered here, and usually nothing is: no exclusion and every node fits.
         pool, min_len = self.nodes.eligible(ctx.model)
-        need = ctx.prompt_tokens + ctx.max_tokens
+        need = ctx.context_tokens or ctx.prompt_tokens + ctx.max_tokens
         fits = pool if need <= min_len else (s for s in pool if s.spec.max_model_len >= need)
         out = list(fits)
         if excluded:

@@ -25,6 +25,9 @@ class RequestArrived:
     block_ids: tuple[int, ...] | None = None
     prompt_tokens: int | None = None  # known token count (trace); else estimated
     max_tokens: int = 256
+    # whether the client asked for max_tokens: without it vLLM generates what fits in
+    # the context, so only the prompt must fit (max_tokens is then an output estimate)
+    max_tokens_given: bool = True
     # A client's own retry names the node that failed it; the gateway routes around
     # it and does not retry this request again (one request, at most two attempts).
     excluded_nodes: frozenset[NodeId] = field(default_factory=frozenset)

@@ -128,6 +128,7 @@ class CompletionsHandler:
             bypass=identity.bypass,
             model=parsed.model,
             max_tokens=parsed.max_tokens or self.config.routing.default_max_tokens,
+            max_tokens_given=parsed.max_tokens is not None,
             excluded_nodes=_excluded(request.headers.get(EXCLUDE_HEADER)),
             **prompt_form,
         )

@@ -44,6 +44,7 @@ from kvgate.core.admission.queues import FairQueue, QueueEntry
 from kvgate.core.admission.quota_book import QuotaBook
 from kvgate.core.admission.slo import TtftWindow
 from kvgate.core.admission.types import (
+    ESTIMATE_SLACK,
     PRIORITIES,
     AdmissionRequest,
     Admitted,
@@ -148,11 +149,14 @@ class Stage1Limiter:
         if req.bypass:
             return self._admit_bypass(req)
         mx = req.max_seq_len
-        if req.prompt_tokens < 0 or (mx is not None and req.prompt_tokens > mx):
+        if req.prompt_tokens < 0 or (
+            mx is not None
+            and req.prompt_tokens > (mx * ESTIMATE_SLACK if req.prompt_estimated else mx)
+        ):
             return self._reject(
                 req,
                 RejectReason.INVALID_REQUEST,
-                _too_long(req.prompt_tokens, req.output_tokens, mx),
+                _too_long(req.prompt_tokens, req.output_tokens, mx, req.prompt_estimated),
                 0.0,
             )
         tenant = req.tenant
@@ -384,12 +388,13 @@ class Stage1Limiter:
                 )
 
 
-def _too_long(total: int, output: int, max_seq_len: int | None) -> str:
+def _too_long(total: int, output: int, max_seq_len: int | None, estimated: bool) -> str:
     """The context-length rejection, naming both parts so the client knows which to cut."""
     if total < 0:
         return f"a request of {total} tokens is invalid"
+    about = "about " if estimated else ""
     return (
-        f"this request needs {total} tokens ({total - output} of prompt + {output} of "
-        f"max_tokens), more than the {max_seq_len} a serving node accepts; shorten the "
-        "prompt or lower max_tokens"
+        f"this request needs {about}{total} tokens ({about}{total - output} of prompt + "
+        f"{output} of max_tokens), more than the {max_seq_len} a serving node accepts; "
+        "shorten the prompt or lower max_tokens"
     )

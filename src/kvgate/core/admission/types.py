@@ -104,6 +104,13 @@ class CoordinatorUnavailable(KvgateError):
 # ----------------------------------------------------------------------------- requests
 
 
+# A prompt counted from its characters (4 a token) is refused only past the longest
+# context by this much: prose of long words runs to 5 characters a token, so a prompt
+# that fits would read up to ~25 % too long; a borderline one goes on, and the node,
+# which counts exactly, refuses it if it must.
+ESTIMATE_SLACK = 1.25
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdmissionRequest:
     """What stage 1 needs to know about a request (nothing about its prompt text)."""
@@ -115,6 +122,8 @@ class AdmissionRequest:
     prompt_tokens: int  # prompt plus requested output, as the driver estimates it
     output_tokens: int = 0  # the requested output part of prompt_tokens (for messages)
     max_seq_len: int | None = None  # the longest context any serving node accepts
+    # the prompt's count is an estimate (characters / 4): refused only when well over
+    prompt_estimated: bool = False
     deadline: float | None = None  # the client's own deadline (monotonic), caps the queue wait
 
 

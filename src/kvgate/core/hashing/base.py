@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from xxhash import xxh3_64_intdigest
 
@@ -20,6 +20,9 @@ Message = tuple[str, str]  # (role, content)
 
 class Hasher(Protocol):
     """Turns a request into its block chain. One index holds one key space."""
+
+    # whether estimate_tokens_* count exactly (a tokenizer) or estimate (characters)
+    counts_exact: ClassVar[bool]
 
     @property
     def key_space(self) -> str:

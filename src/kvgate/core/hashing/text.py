@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 from kvgate.core.hashing.base import (
     CHARS_PER_TOKEN,
@@ -48,6 +49,7 @@ class TextChunkHasher:
     """
 
     __slots__ = ("_block_chars", "_key_space", "_seed_messages", "_seed_prompt", "_width")
+    counts_exact: ClassVar[bool] = False  # characters / 4
 
     def __init__(self, block_chars: int = 256) -> None:
         self._block_chars = check_int(

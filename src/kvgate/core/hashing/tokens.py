@@ -6,7 +6,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from os import PathLike, fspath
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from xxhash import xxh3_64_hexdigest
 
@@ -108,6 +108,7 @@ class TokenBlockHasher:
     """
 
     __slots__ = ("_block_size", "_encoder", "_key_space", "_last", "_root", "_template")
+    counts_exact: ClassVar[bool] = True  # the tokenizer's own count
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import ClassVar, NoReturn
 
 from kvgate.core.errors import ConfigError
 from kvgate.core.hashing.base import Message, check_int
@@ -24,6 +24,7 @@ class ReadyIdsHasher:
     """
 
     __slots__ = ("_tokens_per_block",)
+    counts_exact: ClassVar[bool] = True  # the trace's own counts
 
     def __init__(self, tokens_per_block: int = 512) -> None:
         self._tokens_per_block = check_int(

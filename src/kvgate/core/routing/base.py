@@ -45,6 +45,10 @@ class RouteContext:
     prompt_tokens: int  # estimated prompt tokens
     tokens_per_block: int  # tokens one chain block stands for (about 64 for 256 chars)
     max_tokens: int = 256  # requested output tokens
+    # the context a serving node must fit: the prompt plus max_tokens asked for (plus
+    # one token when none was: the node generates what fits), an estimated prompt taken
+    # at 1 / ESTIMATE_SLACK of its estimate; 0: prompt_tokens + max_tokens
+    context_tokens: int = 0
     model: str = ""
     # set by the controller so policies need not repeat the work
     hot_key: int | None = None  # the prefix key hot-prefix tracking counts
