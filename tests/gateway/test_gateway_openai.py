@@ -101,6 +101,13 @@ def test_models_union_and_unknown_model_404(kit: Any) -> None:
                 assert status == 200
                 assert {m["id"]: m["max_model_len"] for m in data} == {
                     kit.MODEL: 4096, "other": 999}
+                # one model by id (the openai SDK's models.retrieve), as the list has it
+                status, _, raw = await c.get("/v1/models/other")
+                assert status == 200 and json.loads(raw) == next(
+                    m for m in data if m["id"] == "other")
+                status, _, raw = await c.get("/v1/models/org/nope")  # ids may hold '/'
+                err = json.loads(raw)["error"]
+                assert status == 404 and err["code"] == "model_not_found", err
                 status, _, raw = await c.post("/v1/completions", {"model": "other",
                                                                   "prompt": "x"})
                 assert status == 200 and other.attempts == 1

@@ -48,6 +48,7 @@ from kvgate.gateway.proxy import CompletionsHandler
 from kvgate.gateway.redis_coordinator import RedisCoordinator
 from kvgate.gateway.relay import Relay
 from kvgate.gateway.upstream import Upstream
+from kvgate.protocol.errors import not_found_body
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -171,12 +172,25 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         self.auth.identify(request.headers)
+        return json_response(200, {"object": "list", "data": self._model_items()})
+
+    async def model(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/models/{model}`` (the openai SDK's ``models.retrieve``): the entry of
+        a model some node serves, else 404 model_not_found."""
+        self.auth.identify(request.headers)
+        name = request.match_info["model"]
+        for item in self._model_items():
+            if item.get("id") == name:
+                return json_response(200, item)
+        return json_response(404, not_found_body(name))
+
+    def _model_items(self) -> list[dict[str, Any]]:
         data = []
         for entry in self.watcher.model_entries():
             item = {"object": "model", "created": 0, "owned_by": "kvgate", **entry}
             item["object"] = "model"
             data.append(item)
-        return json_response(200, {"object": "list", "data": data})
+        return data
 
     async def metrics_handler(self, request: web.Request) -> web.StreamResponse:
         text = render(self.controller, self.watcher, self.metrics, self.clock())
@@ -194,6 +208,7 @@ def register_routes(app: web.Application, gw: Gateway) -> None:
     app.router.add_post("/v1/completions", gw.handler.completions)
     app.router.add_post("/v1/chat/completions", gw.handler.chat)
     app.router.add_get("/v1/models", gw.models)
+    app.router.add_get("/v1/models/{model:.+}", gw.model)  # ids may hold '/'
     app.router.add_get("/health", gw.health)
     app.router.add_get("/ready", gw.ready_handler)
     app.router.add_get("/metrics", gw.metrics_handler)
