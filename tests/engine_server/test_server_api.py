@@ -227,6 +227,25 @@ async def test_token_id_prompt(start_server: Any, http: aiohttp.ClientSession) -
         ("/v1/completions", b'{"model": "other", "prompt": "x"}', 404, "model"),
         ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "max_tokens": 99999}', 400,
          None),
+        # what the simulator cannot answer in the asked shape, or vLLM refuses as well
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "logprobs": 2}', 400,
+         "logprobs"),
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "echo": true}', 400,
+         "echo"),
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "suffix": "y"}', 400,
+         "suffix"),
+        ("/v1/completions",
+         b'{"model": "kvgate-sim", "prompt": "x", "max_tokens": 2, "min_tokens": 5}', 400,
+         "min_tokens"),
+        ("/v1/chat/completions", b'{"model": "kvgate-sim", "logprobs": true, '
+         b'"messages": [{"role": "user", "content": "x"}]}', 400, "logprobs"),
+        ("/v1/chat/completions", b'{"model": "kvgate-sim", "top_logprobs": 2, '
+         b'"messages": [{"role": "user", "content": "x"}]}', 400, "top_logprobs"),
+        ("/v1/chat/completions", b'{"model": "kvgate-sim", "tool_choice": "required", '
+         b'"messages": [{"role": "user", "content": "x"}]}', 400, "tool_choice"),
+        ("/v1/chat/completions", b'{"model": "kvgate-sim", '
+         b'"response_format": {"type": "json_object"}, '
+         b'"messages": [{"role": "user", "content": "x"}]}', 400, "response_format"),
     ],
 )
 async def test_errors_are_openai_shaped(start_server: Any, http: aiohttp.ClientSession,
@@ -313,3 +332,19 @@ async def test_a_stalled_request_head_is_dropped(start_server: Any) -> None:
     head, body = await _raw_exchange(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n")
     assert head.split(b" ")[1] == b"408"
     assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+async def test_settings_the_simulator_need_not_honour_are_accepted(
+        start_server: Any, http: aiohttp.ClientSession) -> None:
+    """Sampling settings, stop strings, tools the model may skip, plain-text output and
+    logprobs turned off: accepted (the answer is random words either way)."""
+    server = await start_server()
+    body = {"model": "kvgate-sim", "max_tokens": 4, "messages": [{"role": "user",
+                                                                  "content": "x"}],
+            "temperature": 0.7, "top_p": 0.9, "seed": 1, "stop": ["\n", "END"],
+            "logprobs": False, "tool_choice": "auto", "response_format": {"type": "text"},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    async with http.post(f"{server.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        out = await resp.json()
+    assert out["choices"][0]["message"]["content"]

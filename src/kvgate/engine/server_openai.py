@@ -26,6 +26,7 @@ from kvgate.protocol import (
     CompletionRequest,
     InvalidValueError,
     ProtocolError,
+    UnsupportedParameterError,
     not_found_body,
     parse_chat_request,
     parse_completion_request,
@@ -84,6 +85,7 @@ def parse_generate(kind: Kind, body: bytes, *, tokens: PromptTokenizer, model: s
         parsed = parse_completion_request(body, max_body_bytes=max_body_bytes)
     if parsed.model != model:
         raise ModelNotFoundError(parsed.model, param="model")
+    _refuse_unsimulated(parsed.raw, kind)
     source = tokens.source(parsed)
     num_tokens = tokens.count(source)
     if num_tokens == 0:
@@ -97,6 +99,40 @@ def parse_generate(kind: Kind, body: bytes, *, tokens: PromptTokenizer, model: s
             f"({max_model_len})", code="context_length_exceeded")
     sim = tokens.for_source(source)
     return GenerateInput(request=parsed, tokens=sim, max_tokens=max_tokens)
+
+
+def _refuse_unsimulated(raw: Mapping[str, Any], kind: Kind) -> None:
+    """A 400 naming a parameter whose answer the simulator cannot give in the shape it
+    asks for (logprobs, an echoed prompt, a required tool call, JSON output), or that
+    vLLM refuses too (``suffix``, ``min_tokens`` above ``max_tokens``): a client reading
+    ``choices[0].logprobs`` or ``message.tool_calls[0]`` would otherwise get None and
+    text. Sampling settings and ``stop`` are accepted and do not change the random
+    words it generates."""
+
+    def refuse(param: str, what: str) -> None:
+        raise UnsupportedParameterError(
+            f"kvgate's simulated engine does not {what} ('{param}')", param=param)
+
+    if kind == "chat":
+        if raw.get("logprobs") or raw.get("top_logprobs") is not None:
+            refuse("logprobs" if raw.get("logprobs") else "top_logprobs", "return logprobs")
+        choice = raw.get("tool_choice")
+        if choice is not None and choice not in ("auto", "none"):
+            refuse("tool_choice", "call tools")
+        fmt = raw.get("response_format")
+        if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
+            refuse("response_format", "produce structured output")
+    else:
+        if raw.get("logprobs") is not None:
+            refuse("logprobs", "return logprobs")
+        if raw.get("echo"):
+            refuse("echo", "echo the prompt")
+        if raw.get("suffix"):
+            refuse("suffix", "support a suffix")
+    low, high = raw.get("min_tokens"), raw.get("max_completion_tokens") or raw.get("max_tokens")
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        raise InvalidValueError(
+            f"min_tokens ({low}) must be at most max_tokens ({high})", param="min_tokens")
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

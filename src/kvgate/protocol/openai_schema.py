@@ -302,7 +302,7 @@ def _common(d: Mapping[str, Any]) -> _Common:
     n = _opt_int(d, "n", minimum=1)
     if n is not None and n != 1:
         raise UnsupportedParameterError(
-            f"Invalid 'n': only n=1 is supported by this gateway, but got {n}.", param="n")
+            f"Invalid 'n': only n=1 is supported by kvgate, but got {n}.", param="n")
     return _Common(
         model=model,
         max_tokens=max_completion if max_completion is not None else max_tokens,
