@@ -94,7 +94,7 @@ def test_engine_errors_without_a_json_body_are_openai_shaped(kit: Any) -> None:
             answer[0] = lambda: web.json_response(engine_body, status=422)
             got, headers, out = await post(False)
             assert (got, out) == (422, engine_body)
-            assert "x-should-retry" not in headers
+            assert headers["x-should-retry"] == "false"  # the client's own error, as any 4xx
 
             # a 5xx HTML page: the failed attempt's 502, OpenAI-shaped, Retry-After
             answer[0] = lambda: web.Response(status=500, text="<html>oops</html>",

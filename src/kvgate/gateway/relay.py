@@ -342,14 +342,14 @@ class Relay:
         node = decision.node_id or flight.node or ""
         headers = self._headers(flight)
         headers[NODE_HEADER] = node
+        if client_error:  # the request itself is bad: resending it is no use
+            headers[SHOULD_RETRY_HEADER] = "false"
         if body and complete and _is_json_object(body):  # the engine's own, passed through
             flight.done = True
             content_type = resp.headers.get("Content-Type", "")
             headers["Content-Type"] = content_type if "json" in content_type else (
                 "application/json")
             return web.Response(status=resp.status, body=body, headers=headers)
-        if client_error:  # the request itself is bad: resending it is no use
-            headers[SHOULD_RETRY_HEADER] = "false"
         if body and not complete:  # its first ERROR_BODY_LIMIT bytes would be broken JSON
             flight.done = True
             return json_response(resp.status, _cut_error_body(resp.status, kind), headers)
