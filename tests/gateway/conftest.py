@@ -57,6 +57,7 @@ class StubEngine:
     waiting: int = 0
     running: int = 0
     kv: float = 0.25
+    gpu_blocks: int | None = None  # per DP rank, of 16 tokens, in vllm:cache_config_info
     seen: list[Seen] = field(default_factory=list)
     disconnects: int = 0
     delay_s: float = 0.0  # every completion waits this long before answering
@@ -116,6 +117,9 @@ class StubEngine:
                 f'vllm:num_requests_waiting{{engine="{engine}",model_name="m"}} {self.waiting / 2}'
             )
             lines.append(f'vllm:kv_cache_usage_perc{{engine="{engine}",model_name="m"}} {self.kv}')
+            if self.gpu_blocks is not None:
+                lines.append(f'vllm:cache_config_info{{block_size="16",engine="{engine}",'
+                             f'num_gpu_blocks="{self.gpu_blocks}"}} 1.0')
         return web.Response(text="\n".join(lines) + "\n")
 
     async def _evictions(self, request: web.Request) -> web.Response:

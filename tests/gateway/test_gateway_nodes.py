@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+from kvgate.core.ids import NodeId
 from kvgate.core.nodes import fleet_order
-from kvgate.gateway.node_probe import parse_evictions, parse_load, parse_models
+from kvgate.gateway import NodeConfig
+from kvgate.gateway.node_probe import (
+    parse_cache_tokens,
+    parse_evictions,
+    parse_load,
+    parse_models,
+)
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -195,5 +203,47 @@ def test_a_node_back_from_unhealthy_reads_its_notices_afresh(kit: Any) -> None:
             assert rt.eviction_cursor == 57  # down: nothing read meanwhile
             watcher._mark(rt, healthy=True)
             assert (rt.eviction_cursor, rt.last_seq, rt.evictions_supported) == (0, -1, True)
+
+    kit.run(body())
+
+
+def test_parse_cache_tokens_from_vllm_and_sglang_metrics() -> None:
+    vllm = ('# HELP vllm:cache_config_info x\n'
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0\n')
+    assert parse_cache_tokens(vllm) == 32_000  # two data-parallel ranks
+    assert parse_cache_tokens('sglang:max_total_num_tokens{model="m"} 500000.0\n') == 500_000
+    assert parse_cache_tokens("sglang:max_total_num_tokens 123\n") == 123
+    for bad in ("", "vllm:num_requests_running 3\n",
+                'vllm:cache_config_info{block_size="x",num_gpu_blocks="9"} 1\n',
+                'vllm:cache_config_info{num_gpu_blocks="9"} 1\n',
+                "sglang:max_total_num_tokens NaN\n", "sglang:max_total_num_tokens\n"):
+        assert parse_cache_tokens(bad) is None, bad
+
+
+def test_index_capacity_follows_the_node_cache_unless_configured(kit: Any) -> None:
+    """cache_blocks left out: the node's KV cache (num_gpu_blocks x block_size, summed
+    over its two ranks) in index blocks, read at every scrape; configured: as is."""
+    from kvgate.testing import eventually
+
+    async def body() -> None:
+        async with kit.cluster(1, stub={"gpu_blocks": 2048},
+                               nodes={"metrics_interval_s": 0.05}) as c:
+            url = c.stubs[0].url
+            await c.gw.gateway.watcher.add(NodeConfig(id="set", url=url, cache_blocks=77))
+            ctl = c.gw.controller
+            tpb = ctl.hasher.tokens_per_block
+
+            def blocks(node: str) -> int:
+                state = ctl.nodes.get(NodeId(node))
+                return -1 if state is None else int(state.spec.cache_blocks)
+
+            await eventually(lambda: blocks("n0") == 2 * 2048 * 16 // tpb)
+            c.stubs[0].gpu_blocks = 1024  # restarted with a smaller cache
+            await eventually(lambda: blocks("n0") == 2 * 1024 * 16 // tpb)
+            assert ctl.index.capacity(NodeId("n0")) == 2 * 1024 * 16 // tpb
+            await eventually(lambda: blocks("set") == 77)
+            await asyncio.sleep(0.2)  # several scrapes later: still as configured
+            assert blocks("set") == 77 and ctl.index.capacity(NodeId("set")) == 77
 
     kit.run(body())

@@ -148,7 +148,9 @@ class NodeConfig:
     id: str
     url: str  # base URL, e.g. http://10.0.0.1:8000 (no /v1)
     capacity: int = 64  # concurrent requests it serves well (feeds the budget)
-    cache_blocks: int = 4000  # index capacity, in index blocks
+    # index capacity, in index blocks; None: the node's KV cache size as its metrics
+    # give it (vLLM's cache_config_info, SGLang's max_total_num_tokens), else 4000
+    cache_blocks: int | None = None
     max_model_len: int | None = None  # None = from /v1/models, else 131072
     models: tuple[str, ...] = ()
     api_key: str | None = None  # sent as Authorization to the node (vLLM --api-key)
@@ -158,7 +160,7 @@ class NodeConfig:
             raise ConfigError(f"node {self.url}: id must be non-empty")
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"node {self.id}: url must start with http:// or https://")
-        if self.capacity < 1 or self.cache_blocks < 0:
+        if self.capacity < 1 or (self.cache_blocks is not None and self.cache_blocks < 0):
             raise ConfigError(f"node {self.id}: capacity >= 1 and cache_blocks >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"node {self.id}: max_model_len must be >= 1")

@@ -6,6 +6,9 @@
   ``sglang:num_queue_reqs``, ``sglang:token_usage``). Counts are summed over label
   sets (data-parallel engines, several models); the KV usage, a fraction, is their
   mean, so two half-full ranks read 0.5, not 1.0.
+  The KV cache's size, in tokens: vLLM's ``vllm:cache_config_info`` labels
+  (``num_gpu_blocks`` x ``block_size``, summed over data-parallel ranks) or SGLang's
+  ``sglang:max_total_num_tokens``.
 * ``/v1/models``: model ids and vLLM's per-model ``max_model_len``.
 * ``/kvgate/evictions?since=N``: the simulated engine's eviction announcements, a
   JSON list of ``{"seq", "type": "announced"|"done", ...}`` or an object with such a
@@ -83,6 +86,40 @@ def parse_load(text: str) -> LoadSample | None:
         waiting=max(0, round(sums[wait])) if wait else 0,
         kv_util=min(1.0, max(0.0, sums[kv] / counts[kv])) if kv else None,
     )
+
+
+def parse_cache_tokens(text: str) -> int | None:
+    """The KV cache's size in tokens from a Prometheus page, or None if it says not."""
+    total = 0
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = _labels(line)
+            try:
+                blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+            except (KeyError, ValueError):
+                continue
+            if blocks > 0 and size > 0:
+                total += blocks * size
+        elif line.startswith("sglang:max_total_num_tokens"):
+            parts = line[line.rfind("}") + 1:].split() if "{" in line else line.split()[1:]
+            try:
+                value = float(parts[0])
+            except (IndexError, ValueError):
+                continue
+            if math.isfinite(value) and value > 0:
+                total += int(value)
+    return total or None
+
+
+def _labels(line: str) -> dict[str, str]:
+    """The labels of ``name{a="x",b="y"} value`` (values without escapes suffice here)."""
+    inner = line[line.find("{") + 1:line.rfind("}")]
+    out: dict[str, str] = {}
+    for part in inner.split(","):
+        key, sep, value = part.partition("=")
+        if sep:
+            out[key.strip()] = value.strip().strip('"')
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -36,12 +36,19 @@ from kvgate.core.controller import Controller
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec
 from kvgate.gateway.config import NodeConfig, NodesConfig
-from kvgate.gateway.node_probe import ModelInfo, parse_evictions, parse_load, parse_models
+from kvgate.gateway.node_probe import (
+    ModelInfo,
+    parse_cache_tokens,
+    parse_evictions,
+    parse_load,
+    parse_models,
+)
 from kvgate.gateway.upstream import Upstream
 
 log = logging.getLogger("kvgate.gateway.nodes")
 
 DEFAULT_MAX_MODEL_LEN = 131_072
+DEFAULT_CACHE_BLOCKS = 4_000  # index capacity of a node that says nothing of its cache
 
 
 @dataclass(slots=True)
@@ -57,6 +64,7 @@ class NodeRuntime:
     evictions_supported: bool = True
     eviction_cursor: int = 0
     last_seq: int = -1
+    cache_tokens: int | None = None  # the KV cache size its metrics give, in tokens
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -170,8 +178,17 @@ class NodeWatcher:
             models=frozenset(models),
             max_model_len=mml or DEFAULT_MAX_MODEL_LEN,
             capacity=cfg.capacity,
-            cache_blocks=cfg.cache_blocks,
+            cache_blocks=self._cache_blocks(rt),
         )
+
+    def _cache_blocks(self, rt: NodeRuntime) -> int:
+        """The index capacity for the node: configured, else its KV cache in index blocks
+        (a guess that the index then holds as many prompt blocks as the cache holds)."""
+        if rt.config.cache_blocks is not None:
+            return rt.config.cache_blocks
+        if rt.cache_tokens is None:
+            return DEFAULT_CACHE_BLOCKS
+        return max(1, rt.cache_tokens // self.controller.hasher.tokens_per_block)
 
     def _spawn(self, rt: NodeRuntime) -> None:
         c = self.config
@@ -254,14 +271,23 @@ class NodeWatcher:
 
     async def scrape(self, rt: NodeRuntime) -> None:
         got = await self._get(rt, "/metrics", self.config.metrics_timeout_s)
-        sample = None
+        sample, text = None, ""
         if got is not None and got[0] == 200:
-            sample = parse_load(got[1].decode("utf-8", "replace"))
+            text = got[1].decode("utf-8", "replace")
+            sample = parse_load(text)
         if sample is None:
             rt.errors["metrics"] += 1
             return
         if not self._current(rt):
             return
+        cache_tokens = parse_cache_tokens(text)
+        if cache_tokens is not None and cache_tokens != rt.cache_tokens:
+            rt.cache_tokens = cache_tokens  # the index follows the node's real cache
+            state = self.controller.nodes.get(rt.node_id)
+            if state is not None and rt.config.cache_blocks is None:
+                spec = self._spec(rt)
+                if state.spec != spec:
+                    self.controller.add_node(spec, self.clock())
         self.controller.on_load_report(
             rt.node_id, waiting=sample.waiting, running=sample.running, kv_util=sample.kv_util,
             now=self.clock(),
