@@ -499,12 +499,12 @@ def test_ttft_form_default_explores_whenever_a_node_is_idle() -> None:
 
 
 def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() -> None:
-    """A cheap hit is explored if it is shared: what the winner holds beyond the longest
-    other match saves at most affinity_min_gain_s. A hit nobody else holds any of (a
-    first copy: a session's context as likely as a shared prefix) and a session's own
-    context on top of a shared prefix leave their holder only for a first token no
-    later at the idle node."""
-    t, c = table({"holder": (0, 0.2), "other": (0, 0.2), "idle": (0, 0.0)})
+    """A cheap hit is explored if it is shared: no other candidate holds any of it, or
+    what the winner holds beyond the longest other match saves at most
+    affinity_min_gain_s. A session's own context on top of a shared prefix leaves its
+    holder only for a first token no later at the idle node. (The holder is busy: KV
+    above idle_util.)"""
+    t, c = table({"holder": (0, 0.25), "other": (0, 0.2), "idle": (0, 0.0)})
     p = KvgatePolicy(
         epsilon=1.0, prefill_tokens_per_s=1000.0, attention_s_per_pair=0.0,
         explore_max_loss_s=1.0, affinity_min_gain_s=0.1,
@@ -516,22 +516,45 @@ def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() ->
         assert d is not None
         return d.node_id, d.reason
 
-    # nobody else holds any of it: 15 blocks (0.96 s) lost against the holder's 0.6 s
-    assert pick(0) == ("holder", RouteReason.CACHE_HIT)
+    assert pick(0) == ("idle", RouteReason.EXPLORATION)  # nobody else holds any of it
     assert pick(15) == ("idle", RouteReason.EXPLORATION)  # another holder of all of it
     assert pick(14) == ("idle", RouteReason.EXPLORATION)  # one block beyond: 0.064 s
     # two blocks beyond (0.128 s), 5 blocks (0.32 s): a context of its own, and the idle
-    # node would answer later (loss 0.96 s > the holder's penalty, decode_s x 0.2 = 0.6 s)
+    # node would answer later (loss 0.96 s > the holder's penalty, decode_s x 0.25)
     assert pick(13) == ("holder", RouteReason.CACHE_HIT)
     assert pick(10) == ("holder", RouteReason.CACHE_HIT)
     # the holder's penalty 1.5 s (KV 0.5) >= the loss plus the idle node's (0 or 0.3 s)
     t.report(NodeId("holder"), waiting=0, running=4, kv_util=0.5, now=NOW)
     assert pick(10) == ("idle", RouteReason.EXPLORATION)
-    assert pick(0) == ("idle", RouteReason.EXPLORATION)  # a first copy as well
     t.report(NodeId("idle"), waiting=0, running=4, kv_util=0.1, now=NOW)
     assert pick(10) == ("idle", RouteReason.EXPLORATION)
     t.report(NodeId("idle"), waiting=0, running=4, kv_util=0.2, now=NOW)  # 0.96 + 0.6 > 1.5
     assert pick(10) == ("holder", RouteReason.CACHE_HIT)
+
+
+def test_an_idle_winner_keeps_a_hit_no_other_node_holds_in_full() -> None:
+    """Nobody waits for an idle holder's hit: a first copy or a match longer than any
+    other node's stays (on a quiet cluster, a chat session's next turn), in either
+    form; a prefix another node holds in full still warms an idle node; once the
+    holder is busy, the first copy is explored again."""
+    for form in ("ttft", "brief"):
+        t, c = table({"holder": (0, 0.1), "other": (0, 0.1), "idle": (0, 0.0)})
+        p = KvgatePolicy(
+            form=form, epsilon=1.0, prefill_tokens_per_s=1000.0, attention_s_per_pair=0.0,
+            explore_max_loss_s=1.0, affinity_min_gain_s=0.1,
+        )
+
+        def pick(other: int) -> tuple[str, RouteReason]:
+            m = {NodeId("holder"): 15, NodeId("other"): other}
+            d = p.select(ctx(blocks=40), c, m, t, FixedRng(0.0), NOW)  # noqa: B023
+            assert d is not None
+            return d.node_id, d.reason
+
+        assert pick(0) == ("holder", RouteReason.CACHE_HIT), form  # a first copy
+        assert pick(14) == ("holder", RouteReason.CACHE_HIT), form  # one block longer
+        assert pick(15) == ("idle", RouteReason.EXPLORATION), form  # held in full elsewhere
+        t.on_sent(c[0], now=NOW, key=1, prefill_tokens=0, context_tokens=500)  # now busy
+        assert pick(0) == ("idle", RouteReason.EXPLORATION), form
 
 
 def test_ttft_form_explores_a_busy_but_less_loaded_node_with_a_shared_prefix() -> None:

@@ -75,11 +75,11 @@ class Reference:
         best: NodeState,
         chosen_match: int,
     ) -> bool:
-        """What the hit holds beyond the longest other candidate's match saves at most
-        affinity_min_gain_s; a hit no other candidate holds any of only in the brief form."""
+        """No other candidate holds any of the winner's hit, or what the hit holds beyond
+        the longest other candidate's match saves at most affinity_min_gain_s."""
         other = max((matches.get(s.node_id, 0) for s in candidates if s is not best), default=0)
         if not other:
-            return self.p.form != "ttft"  # a first copy: the ttft form asks for no later
+            return True
         tpb, prompt = ctx.tokens_per_block, ctx.prompt_tokens
         beyond = self.uncached_s(prompt, min(other, chosen_match) * tpb) - self.uncached_s(
             prompt, chosen_match * tpb
@@ -137,6 +137,7 @@ class Reference:
         least_key = (float("inf"), 0)
         idle: NodeState | None = None
         idle_util = float("inf")
+        really_idle: dict[str, bool] = {}
         scored: list[tuple[NodeState, int, float, int, float]] = []  # state, q, penalty, m, bonus
         waits: dict[NodeId, float] = {}  # ttft form: predicted seconds before a prefill starts
         open_holders: list[tuple[NodeState, int, float, float]] = []  # state, q, penalty, bonus
@@ -168,6 +169,7 @@ class Reference:
             else:
                 penalty = min(q / p.max_queue, 1.0) + p.util_weight * u
             m = matches.get(s.node_id, 0)
+            really_idle[s.node_id] = q <= p.idle_queue and u <= p.idle_util and s.inflight == 0
             bonus = 0.0
             if m:
                 if ctx.hot_blocks and m >= ctx.hot_blocks:
@@ -380,7 +382,9 @@ class Reference:
             shared = self.shared(ctx, candidates, matches, best, chosen_match)
             other = max((matches.get(s.node_id, 0) for s in candidates if s is not best), default=0)
             target: NodeState | None = None
-            if idle is not None and (
+            if other < chosen_match and really_idle[chosen.node_id]:
+                pass  # an idle winner keeps a hit no other candidate holds in full
+            elif idle is not None and (
                 shared
                 # a context of its own: only for a first token no later at the idle node
                 or (

@@ -258,21 +258,21 @@ On top of the score, in this order:
    7.66 / 8.95 requests/s (dynamo_cost: 1.645 / 2.629 s, 0.303 / 0.422 s, 7.79 / 9.12
    requests/s: it misses the TPOT target less often). The bound alone
    still let a session's own context under 1 s go (an agent task's second to fifth
-   steps, 8k-11k tokens), so the hit must also be shared: what the winner holds beyond
-   the longest match of another candidate saves at most ``affinity_min_gain_s`` (less
-   than a block). A hit no other candidate holds any of is as likely a session's own
-   context as a prefix others will share (in the brief form, with no first token to
-   predict, it counts as shared: a first copy is how exploration starts there). A hit
-   with a context of its own, or held nowhere else, is explored only if the idle
-   node's penalty plus the lost prefill plus the blocking cost of the whole prefill
-   there is at most the winner's penalty (ttft form): its first token comes no later,
-   and the idle node's own sessions, coming back to its cache, are not stuck behind
-   it. On the closed-loop
-   agent workload at 0.8 / 0.95 of saturation, explored second to fifth steps
-   (0.85-1.34 s to first token, the whole prefill at the idle node) and the idle
-   node's own sessions, back from their tool calls and queued behind that prefill,
-   were most of the 24 slowest requests: TTFT p99 0.881 / 0.935 s against
-   preble_e2's 0.833 / 0.848; the sharing rule gives 0.652 / 0.689 s. Without the
+   steps, 8k-11k tokens), so the hit must also be shared: no other candidate holds any
+   of it (a shared prefix cannot be told from a private one yet, and a first copy is
+   how exploration starts), or what the winner holds beyond the longest match of
+   another candidate saves at most ``affinity_min_gain_s`` (less than a block); and
+   while the winner is idle itself, only a prefix another candidate holds in full is
+   copied (nobody waits for the hit, and a first copy on a quiet cluster is as likely
+   a chat session's second turn). A hit with a context of its own is explored only if
+   the idle node's penalty plus the lost prefill plus the blocking cost of the whole
+   prefill there is at most the winner's penalty (ttft form): its first token comes
+   no later, and the idle node's own sessions, coming back to its cache, are not
+   stuck behind it. On the closed-loop agent workload at 0.8 / 0.95 of saturation,
+   explored second to fifth steps (0.85-1.34 s to first token, the whole prefill at
+   the idle node) and the idle node's own sessions, back from their tool calls and
+   queued behind that prefill, were most of the 24 slowest requests: TTFT p99 0.881
+   / 0.935 s against preble_e2's 0.833 / 0.848; the sharing rule gives 0.652 / 0.689 s. Without the
    no-later clause open-loop agent sessions piled onto their holders (TPOT p99 0.106
    -> 0.135 s at 0.95, goodput 7.62 -> 7.46 requests/s); with it 0.100 s, 7.64.
    Without the blocking cost in that clause, on the seed-2 workload at 0.95 a task
@@ -719,16 +719,41 @@ class KvgatePolicy:
                 default=0,
             )
             shared = self._shared(prompt, tpb, chosen_match, other)
-            if idle is not None and not (
-                shared
-                # a context of its own leaves only for a first token no later than there
-                or (ttft and self._no_later_at(by_id[idle.spec.node_id], best, loss, prompt, now))
+            if other < chosen_match and _is_idle(
+                chosen, by_id[chosen.spec.node_id], self.idle_queue, self.idle_util
             ):
+                # The winner is idle itself, so nobody waits for its hit: only a prefix
+                # another node holds in full is copied on (a system prompt warming a third
+                # node). A first copy or a longer match waits until its holder is busy: on
+                # a quiet cluster a chat session's second turn went to an idle node, and
+                # each later turn whose new part was under the minimum gain went on again
+                # (index audit: 3 engines, 12 sessions x 5 turns, 36 of 48 later turns
+                # explored, measured hit ratio 0.18; with this rule 3-10 and 0.56-0.69 in
+                # two runs; with epsilon 0, 0.72)
                 idle = None
-            if idle is None and ttft and self.explore_busy and other and shared and not new_session:
-                # no node is idle: the least loaded node that would answer no later still
-                # gets a prefix other nodes hold too
-                idle = self._underused(loads, cands, matches, discount, best, loss, prompt, now)
+            else:
+                if idle is not None and not (
+                    shared
+                    # a context of its own leaves only for a first token no later there
+                    or (
+                        ttft
+                        and self._no_later_at(by_id[idle.spec.node_id], best, loss, prompt, now)
+                    )
+                ):
+                    idle = None
+                if (
+                    idle is None
+                    and ttft
+                    and self.explore_busy
+                    and other
+                    and shared
+                    and not new_session
+                ):
+                    # no node is idle: the least loaded node that would answer no later
+                    # still gets a prefix other nodes hold too
+                    idle = self._underused(
+                        loads, cands, matches, discount, best, loss, prompt, now
+                    )
             if idle is not None:
                 chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
 
@@ -940,18 +965,12 @@ class KvgatePolicy:
 
     def _shared(self, prompt: int, tpb: int, chosen_match: int, other: int) -> bool:
         """Whether the winner's hit of ``chosen_match`` blocks is a prefix exploration may
-        copy freely: what it holds beyond the longest match of another candidate,
-        ``other`` blocks, saves at most ``affinity_min_gain_s`` of prefill (less than a
-        block: no context of its own). A hit no other candidate holds any of may be a
-        session's own context as well as a prefix others will share: the ttft form
-        copies it only for a first token no later (:meth:`_no_later_at`); the brief
-        form, with no first token to predict, copies it (a first copy is how exploration
-        starts). It used to copy it in both, and on a quiet cluster a chat session's
-        second turn left its holder for an idle node, and each later turn whose new part
-        was under the minimum gain did again: 36 of 48 later turns in the index audit's
-        run (3 engines, 12 sessions), measured hit ratio 0.18 against 0.72."""
+        copy: no other candidate holds any of it (nothing tells a shared prefix from a
+        private one yet, and a first copy is how exploration starts), or what it holds
+        beyond the longest match of another candidate, ``other`` blocks, saves at most
+        ``affinity_min_gain_s`` of prefill (less than a block: no context of its own)."""
         if not other:
-            return self.form != "ttft"
+            return True
         beyond = self._uncached_s(prompt, min(other, chosen_match) * tpb) - self._uncached_s(
             prompt, chosen_match * tpb
         )
