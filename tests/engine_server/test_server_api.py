@@ -348,3 +348,26 @@ async def test_settings_the_simulator_need_not_honour_are_accepted(
         assert resp.status == 200, await resp.text()
         out = await resp.json()
     assert out["choices"][0]["message"]["content"]
+
+
+async def test_cache_salt_keeps_caches_apart(start_server: Any,
+                                             http: aiohttp.ClientSession) -> None:
+    """vLLM's cache_salt: a request hits only blocks cached under its own salt (or, with
+    none, unsalted ones). The engine ignored it, so salted tenants shared caches."""
+    server = await start_server()
+    prompt = "a shared prompt of some length, " * 40
+
+    async def cached(salt: str | None) -> int:
+        body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        async with http.post(f"{server.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            out = await resp.json()
+        return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert await cached("A") == 0
+    assert await cached("A") > 0  # its own salt: a hit
+    assert await cached("B") == 0  # another salt: none of A's blocks
+    assert await cached(None) == 0  # no salt: none either
+    assert await cached(None) > 0 and await cached("B") > 0

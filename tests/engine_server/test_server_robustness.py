@@ -219,8 +219,8 @@ async def test_a_prompt_too_long_is_refused_before_it_is_tokenized(
     hashed: list[int] = []
     real_for_token_ids = server._tokens.for_token_ids
     monkeypatch.setattr(type(server._tokens), "for_token_ids",
-                        lambda self, ids, param="prompt": hashed.append(len(ids))
-                        or real_for_token_ids(ids, param))
+                        lambda self, ids, param="prompt", salt=None: hashed.append(len(ids))
+                        or real_for_token_ids(ids, param, salt=salt))
     async with http.post(f"{server.url}{path}", json=body) as resp:
         assert resp.status == 400
         data = await resp.json()

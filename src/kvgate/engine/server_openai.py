@@ -97,7 +97,7 @@ def parse_generate(kind: Kind, body: bytes, *, tokens: PromptTokenizer, model: s
         raise ProtocolError(
             f"prompt ({num_tokens}) + max_tokens ({max_tokens}) exceeds max_model_len "
             f"({max_model_len})", code="context_length_exceeded")
-    sim = tokens.for_source(source)
+    sim = tokens.for_source(source, salt=parsed.cache_salt)
     return GenerateInput(request=parsed, tokens=sim, max_tokens=max_tokens)
 
 

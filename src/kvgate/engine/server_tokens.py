@@ -153,10 +153,11 @@ class PromptTokenizer:
             return -(-len(source) // CHARS_PER_TOKEN)
         return len(source)
 
-    def for_source(self, source: str | Sequence[int]) -> SimTokens:
-        if isinstance(source, str):
-            return self.for_prompt(source)
-        return self.for_token_ids(source)
+    def for_source(self, source: str | Sequence[int], *, salt: str | None = None) -> SimTokens:
+        """``source`` tokenized and hashed; a ``cache_salt`` seeds the chain, so requests
+        with another salt (or none) share no cached block with it, as in vLLM."""
+        ids = self._encoder.encode(source) if isinstance(source, str) else source
+        return self.for_token_ids(ids, salt=salt)
 
     def for_messages(self, messages: Sequence[Message]) -> SimTokens:
         return self.for_prompt(self._hasher.render_messages(messages))
@@ -166,10 +167,13 @@ class PromptTokenizer:
             return self.for_token_ids(parsed.prompt_token_ids)
         return self.for_prompt(parsed.prompt_text or "")
 
-    def for_token_ids(self, ids: Sequence[int], param: str = "prompt") -> SimTokens:
+    def for_token_ids(self, ids: Sequence[int], param: str = "prompt", *,
+                      salt: str | None = None) -> SimTokens:
         """Token ids as given; ids outside ``[0, 2**32)`` raise a 400-mapped error."""
         try:
-            chain = self._hasher.chain_for_tokens(ids)
+            # a salt roots the chain apart (the hasher's per-name root, under a prefix
+            # no model name of ours takes)
+            chain = self._hasher.chain_for_tokens(ids, model=f"\0salt:{salt}" if salt else "")
         except ClientRequestError as exc:
             raise InvalidValueError(f"Invalid '{param}': {exc.message}", param=param) from exc
         return SimTokens(token_ids=tuple(ids), block_hashes=chain)
