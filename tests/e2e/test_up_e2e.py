@@ -24,6 +24,16 @@ def _kill_leftovers(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+async def _stop_leftovers(
+    proc: asyncio.subprocess.Process, engine_pids: list[int], e2e: Any
+) -> None:
+    """After a failed test: kill ``kvgate up`` if it still runs, and its engines."""
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+    _kill_leftovers([p for p in engine_pids if e2e.pid_alive(p)])
+
+
 async def _start_up(*args: str) -> asyncio.subprocess.Process:
     """``kvgate up --port 0 *args`` as a child process, its output piped."""
     return await asyncio.create_subprocess_exec(
@@ -95,10 +105,7 @@ def test_kvgate_up_subprocess_serves_and_stops_cleanly(e2e: Any) -> None:
             for pid in engine_pids:
                 assert not e2e.pid_alive(pid), f"engine pid {pid} left behind"
         finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            _kill_leftovers([p for p in engine_pids if e2e.pid_alive(p)])
+            await _stop_leftovers(proc, engine_pids, e2e)
 
     e2e.run(body(), timeout=50)
 
@@ -169,9 +176,6 @@ def test_kvgate_up_stops_everything_on_sighup_with_its_reader_gone(e2e: Any) -> 
                 assert not e2e.pid_alive(pid), f"engine pid {pid} left behind"
             assert not os.path.exists(logs.group(1))
         finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            _kill_leftovers([p for p in engine_pids if e2e.pid_alive(p)])
+            await _stop_leftovers(proc, engine_pids, e2e)
 
     e2e.run(body(), timeout=50)

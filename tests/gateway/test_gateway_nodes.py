@@ -9,12 +9,7 @@ from typing import Any
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import fleet_order
 from kvgate.gateway import NodeConfig
-from kvgate.gateway.node_probe import (
-    parse_cache_tokens,
-    parse_evictions,
-    parse_load,
-    parse_models,
-)
+from kvgate.gateway.node_probe import parse_evictions, parse_load, parse_models
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -207,18 +202,23 @@ def test_a_node_back_from_unhealthy_reads_its_notices_afresh(kit: Any) -> None:
     kit.run(body())
 
 
-def test_parse_cache_tokens_from_vllm_and_sglang_metrics() -> None:
+def test_parse_load_reads_the_cache_size_from_vllm_and_sglang_metrics() -> None:
+    def cache_tokens(page: str) -> int | None:
+        sample = parse_load("vllm:num_requests_running 1\n" + page)
+        assert sample is not None
+        return sample.cache_tokens
+
     vllm = ('# HELP vllm:cache_config_info x\n'
             'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
             'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0\n')
-    assert parse_cache_tokens(vllm) == 32_000  # two data-parallel ranks
-    assert parse_cache_tokens('sglang:max_total_num_tokens{model="m"} 500000.0\n') == 500_000
-    assert parse_cache_tokens("sglang:max_total_num_tokens 123\n") == 123
-    for bad in ("", "vllm:num_requests_running 3\n",
+    assert cache_tokens(vllm) == 32_000  # two data-parallel ranks
+    assert cache_tokens('sglang:max_total_num_tokens{model="m"} 500000.0\n') == 500_000
+    assert cache_tokens("sglang:max_total_num_tokens 123\n") == 123
+    for bad in ("", "vllm:num_requests_waiting 3\n",
                 'vllm:cache_config_info{block_size="x",num_gpu_blocks="9"} 1\n',
                 'vllm:cache_config_info{num_gpu_blocks="9"} 1\n',
                 "sglang:max_total_num_tokens NaN\n", "sglang:max_total_num_tokens\n"):
-        assert parse_cache_tokens(bad) is None, bad
+        assert cache_tokens(bad) is None, bad
 
 
 def test_index_capacity_follows_the_node_cache_unless_configured(kit: Any) -> None:

@@ -24,7 +24,7 @@ import pytest
 from kvgate.core.admission import FailureKind
 from kvgate.gateway import lean_http
 from kvgate.gateway.config import NodesConfig, UpstreamConfig
-from kvgate.gateway.lean_http import LeanClient, UpstreamProtocolError
+from kvgate.gateway.lean_http import LeanClient, Target, UpstreamProtocolError
 from kvgate.gateway.upstream import Upstream, classify_exception, classify_status
 
 Handler = Callable[["RawConn", bytes, bytes], Awaitable[None]]
@@ -135,6 +135,14 @@ async def read_all(resp: Any) -> bytes:
         out += got
 
 
+async def fetch(c: LeanClient, t: Target, body: bytes = b"{}") -> bytes:
+    """One whole exchange: send, read the answer to its end, give the connection back."""
+    r = await c.request(t, body, {})
+    out = await read_all(r)
+    r.release()
+    return out
+
+
 @contextlib.asynccontextmanager
 async def open_client(**kw: Any) -> AsyncIterator[LeanClient]:
     """A client with a short connect timeout, closed on the way out."""
@@ -175,15 +183,11 @@ def test_keep_alive_reuse_and_request_bytes() -> None:
                 # the connection goes back only after a complete response
                 r = await c.request(t, b"{}", {})
                 r.close()
-                r = await c.request(t, b"{}", {})
-                await read_all(r)
-                r.release()
+                await fetch(c, t)
                 assert c.connects == 2 and c.open_connections == 1
                 # a large body (two writes) arrives whole
                 big = b"x" * 200_000
-                r = await c.request(t, big, {})
-                await read_all(r)
-                r.release()
+                await fetch(c, t, big)
                 assert srv.requests[-1][1] == big
             assert c.open_connections == 0
 
@@ -202,9 +206,7 @@ def test_connection_close_and_http10_answers_are_not_reused() -> None:
         async with RawServer(handler) as srv, open_client() as c:
             t = c.target(srv.url + "/x")
             for _ in range(3):
-                r = await c.request(t, b"{}", {})
-                assert await read_all(r) == b"{}"
-                r.release()
+                assert await fetch(c, t) == b"{}"
             assert c.connects == 3 and c.idle_connections == 0
 
     run(body())
@@ -383,9 +385,7 @@ def test_a_reused_connection_dropped_after_work_is_not_resent(how: str) -> None:
     async def body() -> None:
         async with RawServer(handler) as srv, open_client() as c:
             t = c.target(srv.url + "/x")
-            r = await c.request(t, b"{}", {})
-            await read_all(r)
-            r.release()
+            await fetch(c, t)
             with pytest.raises((aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) as err:
                 await c.request(t, b"{}", {})
             assert classify_exception(err.value) is FailureKind.UPSTREAM_ERROR
@@ -406,9 +406,7 @@ def test_a_reused_connection_closed_mid_answer_is_not_resent() -> None:
     async def body() -> None:
         async with RawServer(handler) as srv, open_client() as c:
             t = c.target(srv.url + "/x")
-            r = await c.request(t, b"{}", {})
-            await read_all(r)
-            r.release()
+            await fetch(c, t)
             with pytest.raises(aiohttp.ClientError) as err:
                 await c.request(t, b"{}", {})
             assert classify_exception(err.value) is FailureKind.UPSTREAM_ERROR
@@ -575,9 +573,7 @@ def test_idle_connections_past_keepalive_are_not_reused() -> None:
         async with RawServer(ok) as srv, open_client(keepalive_s=0.05) as c:
             t = c.target(srv.url + "/x")
             for _ in range(2):
-                r = await c.request(t, b"{}", {})
-                await read_all(r)
-                r.release()
+                await fetch(c, t)
                 await asyncio.sleep(0.1)
             assert c.connects == 2 and c.open_connections == 0
 
@@ -592,18 +588,13 @@ def test_idle_connections_are_closed_once_past_keepalive() -> None:
         async with RawServer(ok) as srv, open_client(keepalive_s=0.2) as c:
             t = c.target(srv.url + "/x")
 
-            async def one() -> None:
-                r = await c.request(t, b"{}", {})
-                await read_all(r)
-                r.release()
-
-            await asyncio.gather(*(one() for _ in range(3)))
+            await asyncio.gather(*(fetch(c, t) for _ in range(3)))
             assert c.connects == 3 and c.open_connections == 3
             async with asyncio.timeout(5):  # closed by the timer, with no request to meet them
                 while c.open_connections:
                     await asyncio.sleep(0.05)
             assert not c._idle
-            await one()  # a new connection, and the pool works on
+            await fetch(c, t)  # a new connection, and the pool works on
             assert c.connects == 4 and c.open_connections == 1
 
     run(body())

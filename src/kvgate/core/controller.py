@@ -45,7 +45,6 @@ import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, overload
 
 from kvgate.core.admission import (
     NOT_RUN_FAILURES,
@@ -353,6 +352,7 @@ class Controller:
         chain, tokens = self.chain_for(req)
         # no max_tokens asked: the node generates what fits, so the prompt needs one more
         output = req.max_tokens if req.max_tokens_given else 1
+        need = tokens + output
         estimated = req.prompt_tokens is None and not self.hasher.counts_exact
         verdict = self.admission.admit(
             AdmissionRequest(
@@ -360,7 +360,7 @@ class Controller:
                 tenant=req.tenant,
                 priority=priority,
                 bypass=req.bypass,
-                prompt_tokens=tokens + output,
+                prompt_tokens=need,
                 output_tokens=output,
                 max_seq_len=self._max_seq_len(req.model),
                 prompt_estimated=estimated,
@@ -370,7 +370,6 @@ class Controller:
         if isinstance(verdict, Rejected):
             self.stats.rejects[verdict.reason.value] += 1
             return Reject(request_id=rid, rejected=verdict)
-        need = tokens + output
         ctx = self._context(
             chain, tokens, req, now, math.ceil(need / ESTIMATE_SLACK) if estimated else need
         )
@@ -380,7 +379,7 @@ class Controller:
         self._requests[rid] = record
         if isinstance(verdict, Queued):
             return Hold(request_id=rid, deadline=verdict.deadline)
-        return self._dispatch(record, verdict.ticket, now)
+        return self._dispatch_or_reject(record, verdict.ticket, now)
 
     def _context(
         self, chain: BlockChain, tokens: int, req: RequestArrived, now: float, context_tokens: int
@@ -459,19 +458,14 @@ class Controller:
         matches = self.index.match(ctx.chain, now) if self.policy.uses_cache else {}
         return self.policy.select(ctx, cands, matches, self.nodes, self.rng, now)
 
-    @overload
-    def _dispatch(self, record: _Request, ticket: Ticket, now: float) -> Decision: ...
+    def _dispatch_or_reject(self, record: _Request, ticket: Ticket, now: float) -> Decision:
+        """A first attempt: sent, or rejected as overloaded when no node can take it."""
+        sent = self._dispatch(record, ticket, now)
+        return sent if sent is not None else self._finish_rejected(record, now)
 
-    @overload
-    def _dispatch(
-        self, record: _Request, ticket: Ticket, now: float, *, retry: Literal[True]
-    ) -> Dispatch | None: ...
-
-    def _dispatch(
-        self, record: _Request, ticket: Ticket, now: float, *, retry: bool = False
-    ) -> Decision | None:
-        """Route and send ``record``. With no node to take it: rejected as overloaded,
-        or, for a ``retry``, None (the request then fails with its own failure)."""
+    def _dispatch(self, record: _Request, ticket: Ticket, now: float) -> Dispatch | None:
+        """Route and send ``record``; None when no node can take it (the caller says what
+        then: overloaded for a first attempt, the attempt's own failure for a retry)."""
         record.ticket = ticket
         decision = None
         if record.ctx.ttft_target_s > 0.0 and now > record.arrived_at:
@@ -486,7 +480,7 @@ class Controller:
         if decision is None:
             decision = self._route_around_floods(record, now)
         if decision is None:
-            return None if retry else self._finish_rejected(record, now)
+            return None
         node = self.nodes.get(decision.node_id)
         assert node is not None
         record.node = node
@@ -719,7 +713,7 @@ class Controller:
             retries_in_flight=self._retries_in_flight,
         )
         if may_retry and record.ticket is not None:
-            retried = self._dispatch(record, record.ticket, now, retry=True)
+            retried = self._dispatch(record, record.ticket, now)
             if retried is not None:
                 self._retries_in_flight += 1
                 self.stats.retries[failure.value] += 1
@@ -802,7 +796,7 @@ class Controller:
             if record is None:  # cancelled while queued; give the credit straight back
                 out.extend(self._after_release(self.admission.release(a.ticket, now), now))
                 continue
-            out.append(self._dispatch(record, a.ticket, now))
+            out.append(self._dispatch_or_reject(record, a.ticket, now))
         return out
 
     def _take_deferred(self) -> list[Decision]:

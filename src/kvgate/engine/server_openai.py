@@ -85,7 +85,7 @@ def parse_generate(kind: Kind, body: bytes, *, tokens: PromptTokenizer, model: s
         parsed = parse_completion_request(body, max_body_bytes=max_body_bytes)
     if parsed.model != model:
         raise ModelNotFoundError(parsed.model, param="model")
-    _refuse_unsimulated(parsed.raw, kind)
+    _refuse_unsimulated(parsed, kind)
     source = tokens.source(parsed)
     num_tokens = tokens.count(source)
     if num_tokens == 0:
@@ -101,7 +101,7 @@ def parse_generate(kind: Kind, body: bytes, *, tokens: PromptTokenizer, model: s
     return GenerateInput(request=parsed, tokens=sim, max_tokens=max_tokens)
 
 
-def _refuse_unsimulated(raw: Mapping[str, Any], kind: Kind) -> None:
+def _refuse_unsimulated(parsed: CompletionRequest | ChatRequest, kind: Kind) -> None:
     """A 400 naming a parameter whose answer the simulator cannot give in the shape it
     asks for (logprobs, an echoed prompt, a required tool call, JSON output), or that
     vLLM refuses too (``suffix``, ``min_tokens`` above ``max_tokens``): a client reading
@@ -113,6 +113,7 @@ def _refuse_unsimulated(raw: Mapping[str, Any], kind: Kind) -> None:
         raise UnsupportedParameterError(
             f"kvgate's simulated engine does not {what} ('{param}')", param=param)
 
+    raw = parsed.raw
     if kind == "chat":
         if raw.get("logprobs") or raw.get("top_logprobs") is not None:
             refuse("logprobs" if raw.get("logprobs") else "top_logprobs", "return logprobs")
@@ -129,8 +130,8 @@ def _refuse_unsimulated(raw: Mapping[str, Any], kind: Kind) -> None:
             refuse("echo", "echo the prompt")
         if raw.get("suffix"):
             refuse("suffix", "support a suffix")
-    low, high = raw.get("min_tokens"), raw.get("max_completion_tokens") or raw.get("max_tokens")
-    if isinstance(low, int) and isinstance(high, int) and low > high:
+    low, high = raw.get("min_tokens"), parsed.max_tokens  # max_completion_tokens first
+    if isinstance(low, int) and high is not None and low > high:
         raise InvalidValueError(
             f"min_tokens ({low}) must be at most max_tokens ({high})", param="min_tokens")
 

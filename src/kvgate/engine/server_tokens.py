@@ -131,8 +131,8 @@ class PromptTokenizer:
     def block_size(self) -> int:
         return self._hasher.block_size
 
-    def for_prompt(self, text: str) -> SimTokens:
-        return self.for_token_ids(self._encoder.encode(text))
+    def for_prompt(self, text: str, *, salt: str | None = None) -> SimTokens:
+        return self.for_token_ids(self._encoder.encode(text), salt=salt)
 
     def source(self, parsed: CompletionRequest | ChatRequest) -> str | Sequence[int]:
         """What ``parsed``'s prompt is tokenized from: its text (a chat rendered by the
@@ -156,8 +156,9 @@ class PromptTokenizer:
     def for_source(self, source: str | Sequence[int], *, salt: str | None = None) -> SimTokens:
         """``source`` tokenized and hashed; a ``cache_salt`` seeds the chain, so requests
         with another salt (or none) share no cached block with it, as in vLLM."""
-        ids = self._encoder.encode(source) if isinstance(source, str) else source
-        return self.for_token_ids(ids, salt=salt)
+        if isinstance(source, str):
+            return self.for_prompt(source, salt=salt)
+        return self.for_token_ids(source, salt=salt)
 
     def for_messages(self, messages: Sequence[Message]) -> SimTokens:
         return self.for_prompt(self._hasher.render_messages(messages))

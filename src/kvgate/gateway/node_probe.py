@@ -24,7 +24,9 @@ from typing import Any
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage", "vllm:gpu_cache_usage_perc")
-_WANTED = frozenset(RUNNING + WAITING + KV_USAGE)
+SGLANG_CACHE_TOKENS = "sglang:max_total_num_tokens"
+VLLM_CACHE_INFO = "vllm:cache_config_info{"  # the size is in its labels
+_WANTED = frozenset((*RUNNING, *WAITING, *KV_USAGE, SGLANG_CACHE_TOKENS))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,6 +34,7 @@ class LoadSample:
     running: int
     waiting: int
     kv_util: float | None  # None when the node exports no usage gauge
+    cache_tokens: int | None = None  # the KV cache's size, when the page gives it
 
 
 def _sample(line: str) -> tuple[str, float] | None:
@@ -62,10 +65,14 @@ def parse_load(text: str) -> LoadSample | None:
     SGLang's request gauges."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    cache_tokens = 0
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         if not line.startswith(("vllm:", "sglang:")):
+            continue
+        if line.startswith(VLLM_CACHE_INFO):
+            cache_tokens += _vllm_cache_tokens(line)
             continue
         got = _sample(line)
         if got is None:
@@ -85,30 +92,19 @@ def parse_load(text: str) -> LoadSample | None:
         running=max(0, round(sums[run])) if run else 0,
         waiting=max(0, round(sums[wait])) if wait else 0,
         kv_util=min(1.0, max(0.0, sums[kv] / counts[kv])) if kv else None,
+        cache_tokens=cache_tokens + max(0, int(sums.get(SGLANG_CACHE_TOKENS, 0))) or None,
     )
 
 
-def parse_cache_tokens(text: str) -> int | None:
-    """The KV cache's size in tokens from a Prometheus page, or None if it says not."""
-    total = 0
-    for line in text.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
-            labels = _labels(line)
-            try:
-                blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
-            except (KeyError, ValueError):
-                continue
-            if blocks > 0 and size > 0:
-                total += blocks * size
-        elif line.startswith("sglang:max_total_num_tokens"):
-            parts = line[line.rfind("}") + 1:].split() if "{" in line else line.split()[1:]
-            try:
-                value = float(parts[0])
-            except (IndexError, ValueError):
-                continue
-            if math.isfinite(value) and value > 0:
-                total += int(value)
-    return total or None
+def _vllm_cache_tokens(line: str) -> int:
+    """``num_gpu_blocks`` x ``block_size`` of a ``vllm:cache_config_info`` line (one
+    data-parallel rank), 0 if it lacks them."""
+    labels = _labels(line)
+    try:
+        blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+    except (KeyError, ValueError):
+        return 0
+    return blocks * size if blocks > 0 and size > 0 else 0
 
 
 def _labels(line: str) -> dict[str, str]:

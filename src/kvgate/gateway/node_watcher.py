@@ -36,13 +36,7 @@ from kvgate.core.controller import Controller
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec
 from kvgate.gateway.config import NodeConfig, NodesConfig
-from kvgate.gateway.node_probe import (
-    ModelInfo,
-    parse_cache_tokens,
-    parse_evictions,
-    parse_load,
-    parse_models,
-)
+from kvgate.gateway.node_probe import ModelInfo, parse_evictions, parse_load, parse_models
 from kvgate.gateway.upstream import Upstream
 
 log = logging.getLogger("kvgate.gateway.nodes")
@@ -271,16 +265,15 @@ class NodeWatcher:
 
     async def scrape(self, rt: NodeRuntime) -> None:
         got = await self._get(rt, "/metrics", self.config.metrics_timeout_s)
-        sample, text = None, ""
+        sample = None
         if got is not None and got[0] == 200:
-            text = got[1].decode("utf-8", "replace")
-            sample = parse_load(text)
+            sample = parse_load(got[1].decode("utf-8", "replace"))
         if sample is None:
             rt.errors["metrics"] += 1
             return
         if not self._current(rt):
             return
-        cache_tokens = parse_cache_tokens(text)
+        cache_tokens = sample.cache_tokens
         if cache_tokens is not None and cache_tokens != rt.cache_tokens:
             rt.cache_tokens = cache_tokens  # the index follows the node's real cache
             state = self.controller.nodes.get(rt.node_id)

@@ -272,9 +272,9 @@ On top of the score, in this order:
    explored second to fifth steps (0.85-1.34 s to first token, the whole prefill at
    the idle node) and the idle node's own sessions, back from their tool calls and
    queued behind that prefill, were most of the 24 slowest requests: TTFT p99 0.881
-   / 0.935 s against preble_e2's 0.833 / 0.848; the sharing rule gives 0.652 / 0.689 s. Without the
-   no-later clause open-loop agent sessions piled onto their holders (TPOT p99 0.106
-   -> 0.135 s at 0.95, goodput 7.62 -> 7.46 requests/s); with it 0.100 s, 7.64.
+   / 0.935 s against preble_e2's 0.833 / 0.848; the sharing rule gives 0.652 / 0.689
+   s. Without the no-later clause open-loop agent sessions piled onto their holders
+   (TPOT p99 0.106 -> 0.135 s at 0.95, goodput 7.62 -> 7.46 requests/s); with it 0.100 s, 7.64.
    Without the blocking cost in that clause, on the seed-2 workload at 0.95 a task
    explored to a node whose own sessions then waited ~1.45 s behind it (p99 0.979 s
    against preble_e2's 0.973); with it 0.741 s, and 0.625 / 0.701 s at seed 0.
@@ -719,41 +719,35 @@ class KvgatePolicy:
                 default=0,
             )
             shared = self._shared(prompt, tpb, chosen_match, other)
-            if other < chosen_match and _is_idle(
+            # The winner is idle itself, so nobody waits for its hit: only a prefix another
+            # node holds in full is copied on (a system prompt warming a third node). A
+            # first copy or a longer match waits until its holder is busy: on a quiet
+            # cluster a chat session's second turn went to an idle node, and each later
+            # turn whose new part was under the minimum gain went on again (index audit:
+            # 3 engines, 12 sessions x 5 turns, 36 of 48 later turns explored, measured
+            # hit ratio 0.18; with this rule 3-10 and 0.56-0.69 in two runs; with
+            # epsilon 0, 0.72)
+            keep = other < chosen_match and _is_idle(
                 chosen, by_id[chosen.spec.node_id], self.idle_queue, self.idle_util
-            ):
-                # The winner is idle itself, so nobody waits for its hit: only a prefix
-                # another node holds in full is copied on (a system prompt warming a third
-                # node). A first copy or a longer match waits until its holder is busy: on
-                # a quiet cluster a chat session's second turn went to an idle node, and
-                # each later turn whose new part was under the minimum gain went on again
-                # (index audit: 3 engines, 12 sessions x 5 turns, 36 of 48 later turns
-                # explored, measured hit ratio 0.18; with this rule 3-10 and 0.56-0.69 in
-                # two runs; with epsilon 0, 0.72)
+            )
+            if idle is not None and (keep or not (
+                shared
+                # a context of its own leaves only for a first token no later than there
+                or (ttft and self._no_later_at(by_id[idle.spec.node_id], best, loss, prompt, now))
+            )):
                 idle = None
-            else:
-                if idle is not None and not (
-                    shared
-                    # a context of its own leaves only for a first token no later there
-                    or (
-                        ttft
-                        and self._no_later_at(by_id[idle.spec.node_id], best, loss, prompt, now)
-                    )
-                ):
-                    idle = None
-                if (
-                    idle is None
-                    and ttft
-                    and self.explore_busy
-                    and other
-                    and shared
-                    and not new_session
-                ):
-                    # no node is idle: the least loaded node that would answer no later
-                    # still gets a prefix other nodes hold too
-                    idle = self._underused(
-                        loads, cands, matches, discount, best, loss, prompt, now
-                    )
+            if (
+                idle is None
+                and not keep
+                and ttft
+                and self.explore_busy
+                and other
+                and shared
+                and not new_session
+            ):
+                # no node is idle: the least loaded node that would answer no later still
+                # gets a prefix other nodes hold too
+                idle = self._underused(loads, cands, matches, discount, best, loss, prompt, now)
             if idle is not None:
                 chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
 
