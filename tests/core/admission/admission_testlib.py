@@ -23,7 +23,6 @@ from kvgate.core.admission import (
     RefreshRequest,
     Rejected,
     Ticket,
-    bypass_pool,
 )
 
 _counter = 0
@@ -230,8 +229,8 @@ class ClusterSim:
         self._awaiting = [False] * gateways
         self._inflight: dict[int, set[Ticket]] = {i: set() for i in range(gateways)}
         self.result = SimResult(
-            class_capacity=budget - bypass_pool(budget, self.cfg.bypass_fraction),
-            bypass_capacity=bypass_pool(budget, self.cfg.bypass_fraction),
+            class_capacity=budget - self.cfg.bypass_credits(budget),
+            bypass_capacity=self.cfg.bypass_credits(budget),
             quotas=dict(self.quotas),
         )
         # per-gateway arrival-rate multipliers: a random walk of demand

@@ -56,6 +56,16 @@ def test_bypass_pool(capacity: int, fraction: float, pool: int) -> None:
     assert bypass_pool(capacity, fraction) == pool
 
 
+@pytest.mark.parametrize(
+    ("capacity", "gateways", "pool"),
+    [(40, 2, 2), (128, 4, 4), (256, 8, 8), (256, 4, 7), (1000, 2, 30), (4, 8, 3), (1, 2, 0)],
+)
+def test_bypass_pool_holds_a_credit_per_gateway(capacity: int, gateways: int, pool: int) -> None:
+    """The pool is split over the fleet's gateways: 3 % of 40 is one credit, which one of
+    two gateways would not get (every probe there refused while the credit sat idle)."""
+    assert bypass_pool(capacity, 0.03, gateways) == pool
+
+
 # K = 249 (C = 256 minus a bypass pool of 7): NominalCL = (175, 75, 0), P0 reserve 88.
 @pytest.mark.parametrize(
     ("demand", "ceilings", "budgets", "idle"),

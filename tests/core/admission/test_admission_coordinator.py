@@ -73,6 +73,21 @@ def test_doorman_fair_share_across_gateways() -> None:
     assert history[2] == history[3]  # converged by the third round
 
 
+def test_every_gateway_of_a_fleet_gets_a_bypass_credit() -> None:
+    """C = 40 for two gateways: 3 % is one credit, so the pool is two, one each, and the
+    class capacity is 38. (With one credit the gateway whose id sorted last was granted
+    none, and refused every bypass request while the other's credit sat idle.)"""
+    cfg = AdmissionConfig(budget=40, lease=LeaseConfig(expected_gateways=2))
+    coord = InProcessCoordinator(cfg)
+    for t in (0.0, 0.1, 0.2):
+        grants = {gid: coord.refresh(report(gid), t) for gid in ("gw-a", "gw-b")}
+    assert {gid: g.bypass for gid, g in grants.items()} == {"gw-a": 1, "gw-b": 1}
+    assert all(g.total <= 38 for g in grants.values())
+    # before its first lease each gateway of the fleet also counts on one credit
+    local = GatewayAdmission(cfg, "gw-b")
+    assert local.stats().bypass_limit == 1
+
+
 def test_held_is_max_of_lease_has_and_inuse() -> None:
     coord = InProcessCoordinator(_one_class(100))
     assert coord.refresh(report("a", 100, inuse0=80, has=80), 0.0).total == 100  # alone

@@ -21,7 +21,7 @@ from kvgate.core.admission import (
 
 
 def test_no_assignment_is_p0_only_at_c_over_expected_gateways() -> None:
-    cfg = AdmissionConfig(budget=103, lease=LeaseConfig(expected_gateways=4))  # K = 100
+    cfg = AdmissionConfig(budget=104, lease=LeaseConfig(expected_gateways=4))  # K = 100
     gw = GatewayAdmission(cfg, "g")
     assert gw.lease_state is LeaseState.NO_ASSIGNMENT and gw.degraded
     assert gw.refresh_due(0.0)
@@ -146,7 +146,7 @@ def test_safe_mode_p1_is_admitted_within_the_safe_limit() -> None:
 
 
 def test_coordinator_never_reachable_stays_no_assignment() -> None:
-    cfg = AdmissionConfig(budget=13, lease=LeaseConfig(expected_gateways=2))  # K = 12
+    cfg = AdmissionConfig(budget=14, lease=LeaseConfig(expected_gateways=2))  # K = 12
     coord = FlakyCoordinator(InProcessCoordinator(cfg))
     coord.down = True
     gw = GatewayAdmission(cfg, "g")

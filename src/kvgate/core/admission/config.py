@@ -102,7 +102,7 @@ class SloConfig:
 class AdmissionConfig:
     budget: int = 256  # configured cluster concurrency C (C_eff = min(C, healthy capacity))
     classes: tuple[ClassConfig, ClassConfig, ClassConfig] = field(default_factory=_default_classes)
-    bypass_fraction: float = 0.03  # bypass pool carved out of C (at least 1 credit)
+    bypass_fraction: float = 0.03  # bypass pool carved out of C (>= 1 credit per gateway)
     tenant_quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> max concurrency
     default_tenant_quota: int | None = None  # unknown tenants; None = unlimited
     tenant_retry_after_s: float = 1.0  # Retry-After on TENANT_QUOTA
@@ -125,18 +125,27 @@ class AdmissionConfig:
     def quota_for(self, tenant: str) -> int | None:
         return self.tenant_quotas.get(tenant, self.default_tenant_quota)
 
+    def bypass_credits(self, capacity: int) -> int:
+        """The bypass pool carved out of ``capacity`` for this fleet (:func:`bypass_pool`)."""
+        return bypass_pool(capacity, self.bypass_fraction, self.lease.expected_gateways)
+
 
 # ----------------------------------------------------------------------------- arithmetic
 
 
-def bypass_pool(capacity: int, fraction: float) -> int:
-    """Credits of C reserved for the bypass lane: max(1, floor(fraction x C)).
+def bypass_pool(capacity: int, fraction: float, gateways: int = 1) -> int:
+    """Credits of C reserved for the bypass lane: max(gateways, floor(fraction x C)),
+    at most C - 1.
 
-    0 when the fraction is 0 or C < 2 (one credit cannot be split between lanes).
+    At least one per gateway of the fleet: the coordinator splits the pool over the
+    live gateways, and a gateway granted none refuses every probe and emergency
+    request while another gateway's credit sits idle (3 % of a C of 40 is one credit
+    for two gateways). 0 when the fraction is 0 or C < 2 (one credit cannot be split
+    between lanes).
     """
     if fraction <= 0.0 or capacity < 2:
         return 0
-    return min(capacity - 1, max(1, math.floor(capacity * fraction + 1e-9)))
+    return min(capacity - 1, max(1, gateways, math.floor(capacity * fraction + 1e-9)))
 
 
 def ceil_fraction(value: int, fraction: float) -> int:

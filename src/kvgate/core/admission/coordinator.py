@@ -11,7 +11,8 @@ code on state it loads and stores per refresh: ``gateway/redis_coordinator.py``)
    ``reclaim_grace_s`` > 0, its last reported in-use for that long; then it is gone.
 2. Upsert the caller. C_eff is the latest C_eff any gateway reported (each sees the
    node health itself; the newest report wins), clamped to the configured budget.
-   The bypass pool R = max(1, floor(3 % of C_eff)) is carved out first; the class
+   The bypass pool R = max(expected gateways, floor(3 % of C_eff)) is carved out
+   first (at least one credit each: the pool is split over the live gateways); the class
    capacity is K = C_eff - R.
 3. Class budgets B[c] (``allocation.class_budgets``): P0's demand is at least its
    unlendable reserve (spread over the live gateways: burst room for P0 everywhere),
@@ -77,7 +78,7 @@ from kvgate.core.admission.allocation import (
     share_with_slack,
     spread,
 )
-from kvgate.core.admission.config import AdmissionConfig, bypass_pool
+from kvgate.core.admission.config import AdmissionConfig
 from kvgate.core.admission.coordinator_record import GatewayRecord
 from kvgate.core.admission.slo import SloController
 from kvgate.core.admission.types import LeaseGrant, RefreshRequest, Triple
@@ -216,7 +217,7 @@ class InProcessCoordinator:
 
     def _grant(self, rec: GatewayRecord, *, learning: bool, p0_reserve: int) -> LeaseGrant:
         live = self.live()
-        k = self.capacity - bypass_pool(self.capacity, self.config.bypass_fraction)
+        k = self.capacity - self.config.bypass_credits(self.capacity)
         return LeaseGrant(
             gateway_id=rec.gateway_id,
             grants=rec.lease,
@@ -265,7 +266,7 @@ class InProcessCoordinator:
         """
         cfg = self.config
         others = [r for r in self.records.values() if r.gateway_id != rec.gateway_id]
-        pool = bypass_pool(self.capacity, cfg.bypass_fraction)
+        pool = cfg.bypass_credits(self.capacity)
         k = self.capacity - pool
         grant = [max(rec.has[c], rec.inuse[c]) for c in range(3)]
         want_total = max(rec.has_total, sum(rec.inuse), sum(grant))
@@ -292,7 +293,7 @@ class InProcessCoordinator:
 
     def _budgets(self, live: list[GatewayRecord]) -> _BudgetView:
         cfg = self.config
-        k = self.capacity - bypass_pool(self.capacity, cfg.bypass_fraction)
+        k = self.capacity - cfg.bypass_credits(self.capacity)
         shares = (cfg.classes[0].share, cfg.classes[1].share, cfg.classes[2].share)
         lendable = (cfg.classes[0].lendable, cfg.classes[1].lendable, cfg.classes[2].lendable)
         probe = class_budgets(capacity=k, shares=shares, lendable=lendable, demand=(0, 0, 0))
@@ -341,7 +342,7 @@ class InProcessCoordinator:
             over -= cut
         rec.lease = (grant[0], grant[1], grant[2])
         rec.lease_total = sum(grant) + headroom
-        pool = bypass_pool(self.capacity, cfg.bypass_fraction)
+        pool = cfg.bypass_credits(self.capacity)
         bypass_fair = spread(pool, (r.gateway_id for r in live))[gid]
         bypass_free = pool - sum(o.held_bypass() for o in others)
         rec.bypass_lease = max(0, min(bypass_fair, bypass_free))

@@ -40,7 +40,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvgate.core.admission.config import AdmissionConfig, bypass_pool
+from kvgate.core.admission.config import AdmissionConfig
 from kvgate.core.admission.types import LeaseGrant, LeaseState, Triple
 from kvgate.core.rng import Rng
 
@@ -177,7 +177,7 @@ class QuotaBook:
 
     # ----------------------------------------------------------------- limits
     def _class_capacity(self) -> tuple[int, int]:
-        pool = bypass_pool(self.c_eff, self.config.bypass_fraction)
+        pool = self.config.bypass_credits(self.c_eff)
         return self.c_eff - pool, pool
 
     def _scale(self) -> float:
