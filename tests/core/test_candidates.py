@@ -35,7 +35,13 @@ def reference(
     ]
     if ctl.admission.degraded:
         limit = ctl.config.safe_mode_max_queue
-        out = [s for s in out if not ctl.nodes.is_stale(s, now) and ctl.nodes.queue(s, now) < limit]
+        out = [
+            s
+            for s in out
+            if not ctl.nodes.is_stale(s, now)
+            and s.reported_waiting < limit
+            and s.reported_running + ctl.nodes.queue(s, now) < s.spec.capacity + limit
+        ]
     return out
 
 
@@ -51,7 +57,9 @@ ops_st = st.lists(
         st.tuples(st.just("remove"), st.sampled_from(NAMES)),
         st.tuples(st.just("healthy"), st.sampled_from(NAMES), st.booleans()),
         st.tuples(st.just("draining"), st.sampled_from(NAMES), st.booleans()),
-        st.tuples(st.just("report"), st.sampled_from(NAMES), st.integers(0, 12)),
+        st.tuples(
+            st.just("report"), st.sampled_from(NAMES), st.integers(0, 12), st.integers(0, 80)
+        ),
         st.tuples(st.just("lease"), st.booleans()),
         st.tuples(
             st.just("check"),
@@ -82,7 +90,7 @@ def test_candidates_match_a_fresh_filter(ops: list[tuple[object, ...]]) -> None:
         elif kind == "draining":
             ctl.set_draining(op[1], op[2], now)  # type: ignore[arg-type]
         elif kind == "report":
-            ctl.on_load_report(op[1], waiting=op[2], running=0, kv_util=0.1, now=now)  # type: ignore[arg-type]
+            ctl.on_load_report(op[1], waiting=op[2], running=op[3], kv_util=0.1, now=now)  # type: ignore[arg-type]
         elif kind == "lease":
             if op[1]:
                 ctl.refresh_with(coord, now)
@@ -129,3 +137,36 @@ def test_eligible_follows_every_kind_of_change() -> None:
     ctl.set_healthy(a, True, 0.0)  # no change: no invalidation
     ctl.on_load_report(a, waiting=3, running=0, kv_util=0.0, now=0.0)
     assert ctl.nodes.version == v
+
+
+def _safe_mode_controller() -> tuple[Controller, NodeId]:
+    """One node of capacity 64 with a fresh report of an empty node, and a gateway
+    whose coordinator never answered (degraded: safe mode)."""
+    ctl = Controller(ControllerConfig(policy="kvgate"), rng=random.Random(0))
+    node = NodeId("n0")
+    ctl.add_node(NodeSpec(node_id=node, capacity=64), 0.0)
+    ctl.on_load_report(node, waiting=0, running=0, kv_util=0.0, now=0.0)
+    assert ctl.admission.degraded
+    return ctl, node
+
+
+def test_safe_mode_counts_unreported_sends_against_the_nodes_capacity() -> None:
+    """Our sends since the node's report are mostly running by now: an idle node of
+    capacity 64 takes a burst of 24 in safe mode (counted as queue, it took 8 per scrape
+    interval and the other 16 were refused on an idle cluster), and stops taking more
+    once 64 + 8 (the safe-mode queue) are there; a node that reports a queue of 8 has no
+    room."""
+    ctl, node = _safe_mode_controller()
+    state = ctl.nodes.get(node)
+    assert state is not None
+    ctx = RouteContext(chain=(1,), prompt_tokens=10, tokens_per_block=64, max_tokens=10)
+    for i in range(24):
+        ctl.nodes.on_sent(state, now=0.1, key=f"r{i}", prefill_tokens=10, prefill_pairs=0.0,
+                          context_tokens=10, tenant="t")
+    assert ctl.candidates(ctx, set(), 0.1) == [state]
+    for i in range(24, 72):
+        ctl.nodes.on_sent(state, now=0.1, key=f"r{i}", prefill_tokens=10, prefill_pairs=0.0,
+                          context_tokens=10, tenant="t")
+    assert ctl.candidates(ctx, set(), 0.1) == []
+    ctl.on_load_report(node, waiting=8, running=10, kv_util=0.2, now=0.2)
+    assert ctl.candidates(ctx, set(), 0.2) == []

@@ -288,3 +288,28 @@ def test_an_estimated_prompt_is_refused_only_well_over_the_limit() -> None:
         request_id=RequestId("exact"), prompt="x" * 40, prompt_tokens=1001, max_tokens=10
     )
     assert isinstance(ctl.on_arrival(exact, 0.1), Reject)
+
+
+def test_safe_mode_without_room_anywhere_is_a_retryable_degraded_503() -> None:
+    """The coordinator never answered (safe mode: only nodes reporting room) and the only
+    node reports itself full: a retryable 503 degraded (room comes back with the next
+    load report), not overloaded with 'do not retry'."""
+    ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0"), capacity=4), 0.0)
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=20, kv_util=0.5, now=0.0)
+    assert ctl.admission.degraded
+    d = arrive(ctl, "r", priority=0)
+    assert isinstance(d, Reject)
+    assert d.rejected.reason.value == "degraded" and d.rejected.http_status == 503
+    assert d.rejected.retryable_by_client and d.rejected.retry_after_s > 0
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.2)
+    assert isinstance(arrive(ctl, "r2", 0.2, priority=0), Dispatch)
+
+
+def test_a_request_excluding_every_node_is_told_so() -> None:
+    ctl = cluster(2)
+    d = arrive(ctl, "r", excluded_nodes=frozenset({NodeId("n0"), NodeId("n1")}))
+    assert isinstance(d, Reject) and d.rejected.http_status == 503
+    assert "X-Kvgate-Exclude-Node" in d.rejected.message
+    d = arrive(ctl, "r2", excluded_nodes=frozenset({NodeId("n0")}))
+    assert isinstance(d, Dispatch) and d.route.node_id == "n1"

@@ -95,6 +95,8 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"nodes": {"static": ["http://a:1", "http://a:1"]}}, "duplicate node id"),
     ({"nodes": {"static": [{"id": "x"}]}}, "needs a url"),
     ({"nodes": {"health_interval_s": 0}}, "must be > 0"),
+    ({"nodes": {"metrics_interval_s": 12}},
+     "nodes.metrics_interval_s (12) must be below routing.stale_after_s (5)"),
     ({"routing": {"policy": "magic"}}, "unknown routing policy"),
     ({"routing": {"params": {"bogus": 1}}}, "bad parameters"),
     ({"admission": {"budget": 0}}, "budget"),

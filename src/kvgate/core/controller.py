@@ -614,7 +614,7 @@ class Controller:
         return held
 
     def _finish_rejected(self, record: _Request, now: float) -> Decision:
-        """No node can take the request: give the credit back and say overloaded."""
+        """No node can take the request: give the credit back and say why."""
         self._requests.pop(record.request_id, None)
         if self._aborts:
             self._aborts.pop(record.request_id, None)
@@ -624,7 +624,7 @@ class Controller:
             self._deferred.extend(
                 self._after_release(self.admission.release(record.ticket, now), now)
             )
-        rejected = overloaded_rejection("no healthy node can take this request")
+        rejected = self._no_node_rejection(record)
         self.stats.rejects[rejected.reason.value] += 1
         ticket = record.ticket
         priority = ticket.priority if ticket is not None else Priority(record.arrived.priority)
@@ -788,6 +788,33 @@ class Controller:
             return []
         after = self._after_release(self.admission.release(record.ticket, now), now)
         return after + self._take_deferred()
+
+    def _no_node_rejection(self, record: _Request) -> Rejected:
+        """Why no node could take ``record``. When the request itself excluded every node
+        serving its model (X-Kvgate-Exclude-Node), it says so. In safe mode (the
+        coordinator out of reach) nodes without reported room are left out: degraded,
+        retry soon (503, retryable), as room comes back with the next load reports.
+        Otherwise no healthy node can: overloaded (503, do not retry)."""
+        named = record.arrived.excluded_nodes
+        if named:
+            pool, _ = self.nodes.eligible(record.ctx.model)
+            if pool and all(s.spec.node_id in named for s in pool):
+                return overloaded_rejection(
+                    "every node serving this model is excluded by the request "
+                    "(X-Kvgate-Exclude-Node)",
+                    request_id=record.request_id,
+                )
+        if self.admission.degraded:
+            return make_rejection(
+                RejectReason.DEGRADED,
+                "degraded: the coordinator is out of reach and no node reports room for "
+                "this request",
+                request_id=record.request_id,
+                retry_after_s=1.0,
+            )
+        return overloaded_rejection(
+            "no healthy node can take this request", request_id=record.request_id
+        )
 
     def _after_release(self, admitted: list[Admitted], now: float) -> list[Decision]:
         out: list[Decision] = []

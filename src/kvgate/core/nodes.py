@@ -383,13 +383,21 @@ class NodeTable:
         return rt is None or now - rt > self.stale_after_s
 
     def with_room(self, states: Iterable[NodeState], now: float, max_queue: int) -> list[NodeState]:
-        """The ``states`` with a fresh report and a queue below ``max_queue``, in order
-        (safe mode's filter; the rule of is_stale() and queue(), inlined)."""
+        """The ``states`` with a fresh report that say they have room, in order (safe
+        mode's filter; the rule of is_stale() inlined): the node's reported queue is below
+        ``max_queue``, and what it reported running and waiting plus what we sent since
+        leaves fewer than ``max_queue`` waiting beyond its ``capacity``.
+
+        Our sends since the report are mostly running by now, not queued: counted as
+        queue, an idle node of capacity 64 took 8 requests per scrape interval and the
+        rest of a burst was refused on an idle cluster (admission audit)."""
         stale_after = self.stale_after_s
         return [
             s
             for s in states
             if (rt := s.report_time) is not None
             and not now - rt > stale_after
-            and s.reported_waiting + s.sent_since_report < max_queue
+            and s.reported_waiting < max_queue
+            and s.reported_running + s.reported_waiting + s.sent_since_report
+            < s.spec.capacity + max_queue
         ]

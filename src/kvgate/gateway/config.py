@@ -381,6 +381,15 @@ class GatewayConfig:
         from kvgate.core.hashing import make_hasher
         from kvgate.core.routing import make_policy
 
+        if self.nodes.metrics_interval_s >= self.routing.stale_after_s:
+            # every report would be stale before the next: safe mode (which dispatches
+            # only to nodes whose fresh report shows room) would refuse everything
+            raise ConfigError(
+                f"nodes.metrics_interval_s ({self.nodes.metrics_interval_s:g}) must be "
+                f"below routing.stale_after_s ({self.routing.stale_after_s:g}): a load "
+                "report goes stale before the next one",
+                param="metrics_interval_s",
+            )
         cc = self.controller_config()
         make_policy(cc.policy, cc.policy_params)
         make_hasher(cc.hasher, **dict(cc.hasher_params))
