@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from admission_testlib import req
+from admission_testlib import req, sync_refresh
 
 from kvgate.core.admission import (
     AdmissionConfig,
@@ -124,6 +124,41 @@ def test_ttft_window_p99() -> None:
     for _ in range(4):
         w.add(5.0, 31.0)
     assert w.last(40.0) == (3, None)  # too few samples to say
+
+
+def test_a_sparse_window_is_healthy_only_if_its_samples_are() -> None:
+    """Fewer than min_samples: no p99, but a few P0 requests 5x over the SLO are not
+    'no data'. All within the healthy fraction: None (healthy); any slower: the slowest,
+    capped at the SLO (the band, never a breach on its own)."""
+    w = TtftWindow.for_slo(SloConfig())  # 2 s SLO, healthy up to 1.8 s, 5 samples
+    for _ in range(4):
+        w.add(0.5, 1.0)
+    assert w.last(10.0) == (0, None)
+    w.add(0.5, 11.0)
+    w.add(1.9, 12.0)
+    assert w.last(20.0) == (1, pytest.approx(1.9, rel=0.02))
+    for _ in range(3):
+        w.add(11.0, 21.0)
+    assert w.last(30.0) == (2, 2.0)
+    ctl = SloController(SloConfig())
+    assert [ctl.classify(p) for p in (None, 1.9, 2.0)] == ["healthy", "band", "band"]
+
+
+def test_sparse_slow_p0_windows_do_not_let_p2_back() -> None:
+    """Four P0 streams at ~11 s to first token give 3-4 samples a window: P2 stayed at its
+    slow start's 0.1 (the audit saw it double to 0.8 as these windows read healthy)."""
+    cfg = AdmissionConfig(budget=256)
+    coord = InProcessCoordinator(cfg)
+    gw = GatewayAdmission(cfg, "g")
+    t = 0.0
+    sync_refresh(gw, coord, t)
+    for _ in range(6):  # six 10 s windows
+        for k in range(3):
+            gw.record_ttft(Priority.P0, 11.0, t + 1.0 + k)
+        t += 10.0
+        sync_refresh(gw, coord, t + 0.5)
+        sync_refresh(gw, coord, t + 5.0)
+    assert coord.slo.p2_ceiling == pytest.approx(SloConfig().p2_start)
 
 
 def test_gateway_reports_feed_the_coordinator_ceiling() -> None:

@@ -82,7 +82,7 @@ class SloConfig:
 
     p0_ttft_p99_s: float = 2.0  # the SLO
     window_s: float = 10.0
-    min_samples: int = 5  # a window with fewer P0 samples reports no data (= healthy)
+    min_samples: int = 5  # fewer P0 samples: healthy if all are, else the band (slo.py)
     healthy_fraction: float = 0.9  # healthy only when p99 <= 0.9 x SLO (the band in between
     # counts as neither breach nor healthy: this is the hysteresis)
     breach_windows: int = 2  # consecutive breached windows before a decrease

@@ -5,7 +5,14 @@ request's arrival at the gateway, its wait in the local queue included) go into 
 log-bucketed histogram per window (``window_s``, aligned to multiples of it on the
 gateway's monotonic clock). A refresh carries the p99 of the last complete window
 and that window's index, so the coordinator counts each window once. Buckets are
-2 % wide; the p99 reported is the bucket's upper edge (at most 2 % high).
+2 % wide; the p99 reported is the bucket's upper edge (at most 2 % high). A window
+with fewer than ``min_samples`` samples (but some) has no p99 worth the name: it
+reports no data (healthy) when its slowest sample is within the healthy fraction of
+the SLO, and otherwise that sample capped at the SLO, which keeps the loop in its band
+(neither streak grows) without breaching on its own: one slow P0 request does not cut
+P1, and a handful of P0 requests 5x over the SLO no longer count as healthy and let P2
+double (admission audit: four P0 streams at 11 s to first token, 3-4 samples a window,
+took P2 from 0.1 to 0.8).
 
 Coordinator side, :class:`SloController`, one step per closed window (AIMD with a
 hysteresis band, admission-anchors 8.4):
@@ -66,6 +73,8 @@ class TtftWindow:
 
     window_s: float
     min_samples: int = 5
+    slo_s: float = math.inf  # the P0 TTFT SLO: a sparse window reports at most this
+    healthy_s: float = math.inf  # a sparse window whose samples are all within is healthy
     _current: int = -1
     _counts: dict[int, int] = field(default_factory=dict)
     _samples: int = 0
@@ -78,14 +87,34 @@ class TtftWindow:
             return
         if self._current >= 0 and index == self._current + 1:
             self._last_index = self._current
-            enough = self._samples >= self.min_samples
-            self._last_p99 = histogram_quantile(self._counts, 0.99) if enough else None
+            self._last_p99 = self._report()
         else:  # first use, or one or more empty windows passed
             self._last_index = index - 1
             self._last_p99 = None
         self._current = index
         self._counts = {}
         self._samples = 0
+
+    @classmethod
+    def for_slo(cls, slo: SloConfig) -> TtftWindow:
+        """The window a gateway keeps for the SLO loop ``slo`` configures."""
+        return cls(
+            window_s=slo.window_s,
+            min_samples=slo.min_samples,
+            slo_s=slo.p0_ttft_p99_s,
+            healthy_s=slo.healthy_fraction * slo.p0_ttft_p99_s,
+        )
+
+    def _report(self) -> float | None:
+        """What the window just closed reports: its p99, or for a sparse one (fewer than
+        ``min_samples``) None when its slowest sample is healthy, else that sample capped
+        at the SLO (the band: it holds the loop, never breaches alone)."""
+        if self._samples >= self.min_samples:
+            return histogram_quantile(self._counts, 0.99)
+        if not self._counts:
+            return None
+        slowest = _bucket_upper(max(self._counts))
+        return None if slowest <= self.healthy_s else min(slowest, self.slo_s)
 
     def add(self, ttft_s: float, now: float) -> None:
         self._roll(now)
@@ -94,7 +123,8 @@ class TtftWindow:
         self._samples += 1
 
     def last(self, now: float) -> tuple[int, float | None]:
-        """(index, p99) of the last complete window; p99 None when it had too few samples."""
+        """(index, p99) of the last complete window; p99 None for no data (none, or a few
+        healthy samples)."""
         self._roll(now)
         return self._last_index, self._last_p99
 

@@ -109,7 +109,7 @@ class Stage1Limiter:
         self.gateway_id = gateway_id
         self._book = QuotaBook(config, rng)
         self._breaker = ClusterBreaker(config.breaker)
-        self._ttft = TtftWindow(window_s=config.slo.window_s, min_samples=config.slo.min_samples)
+        self._ttft = TtftWindow.for_slo(config.slo)
         self._queues = tuple(FairQueue(c.queue_limit) for c in config.classes)
         # per class: requests their tenant's lease does not cover yet, awaiting a grant
         self._awaiting = tuple(FairQueue(c.queue_limit) for c in config.classes)
