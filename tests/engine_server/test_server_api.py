@@ -177,7 +177,21 @@ async def test_metrics_use_vllm_names(start_server: Any, http: aiohttp.ClientSes
     assert samples["vllm:generation_tokens_total"][1] == 4
     assert samples["vllm:prefix_cache_hits_total"][1] > 0
     assert samples["vllm:num_requests_running"][1] == 0
-    assert "# TYPE vllm:prefix_cache_hits counter" in text
+    # a counter's family carries its _total, as prometheus_client writes it (under the
+    # bare name its parser saw an empty counter and an untyped sample)
+    assert "# TYPE vllm:prefix_cache_hits_total counter" in text
+    assert "# HELP vllm:prefix_cache_hits_total " in text
+
+
+async def test_tokenize_refuses_a_model_that_is_not_a_string(
+        start_server: Any, http: aiohttp.ClientSession) -> None:
+    """400 invalid_type, as the completion routes answer; it was a 404 'The model `5`
+    does not exist'."""
+    server = await start_server()
+    async with http.post(f"{server.url}/tokenize", json={"model": 5, "prompt": "hi"}) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert (error["code"], error["param"]) == ("invalid_type", "model")
 
 
 async def test_tokenize_matches_usage(start_server: Any, http: aiohttp.ClientSession) -> None:
@@ -332,6 +346,27 @@ async def test_a_stalled_request_head_is_dropped(start_server: Any) -> None:
     head, body = await _raw_exchange(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n")
     assert head.split(b" ")[1] == b"408"
     assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+@pytest.mark.parametrize("sent", [b"", b'{"mod'], ids=["no-body", "half-a-body"])
+async def test_a_stalled_request_body_gets_408_and_the_connection_closes(
+        start_server: Any, sent: bytes) -> None:
+    """A head with Content-Length and then too little body: a 408 after body_timeout_s,
+    then the connection closes (the rest of the body must not be read as a request).
+    The engine waited for the body forever."""
+    server = await start_server(body_timeout_s=0.3)
+    assert server.port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n" + sent)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        assert head.split(b" ")[1] == b"408"
+        rest = await asyncio.wait_for(reader.read(), 5.0)  # to EOF: the server closed
+        assert json.loads(rest)["error"]["code"] == "request_timeout"
+    finally:
+        writer.close()
 
 
 async def test_settings_the_simulator_need_not_honour_are_accepted(

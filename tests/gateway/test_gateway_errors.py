@@ -26,7 +26,7 @@ MALFORMED: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("prompt an int", "POST", C, {"model": M, "prompt": 5}, {}, 400, "prompt"),
     ("empty prompt list", "POST", C, {"model": M, "prompt": []}, {}, 400, "prompt"),
     ("batched prompts", "POST", C, {"model": M, "prompt": ["a", "b"]}, {}, 400, "prompt"),
-    ("negative token id", "POST", C, {"model": M, "prompt": [1, -2]}, {}, 400, "prompt"),
+    ("negative token id", "POST", C, {"model": M, "prompt": [1, -2]}, {}, 400, "prompt[1]"),
     ("max_tokens a string", "POST", C, {"model": M, "prompt": "x", "max_tokens": "9"}, {}, 400,
      "max_tokens"),
     ("max_tokens zero", "POST", C, {"model": M, "prompt": "x", "max_tokens": 0}, {}, 400,

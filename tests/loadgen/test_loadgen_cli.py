@@ -100,6 +100,7 @@ def test_trace_sends_the_whole_limited_trace_by_default(
 @pytest.mark.parametrize("argv", [
     ["--rate", "0"], ["--rate", "x"], ["--concurrency", "0"], ["--workload", "nope"],
     ["--workload", "gsp", "--trace", "f.jsonl"], ["--endpoint", "embeddings"],
+    ["--temperature", "nan"], ["--temperature", "-1"], ["--temperature", "2.5"],
 ])
 def test_bad_flags_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

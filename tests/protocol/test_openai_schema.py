@@ -149,7 +149,10 @@ MALFORMED: list[tuple[Parser, bytes, type[ProtocolError], str | None]] = [
     (P, _completion(prompt=[[1], [2]]), BatchedPromptError, "prompt"),
     (P, _completion(prompt=[1, "a"]), InvalidTypeError, "prompt[1]"),
     (P, _completion(prompt=[[]]), InvalidValueError, "prompt"),
-    (P, _completion(prompt=[[1, -2]]), InvalidValueError, "prompt[0]"),
+    (P, _completion(prompt=[[1, -2]]), InvalidValueError, "prompt[0][1]"),
+    (P, _completion(prompt=[1, -2]), InvalidValueError, "prompt[1]"),
+    (P, _completion(prompt=[2**32]), InvalidValueError, "prompt[0]"),
+    (P, _completion(prompt=[10**20]), InvalidValueError, "prompt[0]"),
     (P, _completion(prompt=[[1, "x"]]), InvalidTypeError, "prompt[0][1]"),
     (P, _completion(prompt=[{"x": 1}]), InvalidTypeError, "prompt[0]"),
     (P, _completion(prompt=[True]), InvalidTypeError, "prompt[0]"),
@@ -281,9 +284,12 @@ def test_edit_body_splices_absent_keys_and_matches_with_fields() -> None:
     assert parse_completion_request(big_prio).priority == 123456789012345678901234567890
     with pytest.raises(InvalidTypeError):
         parse_completion_request(b'{"model":"m","prompt":"p","max_tokens":1e30}')
+    # a token id past 64 bits is read exactly, and refused for what it is (ids are
+    # unsigned 32-bit ints), not for a float
     tokens = b'{"model":"m","prompt":[123456789012345678901234567890, 1]}'
-    assert parse_completion_request(tokens).prompt_token_ids == (
-        123456789012345678901234567890, 1)
+    with pytest.raises(InvalidValueError, match="123456789012345678901234567890") as exc:
+        parse_completion_request(tokens)
+    assert exc.value.param == "prompt[0]"
     # UTF-16 bodies (json detects the encoding) are never spliced into
     utf16 = json.dumps({"model": "m", "prompt": "p"}).encode("utf-16")
     r4 = parse_completion_request(utf16)

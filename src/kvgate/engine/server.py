@@ -89,6 +89,7 @@ from kvgate.protocol import (
     overloaded_body,
     server_error_body,
 )
+from kvgate.protocol.errors import BodyTimeoutError, InvalidTypeError, type_name
 from kvgate.protocol.openai_schema import parse_json_object
 from kvgate.protocol.sse import DONE_EVENT, encode_json_event, error_event
 
@@ -452,7 +453,17 @@ class EngineServer:
 
     async def _read_json(self, request: web.Request) -> bytes:
         try:
-            return await request.read()
+            if request.content.is_eof():  # the whole body is in already: no timer needed
+                return await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                return await request.read()
+        except TimeoutError as exc:
+            # A body that trickles in, or never comes, held the connection for good. The
+            # rest may still come: the body is failed, so the edge closes the connection
+            # after the 408 instead of reading those bytes as the next request.
+            error = BodyTimeoutError("Timed out reading the request body.")
+            request.content.set_exception(error)
+            raise error from exc
         except web.HTTPRequestEntityTooLarge:
             raise RequestTooLargeError(
                 f"Request body is larger than {self.config.max_body_bytes} bytes.",
@@ -636,8 +647,11 @@ class EngineServer:
             body = await self._read_json(request)
             obj = parse_json_object(body, max_body_bytes=self.config.max_body_bytes)
             model = obj.get("model")
+            if model is not None and not isinstance(model, str):
+                raise InvalidTypeError(f"Invalid type for 'model': expected a string, but "
+                                       f"got {type_name(model)} instead.", param="model")
             if model is not None and model != self.config.model:
-                return _json(404, not_found_body(str(model)))
+                return _json(404, not_found_body(model))
             tokens = tokenize_body(body, obj, self._tokens, self.config.model)
         except ProtocolError as exc:
             return _json(exc.http_status, exc.body())

@@ -263,6 +263,7 @@ class EngineServerConfig:
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     header_timeout_s: float = 30.0  # a connection must send a whole request head in this
+    body_timeout_s: float = 30.0  # and a request's whole body in this, once its head is in
     default_max_tokens_completion: int = 16
     default_max_tokens_chat: int = 256
 
@@ -276,8 +277,9 @@ class EngineServerConfig:
                              f"{self.kv_events_layout!r}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
-        if not (math.isfinite(self.header_timeout_s) and self.header_timeout_s > 0):
-            raise ValueError(f"header_timeout_s must be a finite number > 0, got "
-                             f"{self.header_timeout_s}")
+        for key in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{key} must be a finite number > 0, got {value}")
         if not self.model:
             raise ValueError("model must not be empty")

@@ -235,10 +235,13 @@ def render_metrics(
 
     def metric(name: str, kind: str, help_: str, value: float,
                labels: Mapping[str, str] = base) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        sample = f"{name}_total" if kind == "counter" else name
-        lines.append(f"{sample}{_labels(labels)} {_fmt(value)}")
+        # a counter's family is named with its _total, as prometheus_client (vLLM's
+        # exporter) writes it: under a bare name its parser sees an empty counter and
+        # an untyped _total sample
+        family = f"{name}_total" if kind == "counter" else name
+        lines.append(f"# HELP {family} {help_}")
+        lines.append(f"# TYPE {family} {kind}")
+        lines.append(f"{family}{_labels(labels)} {_fmt(value)}")
 
     metric("vllm:num_requests_running", "gauge",
            "Number of requests in model execution batches.", m.num_requests_running)

@@ -52,6 +52,18 @@ def _rate(text: str) -> float:
     return value
 
 
+def _temperature(text: str) -> float:
+    """OpenAI's range, [0, 2]: a NaN went out as a bare NaN, which is not JSON, and every
+    request came back 400."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 2.0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be in [0, 2], got {text}")
+    return value
+
+
 def _fill_parser(p: argparse.ArgumentParser) -> None:
     wl = p.add_argument_group("workload")
     src = wl.add_mutually_exclusive_group()
@@ -179,7 +191,7 @@ def _fill_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ask the server to ignore EOS (vLLM/SGLang extension)",
     )
-    ep.add_argument("--temperature", type=float, default=0.0, help="(default 0)")
+    ep.add_argument("--temperature", type=_temperature, default=0.0, help="in [0, 2] (default 0)")
 
     out = p.add_argument_group("output")
     out.add_argument(

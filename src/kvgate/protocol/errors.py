@@ -79,6 +79,13 @@ class RequestTooLargeError(ProtocolError):
     http_status = 413
 
 
+class BodyTimeoutError(ProtocolError):
+    """The body did not arrive in time (a client that trickles it, or sends none)."""
+
+    http_status = 408
+    default_code = "request_timeout"
+
+
 class MissingParameterError(ProtocolError):
     default_code = "missing_required_parameter"
 

@@ -331,13 +331,16 @@ def _stop(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
+_TOKEN_ID_LIMIT = 2**32  # token ids are hashed as unsigned 32-bit ints (vLLM's too)
+
+
 def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
     for i, tok in enumerate(value):
         if not _is_int(tok):
             raise _bad_type(f"{param}[{i}]", "an integer", tok)
-        if tok < 0:
-            raise InvalidValueError(f"Invalid '{param}[{i}]': token ids must be >= 0, but got "
-                                    f"{tok} instead.", param=param)
+        if not 0 <= tok < _TOKEN_ID_LIMIT:
+            raise InvalidValueError(f"Invalid '{param}[{i}]': token ids must be >= 0 and "
+                                    f"< 2**32, but got {tok} instead.", param=f"{param}[{i}]")
     return tuple(value)
 
 

@@ -165,8 +165,9 @@ class TokenBlockHasher:
         try:
             packed = array(_U32, ids)
         except (OverflowError, TypeError) as exc:
+            # Python's own text ("unsigned int is greater than maximum") is no answer
             raise ClientRequestError(
-                f"token ids must be ints in [0, 2**32): {exc}", param="token_ids"
+                "token ids must be integers >= 0 and < 2**32", param="token_ids"
             ) from exc
         if _BIG_ENDIAN:
             packed.byteswap()
