@@ -179,3 +179,30 @@ def test_kvgate_up_stops_everything_on_sighup_with_its_reader_gone(e2e: Any) -> 
             await _stop_leftovers(proc, engine_pids, e2e)
 
     e2e.run(body(), timeout=50)
+
+
+def test_bad_gateway_settings_fail_before_any_engine_starts(
+    monkeypatch: Any, capsys: Any
+) -> None:
+    """A bad port, policy or model is a usage error (exit 2) found before any engine
+    process starts; it was found once every engine was up, seconds later, exit 1."""
+    import argparse
+
+    import pytest
+
+    from kvgate.commands import up
+    from kvgate.core.errors import ConfigError
+
+    def no_engine(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(up, "spawn_engine", no_engine)
+    for kwargs in ({"port": -5}, {"policy": "nope"}, {"model": " "}, {"nodes": 65}):
+        with pytest.raises(ConfigError):
+            asyncio.run(start_cluster(**kwargs))  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    up.add_up_parser(parser.add_subparsers())
+    assert up.run_up(parser.parse_args(["up", "--port", "70000"])) == 2
+    assert "server.port must be in [0, 65535]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--nodes", "1000"])

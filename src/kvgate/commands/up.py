@@ -56,6 +56,7 @@ from kvgate.gateway.config_load import build_config
 log = logging.getLogger("kvgate.up")
 
 DEFAULT_NODES = 4
+MAX_NODES = 64  # engine processes one `kvgate up` starts at most
 DEFAULT_ENGINE_SPEEDUP = 10.0
 DEFAULT_ENGINE_NUM_BLOCKS = 8192  # x 16 tokens = 131 072 tokens of KV cache per engine
 DEFAULT_MODEL = "kvgate-sim"
@@ -314,11 +315,17 @@ async def start_cluster(
     Raises :class:`ClusterStartError` (or ConfigError / OSError) after stopping
     whatever it had started; cancellation also stops everything.
     """
-    if nodes < 1:
-        raise ConfigError("nodes must be >= 1")
+    if not 1 <= nodes <= MAX_NODES:
+        raise ConfigError(f"nodes must be in [1, {MAX_NODES}], got {nodes}")
     if not engine_speedup > 0:
         raise ConfigError("engine_speedup must be > 0")
+    if not model.strip():
+        raise ConfigError("model must not be empty")
     token = admin_token or secrets.token_urlsafe(24)
+    # the gateway's settings are checked before any engine starts: a bad port or policy
+    # failed only once every engine was up, seconds later
+    gateway_config([], host=host, port=port, policy=policy, admin_token=token,
+                   num_blocks=engine_num_blocks, overrides=gateway_overrides)
     own_dir = log_dir is None
     logs = Path(tempfile.mkdtemp(prefix="kvgate-up-")) if log_dir is None else Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -393,6 +400,15 @@ async def start_cluster(
 # ----------------------------------------------------------------------------- CLI
 
 
+def _node_count(text: str) -> int:
+    """--nodes: 1 to MAX_NODES (1 000 asked for launched 613 engines, ~57 MB each, before
+    the kernel's out-of-memory killer stopped it on a 24 GB machine)."""
+    value = positive_int(text)
+    if value > MAX_NODES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_NODES}, got {value}")
+    return value
+
+
 def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``up`` to ``parser.add_subparsers()``'s result."""
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -404,9 +420,10 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--nodes",
-        type=positive_int,
+        type=_node_count,
         default=DEFAULT_NODES,
-        help="number of engine processes (default %(default)s)",
+        help=f"number of engine processes, at most {MAX_NODES} (each is a process of about "
+        "60 MB) (default %(default)s)",
     )
     p.add_argument(
         "--host",
@@ -550,7 +567,8 @@ async def _up(args: argparse.Namespace) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
         _say(f"kvgate up: cannot start: {getattr(exc, 'message', None) or exc}", err=True)
-        return 1
+        # a bad setting is found before anything starts: a usage error, as argparse's
+        return 2 if isinstance(exc, ConfigError) else 1
     _say(
         banner(
             cluster,
