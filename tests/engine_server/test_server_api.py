@@ -369,6 +369,17 @@ async def test_a_stalled_request_body_gets_408_and_the_connection_closes(
         writer.close()
 
 
+async def test_an_unknown_expectation_is_a_json_417_without_an_echo(start_server: Any) -> None:
+    server = await start_server()
+    assert server.port is not None
+    head, body = await _raw_exchange(server.port, (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 10\r\nExpect: the-moon\r\n\r\n"))
+    assert head.split(b" ")[1] == b"417"
+    error = json.loads(body)["error"]
+    assert error["code"] == "expectation_failed" and "the-moon" not in error["message"]
+
+
 async def test_settings_the_simulator_need_not_honour_are_accepted(
         start_server: Any, http: aiohttp.ClientSession) -> None:
     """Sampling settings, stop strings, tools the model may skip, plain-text output and

@@ -222,3 +222,39 @@ def test_parser_errors_are_openai_json_with_one_log_line(
     no_traceback(caplog)
     lines = [r for r in caplog.records if r.getMessage().startswith("rejected a request")]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
+
+
+# ---------------------------------------------------------------- 5. Expect headers
+
+
+def _expect_head(expect: str, *headers: str, length: int = len(CHAT)) -> bytes:
+    head = ["POST /v1/chat/completions HTTP/1.1", "Host: x", "Content-Type: application/json",
+            f"Content-Length: {length}", f"Expect: {expect}", "Connection: close", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode()
+
+
+def test_expect_is_answered_only_for_a_body_the_gateway_would_take(kit: Any) -> None:
+    """aiohttp answered 'Expect: 100-continue' with a 100 before any check, inviting an
+    unknown caller's body, or one past client_max_size, and any other expectation with a
+    text/plain 417 quoting it. Now: 401 / 413 / 417 as OpenAI JSON, and a 100 only for a
+    known caller's body of an acceptable size."""
+
+    async def body() -> None:
+        keys = {"keys": {"sk-good-key": {"tenant": "t"}}}
+        async with kit.cluster(1, auth=keys) as c:
+            raw, _ = await exchange(c.url, _expect_head("100-continue"))
+            assert not raw.startswith(b"HTTP/1.1 100"), raw[:100]
+            assert parse(raw)[0] == 401
+            raw, _ = await exchange(c.url, _expect_head(
+                "100-continue", "Authorization: Bearer sk-good-key", length=10**9))
+            assert assert_openai_error(raw, 413)["code"] == "request_too_large"
+            raw, _ = await exchange(c.url, _expect_head(
+                "the-moon", "Authorization: Bearer sk-good-key"))
+            err = assert_openai_error(raw, 417)
+            assert err["code"] == "expectation_failed" and "the-moon" not in err["message"]
+            raw, _ = await exchange(
+                c.url, _expect_head("100-continue", "Authorization: Bearer sk-good-key"), CHAT,
+                pause=0.2)
+            assert raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"), raw[:120]
+
+    kit.run(body())

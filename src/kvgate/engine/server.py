@@ -52,7 +52,7 @@ from typing import Any, Literal
 import zmq
 from aiohttp import web
 
-from kvgate.edge import EdgeRunner
+from kvgate.edge import EdgeRunner, expect_handler
 from kvgate.edge import json_response as _json  # the gateway's compact JSON answers
 from kvgate.engine.api import EngineConfig, EngineRequest, FinishedRequest, RejectedRequest
 from kvgate.engine.engine import SimEngine
@@ -439,15 +439,16 @@ class EngineServer:
     def _build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[_http_errors])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
+        expect = expect_handler(self.config.max_body_bytes)  # 417 / 413 as JSON, then 100
+        app.router.add_post("/v1/completions", self._completions, expect_handler=expect)
+        app.router.add_post("/v1/chat/completions", self._chat, expect_handler=expect)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
-        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/tokenize", self._tokenize, expect_handler=expect)
         app.router.add_get("/kvgate/evictions", self._evictions)
         app.router.add_get("/kv_event_sources", self._kv_event_sources)
-        app.router.add_post("/admin/fault", self._admin_fault)
+        app.router.add_post("/admin/fault", self._admin_fault, expect_handler=expect)
         app.router.add_get("/admin/fault", self._admin_state)
         return app
 

@@ -35,7 +35,7 @@ from kvgate.core.errors import AuthError, ClientRequestError, ConfigError, Kvgat
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeState
 from kvgate.core.stats import DecisionRecord
-from kvgate.edge import json_response
+from kvgate.edge import expect_handler, json_response
 from kvgate.gateway.body import read_body
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.config_load import parse_node
@@ -343,10 +343,11 @@ def register_admin(app: web.Application, gw: Gateway) -> None:
     api = AdminApi(gw)
     r = app.router
     r.add_get("/admin/nodes", api.list_nodes)
-    r.add_post("/admin/nodes", api.add_node)
+    expect = expect_handler(gw.config.server.client_max_size)  # 417 / 413 as JSON, then 100
+    r.add_post("/admin/nodes", api.add_node, expect_handler=expect)
     r.add_get("/admin/nodes/{id}", api.get_node)
     r.add_delete("/admin/nodes/{id}", api.remove_node)
-    r.add_post("/admin/nodes/{id}/drain", api.drain_node)
+    r.add_post("/admin/nodes/{id}/drain", api.drain_node, expect_handler=expect)
     r.add_get("/admin/config", api.config)
     r.add_get("/admin/admission", api.admission)
     r.add_get("/admin/decisions", api.decisions)
