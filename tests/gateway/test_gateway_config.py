@@ -121,6 +121,10 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
      "admission.reclaim_retry_after_s must be a finite number"),
     ({"admission": {"queue_timeout_s": float("inf")}},
      "admission.queue_timeout_s must be a finite number"),
+    ({"admission": {"queue_timeout_s": 0}}, "queue_timeout_s must be > 0, got 0"),
+    ({"admission": {"queue_limit": -1}}, "queue_limit must be >= 0, got -1"),
+    ({"admission": {"tenant_quotas": {"acme": -2, "b": 3}}},
+     "tenant quotas must be >= 0: acme = -2"),
 ])
 def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
                                              tmp_path: Path) -> None:

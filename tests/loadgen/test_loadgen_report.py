@@ -145,3 +145,6 @@ def test_table_is_aligned() -> None:
         assert f"{label:<40}{value}" in lines
     assert any(line.startswith("P99 ITL (ms):") for line in lines)
     assert all(len(line) <= 50 for line in lines)
+    # what the first failed request of a status was told, under its count
+    status_row = lines.index(f"{'  status 503:':<40}2")
+    assert lines[status_row + 1].startswith("    first: ")

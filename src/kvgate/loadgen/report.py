@@ -42,6 +42,7 @@ the key ends in ``_ms``; absent values are ``null``:
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -236,6 +237,13 @@ class LoadReport:
             d["itls"] = [list(r.itl_s) for r in rs]
         return d
 
+    def _first_failure(self, status: str) -> str | None:
+        """The error detail of the first failed request with ``status`` (None: none)."""
+        for r in self.results:
+            if not r.success and r.error != "cancelled" and str(r.status) == status:
+                return " ".join((r.error_detail or r.error or "").split()) or None
+        return None
+
     def format_table(self) -> str:
         """A console table shaped like ``vllm bench serve``'s."""
         w = 50
@@ -254,6 +262,10 @@ class LoadReport:
         row("Failed requests:", self.failed)
         for status, n in sorted(self.failed_by_status.items()):
             row(f"  status {status}:", n)
+            # what the first of them was told: a count alone hid a 400 for every request
+            if (first := self._first_failure(status)) is not None:
+                text = textwrap.wrap(f"first: {first}", w - 4, max_lines=4, placeholder=" ...")
+                lines.extend(f"    {part}" for part in text)
         if self.incomplete:
             row("Incomplete requests (time bound):", self.incomplete)
         if self.settings.get("closed_loop"):

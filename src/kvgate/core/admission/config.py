@@ -170,8 +170,10 @@ def _validate(cfg: AdmissionConfig) -> None:
     for i, c in enumerate(cfg.classes):
         if not 0.0 <= c.lendable <= 1.0:
             raise ConfigError(f"P{i} lendable must be in [0, 1], got {c.lendable}")
-        if c.queue_limit < 0 or c.queue_timeout_s <= 0.0:
-            raise ConfigError(f"P{i} queue limit must be >= 0 and timeout > 0")
+        if c.queue_limit < 0:
+            raise ConfigError(f"P{i} queue_limit must be >= 0, got {c.queue_limit}")
+        if not c.queue_timeout_s > 0.0:
+            raise ConfigError(f"P{i} queue_timeout_s must be > 0, got {c.queue_timeout_s}")
     if cfg.reclaim_retry_after_s < 0.0 or cfg.tenant_retry_after_s < 0.0:
         raise ConfigError(
             "reclaim_retry_after_s and tenant_retry_after_s must be >= 0",
@@ -181,11 +183,14 @@ def _validate(cfg: AdmissionConfig) -> None:
         raise ConfigError("safe_mode.retry_after_s must be >= 0", param="safe_mode")
     if not 0.0 <= cfg.bypass_fraction <= 0.5:
         raise ConfigError(f"bypass_fraction must be in [0, 0.5], got {cfg.bypass_fraction}")
-    quotas = list(cfg.tenant_quotas.values())
+    quotas = dict(cfg.tenant_quotas)
     if cfg.default_tenant_quota is not None:
-        quotas.append(cfg.default_tenant_quota)
-    if any(q < 0 for q in quotas):
-        raise ConfigError("tenant quotas must be >= 0", param="tenant_quotas")
+        quotas["(default_tenant_quota)"] = cfg.default_tenant_quota
+    if negative := sorted(t for t, q in quotas.items() if q < 0):
+        raise ConfigError(
+            f"tenant quotas must be >= 0: {', '.join(f'{t} = {quotas[t]}' for t in negative)}",
+            param="tenant_quotas",
+        )
     b = cfg.breaker
     if not 0.0 < b.error_rate <= 1.0 or b.window_s <= 0 or b.buckets < 1 or b.open_s <= 0:
         raise ConfigError("breaker: error_rate in (0, 1], window_s, buckets, open_s > 0")
