@@ -27,6 +27,8 @@ class Stub:
     fail: Callable[[int], int | None] = lambda i: None  # request index -> status
     stream_error_at: int | None = None  # request index that errors mid-stream
     cached: bool = True
+    usage: bool = True  # False: no usage anywhere (a server that reports none)
+    empty_text: bool = False  # token chunks carry empty text (special tokens)
     models_mode: str = "ok"  # GET /v1/models: "ok", "html" (200 text/html) or "hang"
     models_calls: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -87,8 +89,10 @@ class Stub:
                 text = "x" * n_out
                 choice: dict[str, Any] = ({"message": {"role": "assistant", "content": text}}
                                           if chat else {"text": text})
-                return web.json_response({"choices": [choice],
-                                          "usage": self._usage(prompt, n_out)})
+                answer: dict[str, Any] = {"choices": [choice]}
+                if self.usage:
+                    answer["usage"] = self._usage(prompt, n_out)
+                return web.json_response(answer)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
 
@@ -104,10 +108,11 @@ class Stub:
                     if index == self.stream_error_at and k == 1:
                         await send({"error": {"message": "boom", "code": 500}})
                         break
-                    piece = {"delta": {"content": "x"}} if chat else {"text": "x"}
+                    token = "" if self.empty_text else "x"
+                    piece = {"delta": {"content": token}} if chat else {"text": token}
                     await send({"choices": [{"index": 0, **piece}]})
                 usage = self._usage(prompt, n_out)
-                if body.get("stream_options", {}).get("include_usage"):
+                if self.usage and body.get("stream_options", {}).get("include_usage"):
                     await send({"choices": [], "usage": usage})
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()

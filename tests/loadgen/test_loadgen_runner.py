@@ -155,6 +155,25 @@ def test_chat_endpoint_and_no_stream(stub_server: Serve) -> None:
     assert rep.total_output_tokens == 9
 
 
+def test_a_special_token_with_empty_text_is_timed_as_vllms_bench_does(
+        stub_server: Serve) -> None:
+    """A chunk with choices is a token's arrival even when its text is empty (a special
+    token): TTFT is measured, and the output tokens come from usage. It had no TTFT and
+    so never met a TTFT SLO."""
+    rep, _ = _run(stub_server, dict(tokens=1, empty_text=True), workload=_workload(3),
+                  num_requests=3)
+    assert rep.completed == 3 and rep.total_output_tokens == 3
+    assert rep.metrics["ttft"].count == 3
+
+
+def test_without_usage_a_whole_answer_counts_its_estimated_tokens(stub_server: Serve) -> None:
+    """No usage and no stream: the text's characters over chars_per_token (4), where it
+    was 1 token whatever the length."""
+    rep, _ = _run(stub_server, dict(tokens=12, usage=False), workload=_workload(2, out=12),
+                  stream=False, num_requests=2)
+    assert rep.completed == 2 and rep.total_output_tokens == 2 * 3
+
+
 def test_connection_refused_is_a_failure() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

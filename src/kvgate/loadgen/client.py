@@ -1,19 +1,24 @@
 """One timed request to an OpenAI-compatible server (completions or chat).
 
 Streaming (the default) reads the Server-Sent Events byte stream itself: each
-``data:`` line is a JSON chunk; a chunk whose choices carry non-empty ``text``
-(completions) or ``delta.content`` / ``delta.reasoning_content`` (chat) is a *token
-chunk*, timed when its bytes arrive. ``stream_options.include_usage`` is requested so
-the final chunk carries ``usage`` (prompt, completion and
-``prompt_tokens_details.cached_tokens``; vLLM reports the last one only when started
-with ``--enable-prompt-tokens-details``). Without usage, output tokens = token chunks.
+``data:`` line is a JSON chunk. As in ``vllm bench serve``, every chunk with a non-empty
+``choices`` list is timed when its bytes arrive (the first gives TTFT, the others ITL
+gaps), its text empty or not (a special token's is); a chunk whose choices carry
+non-empty ``text`` (completions) or ``delta.content`` / ``delta.reasoning_content``
+(chat) is a *token chunk*. ``stream_options.include_usage`` is requested so the final
+chunk carries ``usage`` (prompt, completion and ``prompt_tokens_details.cached_tokens``;
+vLLM reports the last one only when started with ``--enable-prompt-tokens-details``).
+Without usage, output tokens = token chunks.
 
 Without streaming there is no TTFT or ITL; E2E is the time to the full response.
+Without usage there, output tokens are estimated from the text (``chars_per_token``
+characters each, at least one), where vLLM's bench re-tokenizes it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -131,13 +136,14 @@ def _on_event(st: _StreamState, data: bytes, now: float) -> bool:
     if isinstance(usage, dict):
         st.usage = usage
     choices = obj.get("choices")
-    if isinstance(choices, list) and any(_choice_text(c) for c in choices):
+    if isinstance(choices, list) and choices:
         if st.last is None:
             st.ttft = now - st.sent
         else:
             st.itl.append(now - st.last)
         st.last = now
-        st.chunks += 1
+        if any(_choice_text(c) for c in choices):
+            st.chunks += 1
     return True
 
 
@@ -174,6 +180,7 @@ async def send_request(
     request_id: str,
     prompt_tokens: int,
     t0: float,
+    chars_per_token: float = 4.0,
 ) -> RequestResult:
     """POST ``payload`` to ``url`` and time it; never raises except on cancellation.
 
@@ -202,8 +209,11 @@ async def send_request(
                 usage = body.get("usage")
                 st.usage = usage if isinstance(usage, dict) else None
                 choices = body.get("choices")
-                if isinstance(choices, list) and any(_choice_text(c) for c in choices):
-                    st.chunks = 1
+                if isinstance(choices, list):
+                    # one body, no chunks to count: the text's estimated tokens (it was
+                    # 1 whatever the length when the server sent no usage)
+                    chars = sum(len(_choice_text(c)) for c in choices)
+                    st.chunks = math.ceil(chars / chars_per_token) if chars else 0
     except TimeoutError as e:
         res.error, res.error_detail = "timeout", f"timeout: {e!r}"[:300]
     except aiohttp.ClientError as e:

@@ -2,8 +2,9 @@
 
 Definitions (``vllm bench serve``, research/workloads.md section 4):
 
-* TTFT: send to the first chunk that carries content. ITL: the gaps between content
-  chunks of one request (pooled over all requests for the statistics). TPOT:
+* TTFT: send to the first chunk with choices (as vLLM's bench: its text may be empty,
+  a special token's). ITL: the gaps between such chunks of one request (pooled over
+  all requests for the statistics). TPOT:
   ``(E2E - TTFT) / (output_tokens - 1)`` per request with more than one output token.
   E2EL: send to the last byte of the response.
 * Throughputs count successful requests only and divide by the benchmark duration.

@@ -197,7 +197,8 @@ async def _drive(
                                     temperature=config.temperature)
             res = await send_request(session, url=url, payload=payload,
                                      request_id=spec.request_id,
-                                     prompt_tokens=spec.prompt_tokens, t0=t0)
+                                     prompt_tokens=spec.prompt_tokens, t0=t0,
+                                     chars_per_token=config.chars_per_token)
             progress.update(res.success)
             return res
         finally:
