@@ -141,6 +141,25 @@ def test_malformed_line_names_its_line(tmp_path: Path, bad: str, msg: str) -> No
         load_mooncake_trace(p)
 
 
+def test_epoch_timestamps_start_at_zero(tmp_path: Path) -> None:
+    """Arrivals count from the earliest timestamp: a trace stamped in epoch milliseconds
+    replays like one stamped from 0 (the simulator stepped its housekeeping through the
+    idle decades before the first arrival, and never finished)."""
+    shifted = [json.dumps({**json.loads(line), "timestamp": json.loads(line)["timestamp"]
+                           + 1_700_000_000_000}) for line in TINY]
+    w = load_mooncake_trace(_write(tmp_path, shifted))
+    assert [r.arrival_s for r in w.requests] == pytest.approx([0, 1, 2, 3, 6, 7.5])
+
+
+def test_byte_order_mark_and_bad_utf8(tmp_path: Path) -> None:
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + "\n".join(TINY).encode())
+    assert len(load_mooncake_trace(p).requests) == len(TINY)
+    p.write_bytes((TINY[0] + "\n").encode() + b'\xff\xfe{}\n')
+    with pytest.raises(ValueError, match=r"bom.jsonl:2: not valid UTF-8"):
+        load_mooncake_trace(p)
+
+
 def test_non_strict_accepts_length_mismatch(tmp_path: Path) -> None:
     w = load_mooncake_trace(_write(tmp_path, [_line(0, 1025, 1, [1, 2])]), strict=False)
     assert w.requests[0].block_ids == (1, 2)

@@ -4,10 +4,12 @@ Format (``shared/traces/README.md``): one JSON object per line with ``timestamp`
 from the start of the trace), ``input_length`` (at least 1: an empty prompt is refused),
 ``output_length`` and ``hash_ids`` (one chained id per block of the prompt,
 ``len == ceil(input_length / block_tokens)``).
-Blank lines are skipped; any other malformed line raises :class:`ValueError` naming the
-file and line number.
+Blank lines and a UTF-8 byte-order mark are skipped; any other malformed line (bytes
+that are not UTF-8 included) raises :class:`ValueError` naming the file and line number.
 
-Arrivals: ``timestamp / 1000 / speedup`` seconds. The conversation trace's timestamps
+Arrivals: ``(timestamp - the earliest timestamp) / 1000 / speedup`` seconds, so a
+trace stamped in epoch milliseconds starts at 0 too (the simulator would otherwise step
+its housekeeping through 50 years of idle time). The conversation trace's timestamps
 are bucketed (about 10 requests per value, values about 3 s apart), so requests sharing
 one timestamp form a *bucket*:
 
@@ -149,15 +151,20 @@ def load_mooncake_trace(
         raise ValueError("block_tokens must be >= 1")
     p = Path(path)
     rows: list[tuple[float, int, int, tuple[int, ...]]] = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             if limit is not None and len(rows) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError:
+                raise _fail(p, lineno, "not valid UTF-8") from None
             if not line.strip():
                 continue
             rows.append(_parse_line(line, p, lineno, block_tokens, strict))
     order = sorted(range(len(rows)), key=lambda k: rows[k][0])
-    stamps = [rows[k][0] / 1000.0 / speedup for k in order]
+    start = rows[order[0]][0] if rows else 0.0
+    stamps = [(rows[k][0] - start) / 1000.0 / speedup for k in order]
     arrivals = _arrivals(stamps, bucket_mode, rng)
     requests = tuple(
         SimRequest(
