@@ -133,3 +133,17 @@ def test_no_balanced_run_beats_the_bound_and_a_concentrated_one_can() -> None:
     assert check["against"] == "preble_e2" and check["other_beyond_balance"] is True
     assert check["balanced_bound"] == bound
     assert "the most any policy with load max/mean <= 1.5 can hit" in format_ordering(result)
+
+
+def test_the_balanced_keys_are_null_without_a_bound() -> None:
+    """Too few requests for a bound: ``balanced_bound`` and ``other_beyond_balance`` are
+    still in the check, null (the README lists both as stable keys)."""
+    w = Workload(name="two", block_tokens=16, requests=tuple(
+        SimRequest(request_id=f"q{i}", arrival_s=float(i), prompt_tokens=32, output_tokens=2,
+                   block_ids=(1, 2)) for i in range(2)))
+    rep = compare(w, _small_config(), ["kvgate", "sglang_cache_aware"], seed=1)
+    assert rep["bounds"]["balanced_hit_ratio"] is None  # type: ignore[index]
+    result = ordering(rep)
+    assert result is not None
+    check = result["checks"]["hit_ratio"]
+    assert check["balanced_bound"] is None and check["other_beyond_balance"] is None

@@ -181,6 +181,8 @@ def test_policy_params_reach_only_their_policy(
         ("kvgate.nope=1", "unexpected keyword argument 'nope'"),
         ("nosuch.x=1", "unknown routing policy 'nosuch'"),
         ("kvgate.epsilon=2", "epsilon must be in [0, 1]"),
+        # the report records its parameters, and JSON has no Infinity
+        ("kvgate.affinity_slack_s=inf", "the value must be a finite number"),
     ],
 )
 def test_bad_policy_params_fail_before_simulating(
@@ -262,6 +264,8 @@ def test_bad_profile_is_a_usage_error_before_simulating(
         ("--slo-ttft", "0", "argument --slo-ttft: must be a finite number > 0, got 0"),
         ("--at-saturation", "0.8,x", "argument --at-saturation: 'x' is not a number"),
         ("--at-saturation", ",", "argument --at-saturation: expected comma-separated numbers"),
+        # each fraction names its run (runs.0.8): two that print alike ran twice, kept one
+        ("--at-saturation", "0.8,0.8000001", "fractions must differ at 6 significant digits"),
     ],
 )
 def test_bad_numbers_are_usage_errors_before_simulating(
@@ -282,6 +286,8 @@ def test_unwritable_outputs_fail_before_simulating(
         (["--json", str(tmp_path / "missing" / "r.json")], "does not exist"),
         (["--json", str(tmp_path)], "is a folder, not a file"),
         (["--plot", str(tmp_path / "r.txt")], "must end in .png or .svg or .pdf"),
+        # a folder that exists but takes no file: found by trying, before the run
+        (["--json", "/proc/kvgate-report.json"], "cannot be written"),
     ]
     for extra, message in cases:
         assert main([*argv, *extra]) == 2

@@ -51,6 +51,18 @@ def positive_floats(text: str) -> list[float]:
     return [positive_float(t) for t in items]
 
 
+def distinct_fractions(text: str) -> list[float]:
+    """:func:`positive_floats` whose ``%g`` spellings differ: each names its run in a
+    report (``runs.0.8``), so 0.8 and 0.8000001 would run twice and keep one."""
+    values = positive_floats(text)
+    keys = [f"{v:g}" for v in values]
+    if len(set(keys)) != len(keys):
+        raise argparse.ArgumentTypeError(
+            f"fractions must differ at 6 significant digits (each names a run), got {text!r}"
+        )
+    return values
+
+
 def check_output_file(path: Path | None, option: str, suffixes: tuple[str, ...] = ()) -> None:
     """Fail before a long run, not after it, when ``path`` cannot be written: its folder
     is missing, it is a folder, or (``suffixes``) its format is not one we write.
@@ -64,3 +76,13 @@ def check_output_file(path: Path | None, option: str, suffixes: tuple[str, ...] 
     parent = path.parent
     if not parent.is_dir():
         raise ValueError(f"{option} {path}: the folder {parent} does not exist")
+    # what only writing tells (a read-only folder, /proc): try it; a file that was not
+    # there before is removed again
+    existed = path.exists()
+    try:
+        with path.open("ab"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot be written ({exc.strerror})") from None
+    if not existed:
+        path.unlink(missing_ok=True)

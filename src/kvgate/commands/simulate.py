@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 import time
@@ -21,8 +22,8 @@ from typing import Any
 from kvgate.commands.argtypes import (
     check_closed_loop,
     check_output_file,
+    distinct_fractions,
     positive_float,
-    positive_floats,
     positive_int,
 )
 from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
@@ -183,7 +184,7 @@ def add_simulate_parser(sub: Any) -> None:
     )
     r.add_argument(
         "--at-saturation",
-        type=positive_floats,
+        type=distinct_fractions,
         default=None,
         help="comma-separated fractions of round robin's saturation speed-up to run at "
         "(default: none, one run at --speedup)",
@@ -256,7 +257,11 @@ def parse_policy_params(items: list[str]) -> dict[str, dict[str, object]]:
         policy, dot, name = key.partition(".")
         if not sep or not dot or not policy or not name:
             raise ValueError(f"--policy-param {item!r}: expected POLICY.NAME=VALUE")
-        out.setdefault(policy.strip(), {})[name.strip()] = _param_value(raw)
+        value = _param_value(raw)
+        if isinstance(value, float) and not math.isfinite(value):
+            # a report records its parameters, and JSON has no Infinity or NaN
+            raise ValueError(f"--policy-param {item!r}: the value must be a finite number")
+        out.setdefault(policy.strip(), {})[name.strip()] = value
     for policy, params in out.items():
         try:
             make_policy(policy, params)

@@ -84,10 +84,12 @@ def ordering(report: Mapping[str, Any], policy: str = "kvgate") -> dict[str, Any
             "ok": hit >= rival_hit,
         }
         balanced = report["bounds"].get("balanced_hit_ratio")
-        if balanced is not None:
-            # above it, the baseline's hits cost load no balanced policy may spend
-            checks["hit_ratio"]["balanced_bound"] = balanced
-            checks["hit_ratio"]["other_beyond_balance"] = rival_hit > balanced
+        # above it, the baseline's hits cost load no balanced policy may spend (both
+        # keys are always there, null without a bound, as the README lists them)
+        checks["hit_ratio"]["balanced_bound"] = balanced
+        checks["hit_ratio"]["other_beyond_balance"] = (
+            rival_hit > balanced if balanced is not None else None
+        )
     pooled = report["bounds"]["pooled_lru_hit_ratio"]
     checks["hit_ratio_vs_pooled_lru"] = {
         "value": hit,
