@@ -111,10 +111,27 @@ def test_bad_flags_exit(argv: list[str]) -> None:
     ["--schedule", "trace", "--rate", "3"], ["--save-detailed"], ["--goodput", "itl:5"],
     ["--trace", "/nonexistent/trace.jsonl"], ["--closed-loop"],
     ["--closed-loop", "--workload", "zipf"],
+    # options of the other kind of source were ignored without a word
+    ["--workload", "gsp", "--limit", "3"],
 ])
 def test_usage_errors_return_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench(_parse(*argv)) == 2
     assert "kvgate bench:" in capsys.readouterr().err
+
+
+def test_an_empty_trace_or_synthetic_options_on_a_trace_are_usage_errors(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty trace printed an all-zero table and exited 0; --workload-size on a trace
+    was ignored."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert run_bench(_parse("--trace", str(empty))) == 2
+    assert "the trace holds no requests" in capsys.readouterr().err
+    line = '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n'
+    one = tmp_path / "one.jsonl"
+    one.write_text(line)
+    assert run_bench(_parse("--trace", str(one), "--workload-size", "3")) == 2
+    assert "--workload-size and --arrival-rate shape a synthetic" in capsys.readouterr().err
 
 
 def test_full_run_writes_table_and_json(

@@ -70,6 +70,8 @@ def test_max_seconds_cancels_and_reports_incomplete(stub_server: Serve) -> None:
     assert rep.completed == 0 and rep.failed == 0
     assert 2 <= rep.incomplete <= 6 and rep.sent == rep.incomplete
     assert 0.35 <= rep.duration_s < 1.5
+    # the requests the bound kept from being sent are in the table too
+    assert f"{'Not sent (time bound):':<40}{10 - rep.sent}" in rep.format_table().splitlines()
 
 
 def test_trace_schedule_and_speedup() -> None:

@@ -2,7 +2,8 @@
 
 :func:`add_bench_parser` adds the ``bench`` subcommand to an ``argparse`` subparsers
 object and :func:`run_bench` runs it from the parsed arguments (exit code 0 when any
-request succeeded, 1 when all failed, 2 on a usage or setup error). The table goes to
+request succeeded, 1 when all failed, 2 on a usage or setup error, 130 when
+interrupted: one line, no report; ``--max-seconds`` bounds a run). The table goes to
 stdout, the progress bar to stderr; ``--json FILE`` writes :meth:`LoadReport.to_dict`
 (keys documented in :mod:`kvgate.loadgen.report`). ``python -m kvgate.loadgen.cli``
 runs the subcommand standalone.
@@ -247,8 +248,13 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     check_closed_loop(args)
     num_requests: int
     if args.trace:
+        if args.workload_size is not None or args.arrival_rate is not None:
+            raise ValueError("--workload-size and --arrival-rate shape a synthetic workload; "
+                             "a trace has its own size and timestamps")
         workload = trace_workload(args.trace, limit=args.limit, block_tokens=args.block_tokens)
         total = len(workload.requests)
+        if not total:  # an all-zero table and exit 0 said nothing was wrong
+            raise ValueError(f"--trace {args.trace}: the trace holds no requests")
         num_requests = total if args.num_requests is None else args.num_requests
         if num_requests < total:  # the user's choice, but a cut trace should not go unnoticed
             print(
@@ -257,6 +263,9 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
                 file=sys.stderr,
             )
     else:
+        if args.limit is not None:
+            raise ValueError("--limit reads the first N requests of --trace; for a "
+                             "synthetic workload use --num-requests")
         num_requests = args.num_requests or SYNTHETIC_NUM_REQUESTS
         workload = synthetic_workload(
             args.workload or "gsp",
@@ -304,6 +313,9 @@ def run_bench(args: argparse.Namespace) -> int:
     except (aiohttp.ClientError, RuntimeError, TimeoutError) as e:
         print(f"kvgate bench: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # one line, not a traceback (use --max-seconds for a bound)
+        print("kvgate bench: interrupted; no report", file=sys.stderr)
+        return 130
     print(report.format_table())
     if args.json:
         try:

@@ -269,6 +269,13 @@ class LoadReport:
                 lines.extend(f"    {part}" for part in text)
         if self.incomplete:
             row("Incomplete requests (time bound):", self.incomplete)
+        planned = self.settings.get("num_requests")
+        available = self.settings.get("workload_requests")
+        if isinstance(planned, int) and isinstance(available, int):
+            planned = min(planned, available)
+        if isinstance(planned, int) and planned > self.sent:
+            # the time bound came first: without this row they vanished from the table
+            row("Not sent (time bound):", planned - self.sent)
         if self.settings.get("closed_loop"):
             row("Sessions:", "closed loop (each waits for its last answer)")
         row("Peak concurrent requests:", self.peak_concurrency)
