@@ -89,6 +89,25 @@ def test_simulate_finds_round_robin_saturation(
     assert "checks held over 2 runs" in text
 
 
+def test_the_saturation_search_allows_a_slow_last_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Five requests of one timestamp, the last a 60k-token prompt: every speed-up is the
+    same run, so round robin keeps up at every probe (the drain allowance was the
+    unloaded E2E p99, below that prompt's own time: every probe failed and x0.25 came
+    out as found)."""
+    trace = tmp_path / "t.jsonl"
+    lines = [{"timestamp": 0, "input_length": 512, "output_length": 16, "hash_ids": [i]}
+             for i in range(4)]
+    lines.append({"timestamp": 0, "input_length": 60_000, "output_length": 16,
+                  "hash_ids": list(range(100, 100 + 118))})
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["simulate", "--trace", str(trace), "--find-saturation", "--policies",
+            "round_robin", "--no-progress"]
+    assert main(argv) == 2
+    assert "keeps up at every speed-up probed" in capsys.readouterr().err
+
+
 def test_simulate_scenario_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         main(
