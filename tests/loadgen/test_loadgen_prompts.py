@@ -78,6 +78,18 @@ def test_make_spec_caps_prompt_and_output() -> None:
     assert zero.prompt and zero.max_tokens == 1
 
 
+def test_ids_short_of_the_prompt_are_made_up_with_private_filler() -> None:
+    """Two blocks of ids for a 100-token prompt (a trace read with another block size):
+    the text is 100 tokens long, the ids' text first, then filler of the request's own
+    (it was cut to the ids' 32 tokens while 100 were reported)."""
+    a = make_spec(_req("a", (1, 2), 100), block_tokens=BT)
+    b = make_spec(_req("b", (1, 2), 100), block_tokens=BT)
+    ids_text = prompt_text((1, 2), 2 * BT, block_tokens=BT)
+    assert len(a.prompt) == len(b.prompt) == 100 * 4 and a.prompt_tokens == 100
+    assert a.prompt.startswith(ids_text) and b.prompt.startswith(ids_text)
+    assert a.prompt[len(ids_text):] != b.prompt[len(ids_text):]
+
+
 def test_trace_prompts_share_text_where_hash_ids_match(tmp_path: Path) -> None:
     rows = [
         {"timestamp": 0, "input_length": 40, "output_length": 5, "hash_ids": [0, 1, 2]},

@@ -130,8 +130,13 @@ def make_spec(
         out = min(out, output_tokens_cap)
     text = prompt_text(req.block_ids, tokens, block_tokens=block_tokens,
                        chars_per_token=chars_per_token, seed=seed)
-    if not text:  # a request without ids: private filler so the prompt is never empty
-        text = block_text(hash_free_id(req.request_id), tokens * chars_per_token, seed)
+    short = tokens * chars_per_token - len(text)
+    if short > 0:
+        # Ids that do not cover the prompt (none at all, or a trace read with another
+        # --block-tokens than its own): private filler makes up the rest, so what is
+        # sent is as long as the prompt_tokens reported (it was cut short: 48 tokens
+        # sent for 1 536 counted)
+        text += block_text(hash_free_id(req.request_id), short, seed)
     return PromptSpec(request_id=req.request_id, prompt=text, prompt_tokens=tokens,
                       max_tokens=out, arrival_s=req.arrival_s, session=req.session)
 
