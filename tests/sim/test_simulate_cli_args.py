@@ -27,6 +27,10 @@ SMALL = ["simulate", "--workload", "gsp", "--limit", "40", "--no-progress"]
         (["--policies", ","], "no policy given"),
         (["--policies", "round_robin,round_robin"], "named more than once: ['round_robin']"),
         (["--find-saturation", "--plot", "r.png"], "add --at-saturation"),
+        # options that would be ignored without a word
+        (["--speedup", "2", "--saturation", "3", "--at-saturation", "0.5"],
+         "--speedup gives one run's speed-up"),
+        (["--speedup", "2", "--find-saturation"], "--speedup gives one run's speed-up"),
     ],
 )
 def test_refused_before_any_run(
@@ -107,3 +111,11 @@ def test_a_reader_that_goes_away_stops_it_quietly(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141, err
     assert b"Traceback" not in err and out.stat().st_size > 1000
+
+
+def test_rate_with_a_trace_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, '
+                     '"hash_ids": [1]}\n')
+    assert main(["simulate", "--trace", str(trace), "--rate", "4", "--no-progress"]) == 2
+    assert "a trace has its own timestamps" in capsys.readouterr().err

@@ -608,7 +608,18 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def check_saturation_args(args: argparse.Namespace) -> None:
     """``--saturation`` is a known point that ``--at-saturation`` runs fractions of;
-    alone, or beside ``--find-saturation``, it would be ignored. Raises ValueError."""
+    alone, or beside ``--find-saturation``, it would be ignored. So would ``--rate`` with
+    a trace, and ``--speedup`` beside the saturation flags. Raises ValueError."""
+    if args.trace is not None and args.rate is not None:
+        raise ValueError(
+            "--rate sets a synthetic workload's arrivals; a trace has its own timestamps "
+            "(--speedup scales them)"
+        )
+    if args.speedup != 1.0 and (args.at_saturation or args.find_saturation):
+        raise ValueError(
+            "--speedup gives one run's speed-up; with --find-saturation or --at-saturation "
+            "the runs are at fractions of round robin's saturation point instead"
+        )
     if args.saturation is None:
         return
     if args.find_saturation:
