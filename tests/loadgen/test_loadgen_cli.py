@@ -158,6 +158,8 @@ def test_full_run_writes_table_and_json(
     assert data["completed"] == 6 and data["good_requests"] == 6
     assert data["settings"]["schedule"] == "trace" and len(data["ttfts"]) == 6
     assert data["cache_hit_ratio"] > 0.5  # 2 of 3 blocks shared
+    # the report says where its workload came from, so the run can be repeated
+    assert (data["settings"]["trace"], data["settings"]["limit"]) == (str(trace), None)
 
 
 def test_main_all_failed_returns_1(stub_server: Callable[..., Any]) -> None:

@@ -31,6 +31,7 @@ SMALL = ["simulate", "--workload", "gsp", "--limit", "40", "--no-progress"]
         (["--speedup", "2", "--saturation", "3", "--at-saturation", "0.5"],
          "--speedup gives one run's speed-up"),
         (["--speedup", "2", "--find-saturation"], "--speedup gives one run's speed-up"),
+        (["--bucket", "jitter"], "a synthetic workload has none"),
     ],
 )
 def test_refused_before_any_run(

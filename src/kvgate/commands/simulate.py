@@ -95,7 +95,7 @@ def add_simulate_parser(sub: Any) -> None:
     w.add_argument(
         "--bucket",
         choices=("spread", "burst", "jitter"),
-        default="spread",
+        default=None,
         help="replay the requests sharing a bucketed trace timestamp at once (burst), evenly "
         "spread to the next timestamp (spread), or at random offsets drawn from --seed "
         "(jitter: a different replay of the same trace per seed) (default spread)",
@@ -226,7 +226,7 @@ def _load_workload(
         trace = load_mooncake_trace(
             args.trace,
             speedup=speedup,
-            bucket_mode="spread" if jitter else args.bucket,
+            bucket_mode="burst" if args.bucket == "burst" else "spread",  # jitter: spread
             limit=args.limit,
             rng=rng if jitter else None,
         )
@@ -293,7 +293,7 @@ def settings(args: argparse.Namespace, params: dict[str, dict[str, object]]) -> 
         "trace": str(args.trace) if trace else None,
         "workload": None if trace else args.workload,
         "rate": None if trace else _rate(args),
-        "bucket": args.bucket if trace else None,
+        "bucket": (args.bucket or "spread") if trace else None,
         "closed_loop": bool(args.closed_loop),
         "limit": args.limit,
         "nodes": args.nodes,
@@ -609,7 +609,11 @@ def run_simulate(args: argparse.Namespace) -> int:
 def check_saturation_args(args: argparse.Namespace) -> None:
     """``--saturation`` is a known point that ``--at-saturation`` runs fractions of;
     alone, or beside ``--find-saturation``, it would be ignored. So would ``--rate`` with
-    a trace, and ``--speedup`` beside the saturation flags. Raises ValueError."""
+    a trace, ``--bucket`` without one, and ``--speedup`` beside the saturation flags.
+    Raises ValueError."""
+    if args.trace is None and args.bucket is not None:
+        raise ValueError("--bucket replays a trace's shared timestamps; a synthetic "
+                         "workload has none")
     if args.trace is not None and args.rate is not None:
         raise ValueError(
             "--rate sets a synthetic workload's arrivals; a trace has its own timestamps "

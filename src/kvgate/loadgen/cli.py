@@ -298,6 +298,11 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         request_timeout_s=args.request_timeout,
         goodput_slos_ms=parse_goodput(args.goodput),
         progress=args.progress,
+        source=(
+            {"trace": str(args.trace), "limit": args.limit}
+            if args.trace
+            else {"workload_size": args.workload_size, "arrival_rate": args.arrival_rate}
+        ),
     )
 
 

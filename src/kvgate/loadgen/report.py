@@ -22,7 +22,9 @@ the key ends in ``_ms``; absent values are ``null``:
   ``workload``, ``workload_requests``, ``closed_loop``, ``block_tokens``, ``schedule``, ``rate`` (a
   number or ``"inf"``), ``concurrency``, ``speedup``, ``num_requests``,
   ``max_seconds``, ``seed``, ``chars_per_token``, ``max_prompt_tokens``,
-  ``output_tokens_cap``, ``ignore_eos``, ``temperature``).
+  ``output_tokens_cap``, ``ignore_eos``, ``temperature``; from ``kvgate bench``, also
+  ``trace`` and ``limit`` for a trace, ``workload_size`` and ``arrival_rate`` for a
+  synthetic workload).
 * Counts: ``sent``, ``completed``, ``failed``, ``incomplete`` (cancelled at the time
   bound), ``failed_by_status`` (HTTP status as a string -> count; ``"0"`` = no
   response), ``errors_by_type`` (``RequestResult.error`` -> count, failed only).

@@ -71,6 +71,8 @@ class LoadConfig:
     request_timeout_s: float = 600.0
     goodput_slos_ms: Mapping[str, float] = field(default_factory=dict)
     progress: bool = False
+    # where the workload came from, recorded so a saved report says how to repeat it
+    source: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -120,6 +122,7 @@ class LoadConfig:
             "output_tokens_cap": self.output_tokens_cap,
             "ignore_eos": self.ignore_eos,
             "temperature": self.temperature,
+            **self.source,
         }
 
 
