@@ -69,6 +69,24 @@ def json_response(
     )
 
 
+async def read_body_within(
+    request: web.Request, timeout_s: float, timed_out: Callable[[], Exception]
+) -> bytes:
+    """The whole body, within ``timeout_s``; past it, the exception ``timed_out()`` makes
+    fails the body and is raised. The rest of the body may still come: failed, its bytes
+    are not read as the next request (the edge closes the connection after the answer).
+    Both apps read bodies through it (the gateway's ``body.read_body``, the engine's)."""
+    if request.content.is_eof():  # the whole body is in already: no timer needed
+        return await request.read()
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError as exc:
+        error = timed_out()
+        request.content.set_exception(error)
+        raise error from exc
+
+
 # A route's own check before a client is invited to send its body: a response refuses it
 ExpectCheck = Callable[[web.Request], "web.StreamResponse | None"]
 

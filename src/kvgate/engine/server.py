@@ -52,7 +52,7 @@ from typing import Any, Literal
 import zmq
 from aiohttp import web
 
-from kvgate.edge import EdgeRunner, expect_handler
+from kvgate.edge import EdgeRunner, expect_handler, read_body_within
 from kvgate.edge import json_response as _json  # the gateway's compact JSON answers
 from kvgate.engine.api import EngineConfig, EngineRequest, FinishedRequest, RejectedRequest
 from kvgate.engine.engine import SimEngine
@@ -89,7 +89,7 @@ from kvgate.protocol import (
     overloaded_body,
     server_error_body,
 )
-from kvgate.protocol.errors import BodyTimeoutError, InvalidTypeError, type_name
+from kvgate.protocol.errors import BodyTimeoutError
 from kvgate.protocol.openai_schema import parse_json_object
 from kvgate.protocol.sse import DONE_EVENT, encode_json_event, error_event
 
@@ -136,6 +136,10 @@ def _client_request_id(value: str) -> str | None:
 
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _body_timed_out() -> BodyTimeoutError:
+    return BodyTimeoutError("Timed out reading the request body.")
 
 
 @web.middleware
@@ -454,17 +458,8 @@ class EngineServer:
 
     async def _read_json(self, request: web.Request) -> bytes:
         try:
-            if request.content.is_eof():  # the whole body is in already: no timer needed
-                return await request.read()
-            async with asyncio.timeout(self.config.body_timeout_s):
-                return await request.read()
-        except TimeoutError as exc:
-            # A body that trickles in, or never comes, held the connection for good. The
-            # rest may still come: the body is failed, so the edge closes the connection
-            # after the 408 instead of reading those bytes as the next request.
-            error = BodyTimeoutError("Timed out reading the request body.")
-            request.content.set_exception(error)
-            raise error from exc
+            # bounded: a body that trickles in, or never comes, held the connection for good
+            return await read_body_within(request, self.config.body_timeout_s, _body_timed_out)
         except web.HTTPRequestEntityTooLarge:
             raise RequestTooLargeError(
                 f"Request body is larger than {self.config.max_body_bytes} bytes.",
@@ -647,15 +642,14 @@ class EngineServer:
         try:
             body = await self._read_json(request)
             obj = parse_json_object(body, max_body_bytes=self.config.max_body_bytes)
-            model = obj.get("model")
-            if model is not None and not isinstance(model, str):
-                raise InvalidTypeError(f"Invalid type for 'model': expected a string, but "
-                                       f"got {type_name(model)} instead.", param="model")
-            if model is not None and model != self.config.model:
-                return _json(404, not_found_body(model))
+            # validated first (a model that is no string is a 400), then the model named
+            # (404), as the generation routes do
             tokens = tokenize_body(body, obj, self._tokens, self.config.model)
         except ProtocolError as exc:
             return _json(exc.http_status, exc.body())
+        model = obj.get("model")
+        if model is not None and model != self.config.model:
+            return _json(404, not_found_body(model))
         return _json(200, {"count": tokens.num_tokens, "max_model_len": self.max_model_len,
                            "tokens": list(tokens.token_ids)})
 

@@ -193,8 +193,8 @@ def generated_text(request_id: str, start: int, count: int) -> list[str]:
 def tokenize_body(body: bytes, obj: Mapping[str, Any], tokens: PromptTokenizer,
                   model: str) -> SimTokens:
     """vLLM ``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` (validated as the
-    generation endpoints validate them; ``model`` optional). ``obj`` is ``body``
-    parsed, its ``model`` (if any) already checked. Raises ProtocolError.
+    generation endpoints validate them; ``model`` optional, and whether it names this
+    engine's is the caller's check). ``obj`` is ``body`` parsed. Raises ProtocolError.
 
     The client's bytes are validated as sent; a missing ``model`` is spliced in
     (``edit_body``), never a re-serialisation of the client's structures (a deeply

@@ -8,11 +8,10 @@ read bodies (the proxy and the admin API) go through :func:`read_body`.
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from kvgate.core.errors import ClientRequestError
+from kvgate.edge import read_body_within
 
 
 class RequestTimeoutError(ClientRequestError):
@@ -23,20 +22,15 @@ class MalformedBodyError(ClientRequestError):
     """The body's bytes could not be read as sent (encoding or framing): 400."""
 
 
+def _timed_out() -> RequestTimeoutError:
+    return RequestTimeoutError("Timed out reading the request body.", code="request_timeout")
+
+
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body; 408 past ``timeout_s``, 400 when it is badly encoded or framed
     (413 past ``client_max_size`` comes from aiohttp as ``HTTPRequestEntityTooLarge``)."""
     try:
-        if request.content.is_eof():  # the whole body is in already: no timer needed
-            return await request.read()
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except TimeoutError as exc:
-        error = RequestTimeoutError("Timed out reading the request body.", code="request_timeout")
-        # the rest of the body may still come: its bytes must not be read as the next
-        # request, so the body is failed and the edge closes the connection after the 408
-        request.content.set_exception(error)
-        raise error from exc
+        return await read_body_within(request, timeout_s, _timed_out)
     except web.RequestPayloadError as exc:
         # aiohttp's text can quote the client's bytes: say what failed in our words
         if "Content-Encoding" in request.headers:
