@@ -181,6 +181,46 @@ def test_kvgate_up_stops_everything_on_sighup_with_its_reader_gone(e2e: Any) -> 
     e2e.run(body(), timeout=50)
 
 
+def test_up_in_precise_mode_learns_the_cache_from_engine_events(e2e: Any) -> None:
+    """``kvgate up --index-mode precise``: engines publish KV events on private Unix
+    sockets, the gateway's index follows them, and the sockets go with the cluster."""
+
+    async def body() -> None:
+        cluster = await start_cluster(
+            nodes=2, port=0, engine_num_blocks=2048, index_mode="precise",
+            gateway_overrides={"routing": {"params": {"epsilon": 0.0}}},
+        )
+        pids = cluster.engine_pids
+        sockets = cluster.socket_dir
+        try:
+            assert sockets is not None and sorted(p.name for p in sockets.iterdir()) == [
+                "engine-0-1", "engine-1-1"]
+            watcher = cluster.gateway.gateway.watcher
+            async with aiohttp.ClientSession() as session:
+                nodes = []
+                for question in ("first?", "second?"):
+                    body = {"model": "kvgate-sim", "max_tokens": 4, "messages": [
+                        {"role": "system", "content": PROMPT},
+                        {"role": "user", "content": question}]}
+                    async with session.post(cluster.gateway_url + "/v1/chat/completions",
+                                            json=body) as r:
+                        assert r.status == 200, await r.text()
+                        nodes.append(r.headers["X-Kvgate-Node"])
+                        cached = (await r.json())["usage"]["prompt_tokens_details"]
+                    if question == "first?":
+                        rt = next(rt for rt in watcher.nodes.values() if rt.node_id == nodes[0])
+                        async with asyncio.timeout(5):  # its BlockStored events arrive
+                            while not (rt.kv_ingest and rt.kv_ingest.counts["stored_blocks"]):
+                                await asyncio.sleep(0.02)
+            assert nodes[1] == nodes[0] and cached["cached_tokens"] >= 16 * 40
+        finally:
+            await cluster.stop()
+            _kill_leftovers([p for p in pids if e2e.pid_alive(p)])
+        assert not sockets.exists()
+
+    e2e.run(body(), timeout=40)
+
+
 def test_bad_gateway_settings_fail_before_any_engine_starts(
     monkeypatch: Any, capsys: Any
 ) -> None:

@@ -105,6 +105,7 @@ class EngineProcess:
     proc: subprocess.Popen[bytes]
     log_path: Path
     log_file: IO[bytes]
+    kv_events: str | None = None  # its KV events' PUB endpoint (precise mode)
 
     @property
     def url(self) -> str:
@@ -135,8 +136,10 @@ def spawn_engine(
     num_blocks: int | None,
     log_dir: Path,
     extra_args: tuple[str, ...] = (),
+    kv_events: str | None = None,
 ) -> EngineProcess:
-    """Start ``python -m kvgate.cli engine`` in its own session; output to a log file."""
+    """Start ``python -m kvgate.cli engine`` in its own session; output to a log file.
+    ``kv_events``: a tcp://host:port its KV events are published on (bound there)."""
     cmd = [
         sys.executable,
         "-m",
@@ -155,6 +158,8 @@ def spawn_engine(
     ]
     if num_blocks is not None:
         cmd += ["--num-blocks", str(num_blocks)]
+    if kv_events is not None:
+        cmd += ["--kv-events-endpoint", kv_events]
     cmd += list(extra_args)
     log_path = log_dir / f"{node_id}.log"
     log_file = open(log_path, "ab")  # noqa: SIM115 - closed by stop_engines
@@ -171,7 +176,7 @@ def spawn_engine(
     except BaseException:
         log_file.close()
         raise
-    return EngineProcess(node_id, host, port, proc, log_path, log_file)
+    return EngineProcess(node_id, host, port, proc, log_path, log_file, kv_events)
 
 
 async def stop_engines(engines: list[EngineProcess], timeout: float = STOP_TIMEOUT_S) -> None:
@@ -235,6 +240,7 @@ class Cluster:
     admin_token: str
     log_dir: Path
     own_log_dir: bool = False
+    socket_dir: Path | None = None  # precise mode: the engines' KV event sockets (ipc)
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -260,6 +266,8 @@ class Cluster:
             await stop_engines(self.engines)
             if self.own_log_dir:
                 shutil.rmtree(self.log_dir, ignore_errors=True)
+            if self.socket_dir is not None:
+                shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def gateway_config(
@@ -271,9 +279,12 @@ def gateway_config(
     admin_token: str,
     num_blocks: int,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    kv_events: Mapping[str, str] | None = None,
 ) -> GatewayConfig:
     """The gateway's config for ``engines`` [(id, url)]; the index mirrors each engine's
-    KV capacity (its tokens in text-chunk index blocks)."""
+    KV capacity (its tokens in index blocks). ``kv_events`` (engine id -> its KV events
+    endpoint) makes the gateway's index precise: fed by those events, keyed by the
+    engines' own tokenizer (hasher ``sim``)."""
     raw: dict[str, dict[str, Any]] = {
         "server": {
             "host": host,
@@ -284,13 +295,19 @@ def gateway_config(
         "routing": {"policy": policy},
         "nodes": {"static": []},
     }
+    if kv_events is not None:
+        raw["routing"].update(
+            index_mode="precise", hasher="sim", hasher_params={"block_size": ENGINE_BLOCK_SIZE}
+        )
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update(values)
     cc = build_config(raw).controller_config()
     index_block_tokens = make_hasher(cc.hasher, **dict(cc.hasher_params)).tokens_per_block
     cache_blocks = max(1, num_blocks * ENGINE_BLOCK_SIZE // max(1, index_block_tokens))
     raw["nodes"]["static"] = [
-        {"id": node_id, "url": url, "cache_blocks": cache_blocks} for node_id, url in engines
+        {"id": node_id, "url": url, "cache_blocks": cache_blocks}
+        | ({"kv_events": kv_events[node_id]} if kv_events else {})
+        for node_id, url in engines
     ]
     return build_config(raw)
 
@@ -309,6 +326,7 @@ async def start_cluster(
     log_dir: str | os.PathLike[str] | None = None,
     engine_args: tuple[str, ...] = (),
     gateway_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    index_mode: str = "approximate",
 ) -> Cluster:
     """Start ``nodes`` engine processes and an in-process gateway; ready when it returns.
 
@@ -321,14 +339,22 @@ async def start_cluster(
         raise ConfigError("engine_speedup must be > 0")
     if not model.strip():
         raise ConfigError("model must not be empty")
+    if index_mode not in ("approximate", "precise"):
+        raise ConfigError(f"index_mode must be 'approximate' or 'precise', got {index_mode!r}")
+    precise = index_mode == "precise"
     token = admin_token or secrets.token_urlsafe(24)
     # the gateway's settings are checked before any engine starts: a bad port or policy
     # failed only once every engine was up, seconds later
     gateway_config([], host=host, port=port, policy=policy, admin_token=token,
-                   num_blocks=engine_num_blocks, overrides=gateway_overrides)
+                   num_blocks=engine_num_blocks, overrides=gateway_overrides,
+                   kv_events={} if precise else None)
     own_dir = log_dir is None
     logs = Path(tempfile.mkdtemp(prefix="kvgate-up-")) if log_dir is None else Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
+    # KV events go over Unix sockets in a private directory: only this machine's
+    # gateway reads them (a tcp://*: publisher would serve prompts' token ids to the
+    # network), and the path stays short enough for ipc:// (about 100 bytes)
+    sockets = Path(tempfile.mkdtemp(prefix="kvgate-kv-")) if precise else None
     engines: list[EngineProcess] = []
     server: GatewayServer | None = None
     deadline = time.monotonic() + ready_timeout_s
@@ -345,6 +371,7 @@ async def start_cluster(
                 num_blocks=engine_num_blocks,
                 log_dir=logs,
                 extra_args=engine_args,
+                kv_events=f"ipc://{sockets}/{node_id}-{attempt}" if sockets else None,
             )
             engines.append(engine)
             try:
@@ -375,6 +402,9 @@ async def start_cluster(
                 admin_token=token,
                 num_blocks=engine_num_blocks,
                 overrides=gateway_overrides,
+                kv_events={e.node_id: e.kv_events for e in engines if e.kv_events}
+                if precise
+                else None,
             )
             server = await start_gateway(config)
             while await _get_status(session, server.url + "/ready") != 200:
@@ -391,9 +421,12 @@ async def start_cluster(
             await stop_engines(engines)
             if own_dir:
                 shutil.rmtree(logs, ignore_errors=True)
+            if sockets is not None:
+                shutil.rmtree(sockets, ignore_errors=True)
         raise
     return Cluster(
-        gateway=server, engines=engines, admin_token=token, log_dir=logs, own_log_dir=own_dir
+        gateway=server, engines=engines, admin_token=token, log_dir=logs, own_log_dir=own_dir,
+        socket_dir=sockets,
     )
 
 
@@ -458,6 +491,13 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help="model name the engines serve (default %(default)s)"
+    )
+    p.add_argument(
+        "--index-mode",
+        choices=("approximate", "precise"),
+        default="approximate",
+        help="how the gateway learns where prompts are cached: approximate, from its own "
+        "routing (default), or precise, from the engines' KV cache events over ZMQ",
     )
     p.add_argument(
         "--ready-timeout",
@@ -550,6 +590,7 @@ async def _up(args: argparse.Namespace) -> int:
             model=args.model,
             ready_timeout_s=args.ready_timeout,
             log_dir=args.log_dir,
+            index_mode=args.index_mode,
         )
     )
     stopping = asyncio.ensure_future(stop.wait())

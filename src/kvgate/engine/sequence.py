@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kvgate.core.hashing.sim_tokens import (
+    SIM_VOCAB_SIZE,  # generated ids: the tokenizer's vocabulary
+)
 from kvgate.engine.api import EngineRequest, SchedulingPolicy
 from kvgate.engine.block_pool import KVBlock
 
@@ -48,7 +51,6 @@ __all__ = [
     "prompt_key",
 ]
 
-SIM_VOCAB_SIZE = 32_000  # Llama-2-sized vocabulary for the fake generated token ids
 
 
 def generated_token_id(request_id: str, index: int) -> int:

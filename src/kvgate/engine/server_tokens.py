@@ -40,11 +40,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from xxhash import xxh3_64_intdigest
-
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.hashing import Message, TokenBlockHasher
-from kvgate.engine.sequence import SIM_VOCAB_SIZE, generated_token_id
+from kvgate.core.hashing.base import CHARS_PER_TOKEN
+from kvgate.core.hashing.sim_tokens import TOKEN_SEED, SimTokenizer
+from kvgate.engine.sequence import generated_token_id
 from kvgate.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -66,9 +66,6 @@ __all__ = [
     "tokenize_body",
 ]
 
-CHARS_PER_TOKEN: Final = 4
-TOKEN_SEED: Final = 0x6B76_6761_7465  # "kvgate"
-
 _WORDS: Final = (
     "the", "cache", "block", "token", "node", "route", "prefix", "batch",
     "queue", "model", "fast", "warm", "cold", "hit", "miss", "load",
@@ -79,26 +76,6 @@ _WORDS: Final = (
     "as", "at", "by", "for", "from", "or", "an", "be",
     "this", "that", "we", "you", "they", "all", "new", "old",
 )
-
-
-class SimTokenizer:
-    """The deterministic 4-characters-a-token encoder (a ``TokenEncoder``)."""
-
-    __slots__ = ()
-
-    @property
-    def fingerprint(self) -> str:
-        return f"kvgate-sim-c{CHARS_PER_TOKEN}-v{SIM_VOCAB_SIZE}-s{TOKEN_SEED:x}"
-
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` is accepted and ignored."""
-        h = xxh3_64_intdigest
-        vocab = SIM_VOCAB_SIZE
-        seed = TOKEN_SEED
-        return [
-            h(text[i : i + CHARS_PER_TOKEN].encode("utf-8", "surrogatepass"), seed) % vocab
-            for i in range(0, len(text), CHARS_PER_TOKEN)
-        ]
 
 
 def sim_token_hasher(block_size: int) -> TokenBlockHasher:

@@ -154,10 +154,19 @@ class NodeConfig:
     max_model_len: int | None = None  # None = from /v1/models, else 131072
     models: tuple[str, ...] = ()
     api_key: str | None = None  # sent as Authorization to the node (vLLM --api-key)
+    # its KV cache events' ZMQ publisher, e.g. tcp://10.0.0.1:5557 (vLLM's
+    # --kv-events-config endpoint, connected to); read in precise mode only
+    kv_events: str | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ConfigError(f"node {self.url}: id must be non-empty")
+        if self.kv_events is not None and not _zmq_endpoint(self.kv_events):
+            raise ConfigError(
+                f"node {self.id}: kv_events must look like tcp://host:port or ipc://path, "
+                f"got {self.kv_events!r}",
+                param="kv_events",
+            )
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"node {self.id}: url must start with http:// or https://")
         if self.capacity < 1 or (self.cache_blocks is not None and self.cache_blocks < 0):
@@ -200,6 +209,10 @@ class RoutingConfig:
     params: Mapping[str, object] = field(default_factory=dict)  # the policy's knobs
     hasher: str = "text"
     hasher_params: Mapping[str, object] = field(default_factory=dict)
+    # approximate: the index learns from this gateway's own routing; precise: from the
+    # nodes' KV cache events (each node's kv_events), which needs a token hasher
+    # ("tokens", or "sim" in front of kvgate engine) tokenizing as the engines do
+    index_mode: str = "approximate"
     default_max_tokens: int = 256  # output estimate when the body has no max_tokens
     stale_after_s: float = 5.0  # a load report older than this is unknown
     eject_after_failures: int = 5
@@ -212,6 +225,17 @@ class RoutingConfig:
         _positive("routing", default_max_tokens=self.default_max_tokens,
                   stale_after_s=self.stale_after_s, eject_s=self.eject_s,
                   eject_after_failures=self.eject_after_failures)
+        if self.index_mode not in ("approximate", "precise"):
+            raise ConfigError(
+                f"routing.index_mode must be 'approximate' or 'precise', got {self.index_mode!r}",
+                param="index_mode",
+            )
+        if self.index_mode == "precise" and self.hasher not in ("tokens", "sim"):
+            raise ConfigError(
+                "routing.index_mode 'precise' rebuilds keys from the token ids of the "
+                f"engines' KV events: it needs hasher 'tokens' or 'sim', not {self.hasher!r}",
+                param="hasher",
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -399,6 +423,7 @@ class GatewayConfig:
         return ControllerConfig(
             hasher=r.hasher,
             hasher_params=dict(r.hasher_params),
+            index_mode="precise" if r.index_mode == "precise" else "approximate",
             policy=r.policy,
             policy_params=dict(r.params),
             stale_after_s=r.stale_after_s,
@@ -407,3 +432,11 @@ class GatewayConfig:
             tenant_confine_s=self.admission.tenant_confine_s,
             admission=self.admission.admission_config(),
         )
+
+
+def _zmq_endpoint(text: str) -> bool:
+    """tcp://host:port or ipc://path (what a SUB socket connects to)."""
+    if text.startswith("ipc://"):
+        return len(text) > len("ipc://")
+    host, sep, port = text.removeprefix("tcp://").rpartition(":")
+    return text.startswith("tcp://") and bool(sep and host and port.isdigit())

@@ -91,6 +91,13 @@ FAMILIES: dict[str, Family] = {
         Family("kvgate_node_inflight", "gauge", "This gateway's requests in flight on the node."),
         Family("kvgate_node_cache_weight", "gauge", "Cache-bonus weight (<1 while evicting)."),
         Family("kvgate_node_scrape_errors_total", "counter", "Failed node probes, by kind."),
+        Family("kvgate_kv_event_batches_total", "counter",
+               "KV event batches from a node (precise mode), by kind: received, missed "
+               "(sequence gaps), restarts, malformed, no_model, cleared."),
+        Family("kvgate_kv_event_blocks_total", "counter",
+               "Blocks named by a node's KV events (precise mode), by kind: stored, removed, "
+               "orphan, forgotten, unknown_removed, other_medium, bad_block_size, "
+               "unnamed_lora."),
         Family("kvgate_http_responses_total", "counter", "Responses by endpoint and status."),
         Family("kvgate_client_disconnects_total", "counter",
                "Clients that went away before their answer was complete."),
@@ -282,3 +289,10 @@ def _nodes(page: _Page, controller: Controller, watcher: NodeWatcher, now: float
     page.declare("kvgate_node_scrape_errors_total")
     for node_id, kind, n in watcher.error_counts():
         page.add("kvgate_node_scrape_errors_total", n, node=node_id, kind=kind)
+    batches, blocks = watcher.kv_event_counts()
+    page.declare("kvgate_kv_event_batches_total")
+    for node_id, kind, n in batches:
+        page.add("kvgate_kv_event_batches_total", n, node=node_id, kind=kind)
+    page.declare("kvgate_kv_event_blocks_total")
+    for node_id, kind, n in blocks:
+        page.add("kvgate_kv_event_blocks_total", n, node=node_id, kind=kind)

@@ -33,9 +33,12 @@ from typing import Any
 import aiohttp
 
 from kvgate.core.controller import Controller
+from kvgate.core.hashing import TokenBlockHasher
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec
 from kvgate.gateway.config import NodeConfig, NodesConfig
+from kvgate.gateway.kv_ingest import IndexOp, IndexRemoved, IndexStored, NodeKvIngest
+from kvgate.gateway.kv_subscriber import follow_kv_events
 from kvgate.gateway.node_probe import ModelInfo, parse_evictions, parse_load, parse_models
 from kvgate.gateway.upstream import Upstream
 
@@ -61,6 +64,7 @@ class NodeRuntime:
     cache_tokens: int | None = None  # the KV cache size its metrics give, in tokens
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    kv_ingest: NodeKvIngest | None = None  # precise mode, with the node's kv_events
 
     @property
     def node_id(self) -> NodeId:
@@ -191,6 +195,49 @@ class NodeWatcher:
             asyncio.ensure_future(self._every(c.metrics_interval_s, rt, self.scrape)),
             asyncio.ensure_future(self._every(c.evictions_interval_s, rt, self.poll_evictions)),
         ]
+        hasher = self.controller.hasher
+        endpoint = rt.config.kv_events
+        if (
+            endpoint is not None
+            and self.controller.config.index_mode == "precise"
+            and isinstance(hasher, TokenBlockHasher)
+        ):
+            rt.kv_ingest = NodeKvIngest(hasher)
+            rt.tasks.append(asyncio.ensure_future(self._follow_kv_events(rt, endpoint)))
+
+    async def _follow_kv_events(self, rt: NodeRuntime, endpoint: str) -> None:
+        """Precise mode: the node's KV events into the index (kv_subscriber.py)."""
+        ingest = rt.kv_ingest
+        assert ingest is not None
+        node_id = rt.node_id
+
+        def model() -> str | None:
+            return base_model(rt)
+
+        def apply(ops: list[IndexOp]) -> None:
+            now = self.clock()
+            for op in ops:
+                if isinstance(op, IndexStored):
+                    self.controller.on_blocks_stored(node_id, op.keys, now)
+                elif isinstance(op, IndexRemoved):
+                    self.controller.on_blocks_removed(node_id, op.keys, now)
+                else:
+                    log.warning("node %s restarted (KV event sequence reset)", node_id)
+                    self.controller.on_cache_cleared(node_id, now)
+
+        while not self._stopped and self._current(rt):
+            try:
+                await follow_kv_events(
+                    endpoint, ingest, model=model, apply=apply,
+                    current=lambda: not self._stopped and self._current(rt),
+                )
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug or a socket error must not end precise mode
+                rt.errors["kv_events"] += 1
+                log.exception("KV events of node %s failed; reconnecting", node_id)
+                await asyncio.sleep(self.config.health_interval_s)
 
     async def _every(
         self, interval: float, rt: NodeRuntime, probe: Callable[[NodeRuntime], Awaitable[None]]
@@ -353,6 +400,30 @@ class NodeWatcher:
             for kind, n in sorted(self.nodes[node_id].errors.items()):
                 yield node_id, kind, n
 
+    def kv_event_counts(self) -> tuple[list[tuple[str, str, int]], list[tuple[str, str, int]]]:
+        """Precise mode's counters per node: (batches by kind, blocks by kind)."""
+        batches: list[tuple[str, str, int]] = []
+        blocks: list[tuple[str, str, int]] = []
+        for node_id in sorted(self.nodes):
+            ingest = self.nodes[node_id].kv_ingest
+            if ingest is None:
+                continue
+            counts = ingest.counts
+            for kind, key in _BATCH_COUNTS:
+                batches.append((node_id, kind, counts[key]))
+            for kind, key in _BLOCK_COUNTS:
+                blocks.append((node_id, kind, counts[key]))
+        return batches, blocks
+
+
+# metric kind -> NodeKvIngest / subscriber counter
+_BATCH_COUNTS = (("received", "batches"), ("missed", "missed_batches"), ("restarts", "restarts"),
+                 ("malformed", "malformed"), ("no_model", "no_model"), ("cleared", "cleared"))
+_BLOCK_COUNTS = (("stored", "stored_blocks"), ("removed", "removed_blocks"),
+                 ("orphan", "orphan_blocks"), ("forgotten", "forgotten_blocks"),
+                 ("unknown_removed", "unknown_removed"), ("other_medium", "other_medium"),
+                 ("bad_block_size", "bad_block_size"), ("unnamed_lora", "unnamed_lora_blocks"))
+
 
 def _json(body: bytes) -> Any:
     try:
@@ -367,3 +438,17 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
+
+
+def base_model(rt: NodeRuntime) -> str | None:
+    """The model a node's sequences start from in its KV events (LoRA adapters name
+    their own): the configured first model, else the first one it lists that is no
+    adapter (vLLM gives adapters a ``parent``); None while unknown."""
+    if rt.config.models:
+        return rt.config.models[0]
+    if rt.models is None:
+        return None
+    for entry in rt.models.entries:
+        if not entry.get("parent") and isinstance(entry.get("id"), str):
+            return str(entry["id"])
+    return rt.models.ids[0] if rt.models.ids else None

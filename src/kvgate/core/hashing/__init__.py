@@ -21,6 +21,7 @@ from os import PathLike
 
 from kvgate.core.errors import ConfigError
 from kvgate.core.hashing.base import Hasher, Message, check_int, ensure_same_key_space
+from kvgate.core.hashing.sim_tokens import SimTokenizer
 from kvgate.core.hashing.text import TextChunkHasher, canonical_messages
 from kvgate.core.hashing.tokens import (
     DEFAULT_CHAT_TEMPLATE,
@@ -51,6 +52,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "text": frozenset({"block_chars"}),
     "tokens": frozenset({"path", "block_size", "chat_template"}),
     "trace": frozenset({"tokens_per_block"}),
+    "sim": frozenset({"block_size", "chat_template"}),
 }
 
 
@@ -60,6 +62,8 @@ def make_hasher(kind: str, **params: object) -> Hasher:
     * ``"text"``: ``block_chars=256``
     * ``"tokens"``: ``path`` (tokenizer.json, required), ``block_size=16``, ``chat_template=None``
     * ``"trace"``: ``tokens_per_block=512``
+    * ``"sim"``: ``block_size=16``, ``chat_template=None``: the token hasher over
+      ``kvgate engine``'s own tokenizer (precise mode in front of simulated engines)
     """
     allowed = _PARAMS.get(kind)
     if allowed is None:
@@ -85,13 +89,15 @@ def make_hasher(kind: str, **params: object) -> Hasher:
                 what="trace hasher",
             )
         )
-    path = params.get("path")
-    if not isinstance(path, str | PathLike):
-        raise ConfigError("hasher 'tokens' needs 'path' to a tokenizer.json file", param="path")
     template = params.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise ConfigError("hasher param 'chat_template' must be a str", param="chat_template")
     block_size = check_int(
         params.get("block_size", 16), "block_size", minimum=1, what="token hasher"
     )
+    if kind == "sim":
+        return TokenBlockHasher(SimTokenizer(), block_size, chat_template=template)
+    path = params.get("path")
+    if not isinstance(path, str | PathLike):
+        raise ConfigError("hasher 'tokens' needs 'path' to a tokenizer.json file", param="path")
     return TokenBlockHasher.from_file(path, block_size, template)

@@ -1,0 +1,76 @@
+"""The I/O half of precise mode: one ZMQ SUB socket per node, read on the event loop.
+
+The engine publishes ``[topic, seq, msgpack batch]`` on a PUB socket (vLLM's
+``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": "tcp://*:5557"}'``, or ``kvgate engine --kv-events-endpoint``). The
+subscriber connects to it (ZMQ reconnects by itself when the engine restarts),
+subscribes to every topic, decodes each message (``protocol/kv_events_wire.py``)
+and hands the batch to the node's :class:`~kvgate.gateway.kv_ingest.NodeKvIngest`,
+whose index operations ``apply`` performs on the controller, on the loop thread. A
+message that does not decode is counted (``malformed``) and skipped: one bad batch
+never stops the stream. The socket is closed when the task is cancelled (node
+removed, gateway stopping).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from kvgate.gateway.kv_ingest import IndexOp, NodeKvIngest
+from kvgate.protocol.errors import KvEventWireError
+from kvgate.protocol.kv_events_wire import decode_frames
+
+__all__ = ["RCV_HWM", "follow_kv_events"]
+
+log = logging.getLogger("kvgate.gateway.kv_events")
+
+# messages ZMQ queues for us before it drops (the PUB side drops too, at its own mark):
+# a stalled loop loses batches (counted as missed) instead of growing without bound
+RCV_HWM = 10_000
+
+
+async def follow_kv_events(
+    endpoint: str,
+    ingest: NodeKvIngest,
+    *,
+    model: Callable[[], str | None],
+    apply: Callable[[list[IndexOp]], None],
+    current: Callable[[], bool],
+    context: zmq.asyncio.Context | None = None,
+) -> None:
+    """Read ``endpoint`` until cancelled or ``current()`` turns false (node removed).
+
+    ``model()`` is the node's base model (the root of its sequences), None while
+    unknown: batches are then counted (``no_model``) and skipped.
+    """
+    ctx = context or zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.SUB)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        while True:
+            frames = await sock.recv_multipart(copy=True)
+            if not current():
+                return
+            try:
+                _topic, seq, batch = decode_frames(frames)
+            except KvEventWireError as exc:
+                if not ingest.counts["malformed"]:
+                    log.warning("KV events from %s: %s (counted, skipped)", endpoint, exc)
+                ingest.counts["malformed"] += 1
+                continue
+            name = model()
+            if name is None:
+                ingest.counts["no_model"] += 1
+                continue
+            ops = ingest.feed(seq, batch, name)
+            if ops:
+                apply(ops)
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,152 @@
+"""Precise mode end to end: engine KV events over ZMQ feed the gateway's index."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvgate.core.hashing import Message, make_hasher
+from kvgate.core.hashing.tokens import TokenBlockHasher
+from kvgate.core.ids import NodeId
+from kvgate.engine.server import EngineServerConfig
+from kvgate.gateway.kv_ingest import NodeKvIngest
+from kvgate.gateway.kv_subscriber import follow_kv_events
+from kvgate.protocol import KVEventBatch, encode_frames, gpu_block_stored
+from kvgate.testing import EngineStack, engine_stack, eventually, fast_gateway_config
+from kvgate.testing import run_bounded as run
+
+MODEL = "kvgate-sim"
+SYSTEM = "You are the helpful assistant of a bookshop; answer briefly. " * 30
+
+
+@pytest.fixture
+def sockets() -> Iterator[Path]:
+    # ipc:// paths must stay under ~100 bytes: pytest's tmp_path can be longer
+    path = Path(tempfile.mkdtemp(prefix="kvgt-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _stack(
+    sockets: Path, n: int = 2, **routing: Any
+) -> contextlib.AbstractAsyncContextManager[EngineStack]:
+    endpoints = {f"e{i}": f"ipc://{sockets}/e{i}" for i in range(n)}
+    engines = [
+        EngineServerConfig(port=0, speedup=50.0, node_id=nid, model=MODEL, kv_events_endpoint=ep)
+        for nid, ep in endpoints.items()
+    ]
+
+    def gateway(nodes: list[dict[str, Any]]) -> Any:
+        for node in nodes:
+            node["kv_events"] = endpoints[node["id"]]
+        return fast_gateway_config(
+            nodes,
+            routing={"params": {"epsilon": 0.0}, "index_mode": "precise", "hasher": "sim",
+                     **routing},
+        )
+
+    return engine_stack(EngineStack, engines, gateway)
+
+
+async def _chat(st: EngineStack, question: str) -> tuple[str, str, int]:
+    body = {"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+    async with st.session.post(st.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        usage = (await r.json())["usage"]
+        return (r.headers["X-Kvgate-Node"], r.headers["X-Kvgate-Route-Reason"],
+                usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def _chain(question: str) -> tuple[int, ...]:
+    h = make_hasher("sim", block_size=16)
+    messages: list[Message] = [("system", SYSTEM), ("user", question)]
+    return tuple(h.chain_for_messages(messages, MODEL))
+
+
+def test_the_index_learns_a_prompt_from_its_engines_events(sockets: Path) -> None:
+    async def body() -> None:
+        async with _stack(sockets) as st:
+            node, _, cached = await _chat(st, "Where is my order?")
+            assert cached == 0
+            ctl = st.gw.gateway.controller
+            chain = _chain("Where is my order?")
+            # the engine's BlockStored events confirm every block of the prompt, on that
+            # node only, and leave nothing speculative (the routing guess) behind
+            await eventually(
+                lambda: ctl.index.match(chain, 0.0).get(NodeId(node)) == len(chain)
+                and ctl.index.speculative_entries(NodeId(node)) == 0
+            )
+            rt = st.gw.gateway.watcher.nodes[NodeId(node)]
+            assert rt.kv_ingest is not None and rt.kv_ingest.counts["stored_blocks"] >= len(chain)
+            # the next question shares the system prompt: to its holder, from its cache
+            node2, reason, cached2 = await _chat(st, "Do you sell gift cards?")
+            assert (node2, reason) == (node, "cache_hit")
+            assert cached2 >= 16 * (len(SYSTEM) // 4 // 16 - 1)
+            async with st.session.get(st.url + "/metrics") as r:
+                text = await r.text()
+            assert f'kvgate_kv_event_blocks_total{{node="{node}",kind="stored"}}' in text
+
+    run(body())
+
+
+def test_an_engine_eviction_leaves_the_index(sockets: Path) -> None:
+    async def body() -> None:
+        async with _stack(sockets, n=1) as st:
+            node, _, _ = await _chat(st, "Can I return a book?")
+            ctl = st.gw.gateway.controller
+            chain = _chain("Can I return a book?")
+            await eventually(lambda: ctl.index.match(chain, 0.0).get(NodeId(node)) == len(chain))
+            fault = {"action": "mass_evict", "fraction": 1.0}
+            async with st.session.post(st.engine(node).url + "/admin/fault", json=fault) as r:
+                assert r.status == 200, await r.text()
+            # its BlockRemoved events take every block back out of the index
+            await eventually(lambda: not ctl.index.match(chain, 0.0).get(NodeId(node)))
+
+    run(body())
+
+
+def test_a_bad_message_is_counted_and_the_stream_goes_on(sockets: Path) -> None:
+    async def body() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        endpoint = f"ipc://{sockets}/pub"
+        pub.bind(endpoint)
+        h = make_hasher("sim", block_size=16)
+        assert isinstance(h, TokenBlockHasher)
+        ingest = NodeKvIngest(h)
+        applied: list[object] = []
+        task = asyncio.ensure_future(follow_kv_events(
+            endpoint, ingest, model=lambda: MODEL, apply=applied.extend, current=lambda: True,
+            context=ctx,
+        ))
+        try:
+            good = KVEventBatch(ts=0.0, events=(
+                gpu_block_stored([11], None, list(range(16)), 16),), data_parallel_rank=0)
+            for _ in range(200):  # a SUB joins late: publish until it hears
+                await pub.send_multipart([b"", b"short", b"\x81"])  # a 5-byte seq frame
+                await pub.send_multipart(encode_frames("", 0, good))
+                await asyncio.sleep(0.01)
+                if applied:
+                    break
+            assert applied, "no batch arrived"
+            assert ingest.counts["malformed"] >= 1
+            assert not task.done()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            pub.close(linger=0)
+            ctx.term()
+
+    run(body())
+
