@@ -3,6 +3,7 @@ decisions; against a gateway in front of real engine servers on 127.0.0.1."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from typing import Any
@@ -322,5 +323,62 @@ def test_admin_body_badly_encoded_is_400_and_slow_is_408(admin_kit: Any) -> None
             )
             assert data.startswith(b"HTTP/1.1 408"), data[:60]
             assert len(s.gw.nodes) == 1
+
+    admin_kit.run(body())
+
+
+def test_drain_refuses_unknown_keys_and_a_node_deleted_during_its_body(admin_kit: Any) -> None:
+    """{"drainig": false} drained the node (200); a node deleted while the drain's body
+    arrived was answered 200 with its old view."""
+
+    async def body() -> None:
+        async with admin_kit.stack(2) as s:
+            status, err, _ = await s.call("POST", "/admin/nodes/e0/drain", {"drainig": False})
+            assert status == 400 and err["error"]["param"] == "drainig"
+            assert not s.gw.nodes.get("e0").draining  # type: ignore[arg-type,union-attr]
+            payload = b'{"draining": true}'
+            head = (b"POST /admin/nodes/e1/drain HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    + admin_kit.TOKEN.encode()
+                    + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(payload))
+            drain = asyncio.ensure_future(raw_exchange(s.url, head, payload, pause=0.5))
+            await asyncio.sleep(0.2)  # the head is in, the body not yet
+            status, _, _ = await s.call("DELETE", "/admin/nodes/e1")
+            assert status == 200
+            data, _ = await drain
+            assert data.startswith(b"HTTP/1.1 404"), data[:80]
+
+    admin_kit.run(body())
+
+
+def test_admin_expect_continue_is_refused_before_the_body_without_the_token(
+    admin_kit: Any,
+) -> None:
+    """The admin routes answered 'Expect: 100-continue' with a 100 for a caller without
+    the token, inviting (and reading) its body before the 401."""
+
+    async def body() -> None:
+        async with admin_kit.stack(1) as s:
+            head = (b"POST /admin/nodes HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n"
+                    b"Expect: 100-continue\r\nConnection: close\r\n\r\n")
+            data, _ = await raw_exchange(s.url, head, timeout=3)
+            assert data.startswith(b"HTTP/1.1 401"), data[:80]
+            data, _ = await raw_exchange(s.url, head.replace(
+                b"Host: x\r\n", b"Host: x\r\nAuthorization: Bearer " + admin_kit.TOKEN.encode()
+                + b"\r\n"), b'{"url": "http://x:1"', pause=0.2, timeout=3)
+            assert data.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 400"), data[:80]
+
+    admin_kit.run(body())
+
+
+def test_a_node_with_url_credentials_and_an_api_key_is_refused(admin_kit: Any) -> None:
+    """Both are an Authorization header: the node was accepted (201) and never became
+    healthy, every probe refused by aiohttp without a word in the log."""
+
+    async def body() -> None:
+        async with admin_kit.stack(1) as s:
+            status, err, _ = await s.call("POST", "/admin/nodes", {
+                "id": "both", "url": "http://u:p@127.0.0.1:1", "api_key": "k"})
+            assert status == 400 and err["error"]["param"] == "api_key"
+            assert s.gw.nodes.get("both") is None
 
     admin_kit.run(body())

@@ -9,7 +9,8 @@ configured answers 403 on every admin route (the API is off, not open)::
     GET    /admin/nodes/{id}          one node
     DELETE /admin/nodes/{id}          remove
     POST   /admin/nodes/{id}/drain    {"draining": true|false} (default true)
-    GET    /admin/config              the running configuration, secrets redacted
+    GET    /admin/config              the configuration as loaded at start-up, secrets
+                                      redacted (membership now: GET /admin/nodes)
     GET    /admin/admission           the admission snapshot (lease, classes, tenants)
     GET    /admin/decisions?limit=N   recent routing decisions with their reasons
 
@@ -39,6 +40,7 @@ from kvgate.edge import expect_handler, json_response
 from kvgate.gateway.body import read_body
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.config_load import parse_node
+from kvgate.gateway.errors import error_response
 from kvgate.gateway.redact import REDACTED, redact_url
 
 if TYPE_CHECKING:
@@ -241,6 +243,14 @@ class AdminApi:
                 code="invalid_admin_token",
             )
 
+    def expect_check(self, request: web.Request) -> web.StreamResponse | None:
+        """The token check before an ``Expect: 100-continue`` body is invited."""
+        try:
+            self.check(request)
+        except (AuthError, AdminDisabled) as exc:
+            return error_response(exc)
+        return None
+
     def _node(self, request: web.Request) -> NodeState:
         node_id = request.match_info["id"]
         state = self.gw.controller.nodes.get(NodeId(node_id))
@@ -307,11 +317,19 @@ class AdminApi:
 
     async def drain_node(self, request: web.Request) -> web.StreamResponse:
         self.check(request)
-        state = self._node(request)
+        self._node(request)  # a 404 before the body is read
         body = await self._body(request)
+        unknown = sorted(set(body) - {"draining"})
+        if unknown:  # {"drainig": false} must not drain the node
+            raise ClientRequestError(
+                f"unknown key {unknown[0]!r}; the body is {{\"draining\": true|false}}",
+                param=unknown[0],
+            )
         draining = body.get("draining", True)
         if not isinstance(draining, bool):
             raise ClientRequestError("'draining' must be true or false", param="draining")
+        # looked up again after reading the body: deleted (or replaced) meanwhile
+        state = self._node(request)
         gw = self.gw
         gw.controller.set_draining(state.spec.node_id, draining, gw.clock())
         return json_response(200, node_view(gw, state, gw.clock()))
@@ -343,7 +361,9 @@ def register_admin(app: web.Application, gw: Gateway) -> None:
     api = AdminApi(gw)
     r = app.router
     r.add_get("/admin/nodes", api.list_nodes)
-    expect = expect_handler(gw.config.server.client_max_size)  # 417 / 413 as JSON, then 100
+    # 417 / 413 / 401 / 403 as JSON, and only then the 100: a caller without the token
+    # is not invited to send its body
+    expect = expect_handler(gw.config.server.client_max_size, api.expect_check)
     r.add_post("/admin/nodes", api.add_node, expect_handler=expect)
     r.add_get("/admin/nodes/{id}", api.get_node)
     r.add_delete("/admin/nodes/{id}", api.remove_node)

@@ -167,6 +167,13 @@ class NodeConfig:
                 f"got {self.kv_events!r}",
                 param="kv_events",
             )
+        if self.api_key is not None and "@" in self.url.partition("://")[2].partition("/")[0]:
+            # both would be an Authorization header: aiohttp refuses the pair on every
+            # probe, and the node never became healthy, with nothing in the log
+            raise ConfigError(
+                f"node {self.id}: give either credentials in the url or an api_key, not both",
+                param="api_key",
+            )
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"node {self.id}: url must start with http:// or https://")
         if self.capacity < 1 or (self.cache_blocks is not None and self.cache_blocks < 0):
