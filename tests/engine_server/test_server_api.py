@@ -181,6 +181,10 @@ async def test_metrics_use_vllm_names(start_server: Any, http: aiohttp.ClientSes
     # bare name its parser saw an empty counter and an untyped sample)
     assert "# TYPE vllm:prefix_cache_hits_total counter" in text
     assert "# HELP vllm:prefix_cache_hits_total " in text
+    # the process start, as vLLM's process collector writes it: a gateway tells a
+    # restarted engine by it
+    start = samples["process_start_time_seconds"]
+    assert start[0] == "process_start_time_seconds" and 0 < time.time() - start[1] < 60
 
 
 async def test_tokenize_refuses_a_model_that_is_not_a_string(

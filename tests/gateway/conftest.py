@@ -57,7 +57,9 @@ class StubEngine:
     waiting: int = 0
     running: int = 0
     kv: float = 0.25
-    gpu_blocks: int | None = None  # per DP rank, of 16 tokens, in vllm:cache_config_info
+    # of 16 tokens, the node's whole cache: as vLLM, the same total on each DP rank's
+    # vllm:cache_config_info line
+    gpu_blocks: int | None = None
     seen: list[Seen] = field(default_factory=list)
     disconnects: int = 0
     delay_s: float = 0.0  # every completion waits this long before answering

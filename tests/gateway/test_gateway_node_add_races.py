@@ -119,3 +119,25 @@ def test_an_add_whose_caller_is_cancelled_still_completes() -> None:
         await w.stop()
 
     run_bounded(body())
+
+
+def test_a_probe_that_raises_still_leaves_the_node_fully_added_and_held_out() -> None:
+    """A first probe raising (a parser bug: finite gauges summing to infinity did) went
+    through NodeWatcher.add to the admin API as a 500, the node added but unprobed."""
+
+    async def body() -> None:
+        w = ScriptedWatcher()
+
+        async def broken(rt: NodeRuntime) -> None:
+            raise OverflowError("cannot convert float infinity to integer")
+
+        w.scrape = broken  # type: ignore[method-assign]
+        rt = await w.add(NodeConfig(id="n1", url="http://n1:1"))
+        try:
+            assert w.get("n1") is rt and len(rt.tasks) == 3  # its loops run
+            state = w.controller.nodes.get(NodeId("n1"))
+            assert state is not None and not state.healthy  # out until a probe passes
+        finally:
+            await w.stop()
+
+    run_bounded(body())

@@ -187,6 +187,40 @@ def test_a_restarted_node_is_read_afresh(kit: Any) -> None:
     kit.run(body())
 
 
+def test_a_restart_is_seen_by_the_process_start_time_alone(kit: Any) -> None:
+    """A fast restart (no health check failed, no eviction notice ever, so the notice
+    log's cursor stays at 0) went unseen: the index kept the old process's cache. The
+    process start time on /metrics (vLLM's process collector, kvgate engine's own)
+    changing is a restart: the node's learnt blocks and pending evictions go."""
+
+    async def body() -> None:
+        async with kit.cluster(1, nodes={"metrics_interval_s": 0.05}) as c:
+            ctl = c.gw.controller
+            watcher = c.gw.gateway.watcher
+            rt = watcher.get("n0")
+            assert rt is not None
+            pages = ["vllm:num_requests_running 0\nprocess_start_time_seconds 1700000000.5\n"]
+            real_get = watcher._get
+
+            async def fake_get(node: Any, path: str, timeout: float) -> Any:
+                if node is not rt or path != "/metrics":
+                    return await real_get(node, path, timeout)
+                return 200, pages[-1].encode()
+
+            watcher._get = fake_get  # type: ignore[method-assign]
+            await watcher.scrape(rt)
+            assert rt.started_at == 1700000000.5
+            ctl.index.insert(NodeId("n0"), [11, 12, 13], 0.0)
+            await watcher.scrape(rt)  # the same process: nothing forgotten
+            assert ctl.index.node_entries(NodeId("n0")) == 3
+            pages.append(pages[0].replace("1700000000.5", "1700000042.25"))
+            await watcher.scrape(rt)
+            assert ctl.index.node_entries(NodeId("n0")) == 0
+            assert rt.started_at == 1700000042.25
+
+    kit.run(body())
+
+
 def test_a_node_back_from_unhealthy_reads_its_notices_afresh(kit: Any) -> None:
     async def body() -> None:
         async with kit.cluster(2) as c:
@@ -211,19 +245,27 @@ def test_parse_load_reads_the_cache_size_from_vllm_and_sglang_metrics() -> None:
     vllm = ('# HELP vllm:cache_config_info x\n'
             'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
             'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0\n')
-    assert cache_tokens(vllm) == 32_000  # two data-parallel ranks
+    # two data-parallel ranks of 500 blocks: vLLM's front end sums them into one cache
+    # config and writes it once per rank (it was read as twice the cache)
+    assert cache_tokens(vllm) == 16_000
     assert cache_tokens('sglang:max_total_num_tokens{model="m"} 500000.0\n') == 500_000
     assert cache_tokens("sglang:max_total_num_tokens 123\n") == 123
     for bad in ("", "vllm:num_requests_waiting 3\n",
                 'vllm:cache_config_info{block_size="x",num_gpu_blocks="9"} 1\n',
                 'vllm:cache_config_info{num_gpu_blocks="9"} 1\n',
-                "sglang:max_total_num_tokens NaN\n", "sglang:max_total_num_tokens\n"):
+                "sglang:max_total_num_tokens NaN\n", "sglang:max_total_num_tokens\n",
+                "sglang:max_total_num_tokens 1e308\nsglang:max_total_num_tokens 1e308\n"):
         assert cache_tokens(bad) is None, bad
+    sample = parse_load("vllm:num_requests_running 1\nprocess_start_time_seconds 17.5\n")
+    assert sample is not None and sample.started_at == 17.5
+    # finite gauges adding up to infinity are no reading (it was an OverflowError)
+    assert parse_load("vllm:num_requests_running 1e308\nvllm:num_requests_running 1e308\n") is None
 
 
 def test_index_capacity_follows_the_node_cache_unless_configured(kit: Any) -> None:
-    """cache_blocks left out: the node's KV cache (num_gpu_blocks x block_size, summed
-    over its two ranks) in index blocks, read at every scrape; configured: as is."""
+    """cache_blocks left out: the node's KV cache (num_gpu_blocks x block_size, the
+    total its two ranks' lines each give) in index blocks, read at every scrape;
+    configured: as is."""
     from kvgate.testing import eventually
 
     async def body() -> None:
@@ -238,10 +280,10 @@ def test_index_capacity_follows_the_node_cache_unless_configured(kit: Any) -> No
                 state = ctl.nodes.get(NodeId(node))
                 return -1 if state is None else int(state.spec.cache_blocks)
 
-            await eventually(lambda: blocks("n0") == 2 * 2048 * 16 // tpb)
+            await eventually(lambda: blocks("n0") == 2048 * 16 // tpb)
             c.stubs[0].gpu_blocks = 1024  # restarted with a smaller cache
-            await eventually(lambda: blocks("n0") == 2 * 1024 * 16 // tpb)
-            assert ctl.index.capacity(NodeId("n0")) == 2 * 1024 * 16 // tpb
+            await eventually(lambda: blocks("n0") == 1024 * 16 // tpb)
+            assert ctl.index.capacity(NodeId("n0")) == 1024 * 16 // tpb
             await eventually(lambda: blocks("set") == 77)
             await asyncio.sleep(0.2)  # several scrapes later: still as configured
             assert blocks("set") == 77 and ctl.index.capacity(NodeId("set")) == 77

@@ -233,7 +233,8 @@ class EngineServer:
         self._changed = asyncio.Event()
         self._t0 = time.monotonic()
         self._vnow = 0.0
-        self._created = int(time.time())
+        self._started_at = time.time()  # /metrics' process_start_time_seconds
+        self._created = int(self._started_at)
         self._publisher: _KvPublisher | None = None
         self._runner: web.AppRunner | None = None
         self._task: asyncio.Task[None] | None = None
@@ -633,7 +634,7 @@ class EngineServer:
             extra["kvgate:kv_event_batches"] = ("KV-event batches published.",
                                                 self._publisher.encoder.seq)
         text = render_metrics(self.engine.metrics(), model=self.config.model,
-                              extra_counters=extra)
+                              extra_counters=extra, started_at=self._started_at)
         return web.Response(body=text.encode("utf-8"),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

@@ -215,6 +215,8 @@ def _escape(value: str) -> str:
 
 
 def _labels(labels: Mapping[str, str]) -> str:
+    if not labels:
+        return ""
     return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
 
 
@@ -223,12 +225,15 @@ def _fmt(value: float) -> str:
 
 
 def render_metrics(
-    m: EngineMetrics, *, model: str, extra_counters: Mapping[str, tuple[str, int]] = {}
+    m: EngineMetrics, *, model: str, extra_counters: Mapping[str, tuple[str, int]] = {},
+    started_at: float | None = None,
 ) -> str:
     """Prometheus text for one engine (DP rank 0).
 
     ``extra_counters`` maps a ``kvgate:`` counter name (without ``_total``) to
-    ``(help, value)``, for counts the shell keeps itself.
+    ``(help, value)``, for counts the shell keeps itself. ``started_at`` (Unix time)
+    is written as ``process_start_time_seconds``, as prometheus_client's process
+    collector does for vLLM: a gateway tells a restarted engine by it.
     """
     base = {"model_name": model, "engine": "0"}
     lines: list[str] = []
@@ -281,4 +286,7 @@ def render_metrics(
            m.num_evicted_blocks)
     for name, (help_, value) in extra_counters.items():
         metric(name, "counter", help_, value)
+    if started_at is not None:
+        metric("process_start_time_seconds", "gauge",
+               "Start time of the process since unix epoch in seconds.", started_at, {})
     return "\n".join(lines) + "\n"

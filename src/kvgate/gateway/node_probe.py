@@ -7,8 +7,13 @@
   sets (data-parallel engines, several models); the KV usage, a fraction, is their
   mean, so two half-full ranks read 0.5, not 1.0.
   The KV cache's size, in tokens: vLLM's ``vllm:cache_config_info`` labels
-  (``num_gpu_blocks`` x ``block_size``, summed over data-parallel ranks) or SGLang's
-  ``sglang:max_total_num_tokens``.
+  (``num_gpu_blocks`` x ``block_size``; the largest line: with data-parallel ranks
+  behind one server vLLM writes one line per rank, each already holding the ranks'
+  sum, as its front end adds their block counts up in one cache config) or SGLang's
+  ``sglang:max_total_num_tokens``. A sum that overflows to infinity (absurd gauges on
+  several lines) is ignored like a non-finite gauge. ``process_start_time_seconds``
+  (prometheus_client's process collector, which vLLM's server has; kvgate engine
+  writes it too): when it changes, the node is a new process, with an empty cache.
 * ``/v1/models``: model ids and vLLM's per-model ``max_model_len``.
 * ``/kvgate/evictions?since=N``: the simulated engine's eviction announcements, a
   JSON list of ``{"seq", "type": "announced"|"done", ...}`` or an object with such a
@@ -26,7 +31,8 @@ WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage", "vllm:gpu_cache_usage_perc")
 SGLANG_CACHE_TOKENS = "sglang:max_total_num_tokens"
 VLLM_CACHE_INFO = "vllm:cache_config_info{"  # the size is in its labels
-_WANTED = frozenset((*RUNNING, *WAITING, *KV_USAGE, SGLANG_CACHE_TOKENS))
+PROCESS_START = "process_start_time_seconds"
+_WANTED = frozenset((*RUNNING, *WAITING, *KV_USAGE, SGLANG_CACHE_TOKENS, PROCESS_START))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +41,7 @@ class LoadSample:
     waiting: int
     kv_util: float | None  # None when the node exports no usage gauge
     cache_tokens: int | None = None  # the KV cache's size, when the page gives it
+    started_at: float | None = None  # the server process's start (Unix time), if given
 
 
 def _sample(line: str) -> tuple[str, float] | None:
@@ -69,10 +76,10 @@ def parse_load(text: str) -> LoadSample | None:
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
-        if not line.startswith(("vllm:", "sglang:")):
+        if not line.startswith(("vllm:", "sglang:", PROCESS_START)):
             continue
         if line.startswith(VLLM_CACHE_INFO):
-            cache_tokens += _vllm_cache_tokens(line)
+            cache_tokens = max(cache_tokens, _vllm_cache_tokens(line))
             continue
         got = _sample(line)
         if got is None:
@@ -80,6 +87,9 @@ def parse_load(text: str) -> LoadSample | None:
         name, value = got
         sums[name] = sums.get(name, 0.0) + value
         counts[name] = counts.get(name, 0) + 1
+
+    for name in [n for n, v in sums.items() if not math.isfinite(v)]:
+        del sums[name]  # finite lines adding up to infinity: no reading
 
     def first(names: tuple[str, ...]) -> str | None:
         return next((n for n in names if n in sums), None)
@@ -93,12 +103,14 @@ def parse_load(text: str) -> LoadSample | None:
         waiting=max(0, round(sums[wait])) if wait else 0,
         kv_util=min(1.0, max(0.0, sums[kv] / counts[kv])) if kv else None,
         cache_tokens=cache_tokens + max(0, int(sums.get(SGLANG_CACHE_TOKENS, 0))) or None,
+        # one process serves the page: a sum of several lines would be no start time
+        started_at=sums[PROCESS_START] if counts.get(PROCESS_START) == 1 else None,
     )
 
 
 def _vllm_cache_tokens(line: str) -> int:
-    """``num_gpu_blocks`` x ``block_size`` of a ``vllm:cache_config_info`` line (one
-    data-parallel rank), 0 if it lacks them."""
+    """``num_gpu_blocks`` x ``block_size`` of a ``vllm:cache_config_info`` line, 0 if
+    it lacks them."""
     labels = _labels(line)
     try:
         blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])

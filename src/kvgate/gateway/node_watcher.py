@@ -62,6 +62,7 @@ class NodeRuntime:
     eviction_cursor: int = 0
     last_seq: int = -1
     cache_tokens: int | None = None  # the KV cache size its metrics give, in tokens
+    started_at: float | None = None  # its process's start, as its metrics give it
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     kv_ingest: NodeKvIngest | None = None  # precise mode, with the node's kv_events
@@ -130,6 +131,9 @@ class NodeWatcher:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.startup_probe_timeout_s):
                     await self._first_probe(rt)
+        except Exception:  # a probe bug: the node is added, held out until it passes
+            rt.passes = 0
+            log.exception("first probe of node %s failed", rt.node_id)
         finally:
             # Even when the caller is cancelled mid-probe (an admin client gave up), the
             # node ends fully added: held out until it passes, with its loops running.
@@ -320,6 +324,11 @@ class NodeWatcher:
             return
         if not self._current(rt):
             return
+        started = sample.started_at
+        if started is not None:
+            if rt.started_at is not None and abs(started - rt.started_at) > 0.5:
+                self._restarted(rt, "its process start time changed")
+            rt.started_at = started
         cache_tokens = sample.cache_tokens
         if cache_tokens is not None and cache_tokens != rt.cache_tokens:
             rt.cache_tokens = cache_tokens  # the index follows the node's real cache
@@ -351,9 +360,7 @@ class NodeWatcher:
         if cursor is not None and cursor < rt.eviction_cursor:
             # the node's notice log went back: a new engine process, with an empty
             # cache and none of the old one's evictions pending; read its log afresh
-            log.warning("node %s restarted (eviction log reset)", rt.node_id)
-            _forget_notices(rt)
-            self.controller.on_cache_cleared(rt.node_id, now)
+            self._restarted(rt, "its eviction log went back")
             return
         for ev in events:
             if ev.seq <= rt.last_seq:
@@ -365,6 +372,16 @@ class NodeWatcher:
                 self.controller.on_eviction_done(rt.node_id, now)
         rt.eviction_cursor = cursor if cursor is not None else max(rt.eviction_cursor,
                                                                    rt.last_seq)
+
+    def _restarted(self, rt: NodeRuntime, why: str) -> None:
+        """A new engine process behind the node's URL (seen by its metrics' start time
+        or its notice log, even when no health check failed meanwhile): its cache is
+        empty and none of the old process's evictions are pending."""
+        log.warning("node %s restarted (%s)", rt.node_id, why)
+        _forget_notices(rt)
+        if rt.kv_ingest is not None:
+            rt.kv_ingest.reset()  # the old process's block hashes name nothing now
+        self.controller.on_cache_cleared(rt.node_id, self.clock())
 
     # ------------------------------------------------------------------ views
     def model_entries(self) -> list[dict[str, Any]]:
