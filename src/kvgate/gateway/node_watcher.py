@@ -201,13 +201,17 @@ class NodeWatcher:
         ]
         hasher = self.controller.hasher
         endpoint = rt.config.kv_events
-        if (
-            endpoint is not None
-            and self.controller.config.index_mode == "precise"
-            and isinstance(hasher, TokenBlockHasher)
+        if self.controller.config.index_mode != "precise" or not isinstance(
+            hasher, TokenBlockHasher
         ):
-            rt.kv_ingest = NodeKvIngest(hasher)
-            rt.tasks.append(asyncio.ensure_future(self._follow_kv_events(rt, endpoint)))
+            return
+        if endpoint is None:
+            # routing's guesses expire in seconds unconfirmed: no cache is seen there
+            log.warning("node %s has no kv_events endpoint: precise mode sees no cache "
+                        "on it", rt.node_id)
+            return
+        rt.kv_ingest = NodeKvIngest(hasher)
+        rt.tasks.append(asyncio.ensure_future(self._follow_kv_events(rt, endpoint)))
 
     async def _follow_kv_events(self, rt: NodeRuntime, endpoint: str) -> None:
         """Precise mode: the node's KV events into the index (kv_subscriber.py)."""
