@@ -76,6 +76,43 @@ def test_gateways_share_one_budget_and_converge_to_fair_shares(kit: Any, redis_u
     kit.run(body())
 
 
+def test_two_gateways_under_one_id_hold_two_records(kit: Any, redis_url: str) -> None:
+    """One gateway_id for the whole fleet (one template): both processes refreshed one
+    record, each was granted the whole share it reported, and together they held
+    twice it (150 in flight for K = 100 with a third gateway). Each process's record
+    now carries a suffix of its own, so the budget holds whatever the ids."""
+    cfg = AdmissionConfig(budget=103, lease=LeaseConfig(expected_gateways=3))  # K = 100
+
+    async def body() -> None:
+        async with fleet_key(redis_url) as key:
+            coords = [RedisCoordinator(cfg, redis_url, key=key) for _ in range(3)]
+            gws = [GatewayAdmission(cfg, gid) for gid in ("gw-a", "gw-a", "gw-b")]
+            try:
+                peak = 0
+                for rnd in range(12):
+                    now = rnd * 0.5
+                    for i, (coord, gw) in enumerate(zip(coords, gws, strict=True)):
+                        for n in range(60):  # demand far above the budget, never ending
+                            gw.admit(AdmissionRequest(
+                                request_id=f"{i}-{rnd}-{n}", tenant="t", priority=Priority.P0,
+                                prompt_tokens=10), now)
+                        gw.apply_grant(await coord.refresh(gw.make_refresh(now), now), now)
+                    inflight = sum(gw.stats().inuse_total for gw in gws)
+                    peak = max(peak, inflight)
+                    assert inflight <= 100, (rnd, inflight)
+                    await asyncio.sleep(0.25)
+                assert peak >= 90  # the budget is used, not only respected
+                client = aioredis.Redis.from_url(redis_url)
+                state = await client.get(key)
+                await client.aclose()
+                assert state is not None and state.count(b'"gw-a#') == 2
+            finally:
+                for c in coords:
+                    await c.close()
+
+    kit.run(body())
+
+
 def test_in_flight_across_gateways_never_exceeds_the_budget(kit: Any, redis_url: str) -> None:
     # Each gateway wants far more than the budget and releases some of what it runs
     # each round; every credit a gateway holds is reported, so no other is granted it.
@@ -232,6 +269,15 @@ def test_redis_coordinator_config() -> None:
     assert AdmissionSection(coordinator="redis").redis_url == "redis://127.0.0.1:6379/0"
     with pytest.raises(ConfigError, match="redis_url"):
         AdmissionSection(coordinator="redis", redis_url="http://x")
+    # a bad port was a 49-line traceback at start-up; a database that is no number
+    # (a typo) was ignored by redis-py, the fleet's state landing in database 0
+    for bad, why in (("redis://127.0.0.1:notaport/0", "Port"),
+                     ("redis://:s3cret@127.0.0.1:6379/l3", "database, a number")):
+        with pytest.raises(ConfigError, match=why) as err:
+            AdmissionSection(coordinator="redis", redis_url=bad)
+        assert "s3cret" not in str(err.value)
+    for good in ("redis://h:6379", "redis://h:6379/3", "rediss://h/", "unix:///tmp/r.sock?db=2"):
+        assert AdmissionSection(coordinator="redis", redis_url=good).redis_url == good
     with pytest.raises(ConfigError, match="coordinator"):
         AdmissionSection(coordinator="zookeeper")  # type: ignore[arg-type]
 

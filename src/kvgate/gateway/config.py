@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
+from urllib.parse import urlsplit
 
 from kvgate.core.admission import (
     AdmissionConfig,
@@ -46,6 +47,7 @@ from kvgate.core.admission import (
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.finite import first_nonfinite
+from kvgate.gateway.redact import redact_url
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SECTIONS = ("server", "upstream", "nodes", "routing", "admission", "auth")
@@ -277,7 +279,7 @@ class AdmissionSection:
     # every healthy 10 s window (1.0: all of it at once)
     p2_start: float = 0.1
     # inprocess: one gateway (the default); redis: a fleet sharing one budget through
-    # the lease state under redis_key (every gateway needs its own server.gateway_id)
+    # the lease state under redis_key (each gateway holds a record of its own there)
     coordinator: Literal["inprocess", "redis"] = "inprocess"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_key: str = "kvgate:coordinator"
@@ -301,13 +303,8 @@ class AdmissionSection:
             raise ConfigError(
                 f"admission.coordinator must be 'inprocess' or 'redis', got {self.coordinator!r}"
             )
-        if self.coordinator == "redis" and not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
-            raise ConfigError(
-                "admission.redis_url must be a redis://, rediss:// or unix:// URL, "
-                f"got {self.redis_url!r}"
-            )
+        if self.coordinator == "redis":
+            _check_redis_url(self.redis_url)
         if not self.redis_key:
             raise ConfigError("admission.redis_key must be non-empty")
 
@@ -447,3 +444,29 @@ def _zmq_endpoint(text: str) -> bool:
         return len(text) > len("ipc://")
     host, sep, port = text.removeprefix("tcp://").rpartition(":")
     return text.startswith("tcp://") and bool(sep and host and port.isdigit())
+
+
+def _check_redis_url(url: str) -> None:
+    """A redis://, rediss:// or unix:// URL redis-py can use, its database (the path)
+    a number: redis-py ignores a path like /l3 and uses database 0 without a word, and
+    a bad port surfaced as a traceback at start-up."""
+    from redis.connection import parse_url  # only a Redis fleet needs it
+
+    shown = redact_url(url)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            f"admission.redis_url must be a redis://, rediss:// or unix:// URL, got {shown!r}",
+            param="redis_url",
+        )
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ConfigError(f"admission.redis_url {shown!r}: {exc}", param="redis_url") from exc
+    if not url.startswith("unix://"):
+        path = urlsplit(url).path.strip("/")
+        if path and not path.isdigit():
+            raise ConfigError(
+                f"admission.redis_url {shown!r}: the path names the database, a number "
+                f"(redis://host:6379/0), not {path!r}",
+                param="redis_url",
+            )

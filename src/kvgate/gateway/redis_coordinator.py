@@ -14,8 +14,13 @@ All gateways read one clock, Redis's ``TIME``, for record expiry and learning wi
 
 Lost state (Redis restarted, or the key expired after every gateway left for
 ``state_ttl_s``) is a missing key: the next refresh starts a new epoch in learning
-mode for one lease TTL (the coordinator's ``learn_on_start``), since gateways may
-still hold credits granted under the old one.
+mode (the coordinator's ``learn_on_start``: a TTL, and a TTL plus the reuse window
+once a gateway reports the old epoch), since gateways may still hold credits granted
+under the old one.
+
+A gateway's record is named by its ``gateway_id`` plus a suffix of this process
+(``gw-a#1f2e3d4c``): two gateways started under one id (one template for the fleet)
+overwrote one record, and together admitted twice its share.
 
 Redis errors become :class:`CoordinatorUnavailable`; the gateway then reuses its last
 lease and, past ``reuse_s``, runs in SAFE mode (``core/admission/quota_book.py``).
@@ -28,6 +33,7 @@ import json
 import random
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -72,6 +78,7 @@ class RedisCoordinator:
             60.0, 30 * config.lease.ttl_s
         )
         self.conflicts = 0  # optimistic retries: how contended the key is
+        self.instance = uuid.uuid4().hex[:8]  # this process's part of its record's name
         self._rng = random.Random()
         self._redis: aioredis.Redis = aioredis.Redis.from_url(
             url,
@@ -83,12 +90,18 @@ class RedisCoordinator:
     async def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
         """One gateway's report in, its lease out (``now``, the gateway's clock, is not
         used: the fleet's records run on Redis's)."""
-        grant = await self._transact(lambda coord, t: coord.refresh(req, t))
+        own = replace(req, gateway_id=self.record_id(req.gateway_id))
+        grant = await self._transact(lambda coord, t: coord.refresh(own, t))
         assert grant is not None  # created when missing
-        return grant
+        return replace(grant, gateway_id=req.gateway_id)
 
     async def release_gateway(self, gateway_id: str) -> None:
-        await self._transact(lambda coord, t: coord.release_gateway(gateway_id), create=False)
+        record = self.record_id(gateway_id)
+        await self._transact(lambda coord, t: coord.release_gateway(record), create=False)
+
+    def record_id(self, gateway_id: str) -> str:
+        """The name of this process's record in the fleet's state."""
+        return f"{gateway_id}#{self.instance}"
 
     async def close(self) -> None:
         await self._redis.aclose()

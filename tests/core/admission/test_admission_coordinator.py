@@ -221,10 +221,38 @@ def test_learning_mode_after_an_epoch_change() -> None:
     assert g.learning and g.total == 0  # a newcomer gets nothing while learning
     g = coord.refresh(report("b", 100, has=40, inuse0=40), 1.3)
     assert g.learning and g.total == 40
+    # a and b reported the lost epoch: the state was lost, and a gateway cut off from the
+    # coordinator may spend its old lease until a TTL plus reuse_timeout_s (5 s) after
+    # the reset; nobody is lent anything before that
     g = coord.refresh(report("c", 100, epoch="epoch-1"), 3.1)  # one ttl later
+    assert g.learning and g.total == 0
+    for t in (4.5, 6.0, 7.5):  # a and b keep refreshing (no outage)
+        coord.refresh(report("a", 100, has=60, inuse0=60, epoch="epoch-1"), t)
+        coord.refresh(report("b", 100, has=40, inuse0=40, epoch="epoch-1"), t)
+    g = coord.refresh(report("c", 100, epoch="epoch-1"), 8.1)  # ttl + reuse later
     assert not g.learning and g.total == 0  # a and b still hold all 100
-    g = coord.refresh(report("a", 100, has=60, inuse0=30, epoch="epoch-1"), 3.2)
+    g = coord.refresh(report("a", 100, has=60, inuse0=30, epoch="epoch-1"), 8.2)
     assert not g.learning and g.total == 34  # fair share 33 (+1 remainder), not 60
+
+
+def test_a_lost_state_is_learnt_until_a_cut_off_gateways_old_lease_ends() -> None:
+    """Redis lost the state (a missing key: a fresh coordinator that learns on start)
+    while c could not reach it. a and b report the epoch before, so the state was lost,
+    not new: c may spend its old lease until a TTL plus reuse_timeout_s, and a and b
+    were lent c's share after one TTL (3 gateways, K = 100: 133 in flight). A state
+    that is new (nobody reports an older epoch) is learnt for one TTL, as before."""
+    lost = InProcessCoordinator(_one_class(100), epoch="epoch-2", learn_on_start=True)
+    for t in (0.0, 1.5, 3.0, 4.5, 6.0, 6.9):  # every 1.5 s, within a TTL (no outage)
+        g = lost.refresh(report("a", 100, has=34, inuse0=34, epoch="epoch-1"), t)
+        assert g.learning and g.total == 34, t  # echoed, never lent c's 33
+        g = lost.refresh(report("b", 100, has=33, inuse0=33, epoch="epoch-1"), t + 0.05)
+        assert g.learning and g.total == 33, t
+    g = lost.refresh(report("a", 100, has=34, inuse0=34, epoch="epoch-2"), 7.1)
+    assert not g.learning  # c's old lease cannot be spent past 0 + 2 + 5 s
+    new = InProcessCoordinator(_one_class(100), epoch="epoch-2", learn_on_start=True)
+    assert new.refresh(report("a", 100, epoch=None), 0.0).learning
+    assert new.refresh(report("a", 100, epoch="epoch-2"), 1.5).learning
+    assert not new.refresh(report("a", 100, epoch="epoch-2"), 2.1).learning
 
 
 def test_a_gateway_reporting_an_old_epoch_is_echoed_for_one_ttl() -> None:

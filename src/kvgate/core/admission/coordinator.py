@@ -43,27 +43,24 @@ gateway cut off alone for longer than TTL + ``reuse_timeout_s`` can take the fle
 over C by up to that much (a crashed gateway's credits would otherwise stay reserved
 for as long as the grace, with nobody to spend them).
 
-Learning mode (Doorman): for one TTL a gateway is granted max(has, inuse) as it
-reports them, clamped by what the others already reported holding; a newcomer (has 0)
-gets nothing. It runs
+Learning mode (Doorman): a gateway is granted max(has, inuse) as it reports them,
+clamped by what the others reported holding; a newcomer (has 0) gets nothing. It runs
 
-- after an epoch change (``reset_epoch``: the Redis coordinator lost its state);
+- after an epoch change (``reset_epoch``: the Redis coordinator lost its state), until
+  TTL + ``reuse_timeout_s`` from it once a gateway reports the epoch before (so also
+  for a ``learn_on_start`` state that was lost, not new): an old lease lives that long;
 - for a gateway still reporting an older epoch, one TTL from its first such report;
-- for the first TTL after the coordinator starts, if ``learn_on_start``: a fresh
-  coordinator cannot know what gateways admitted in NO_ASSIGNMENT, and without
-  learning the first gateway to report is lent its share of the idle capacity (that
-  over the expected gateways) while the others still run on their start-up allowance.
-- after an outage: when every gateway's record has lapsed unrefreshed (nobody reached
-  the coordinator for a whole TTL), for one TTL from the first refresh after it. The
-  gateways kept running what they admitted (on their last lease, then in SAFE), and
-  without learning the first one back would be lent what they run.
+- for the first TTL after the coordinator starts, if ``learn_on_start``: it cannot know
+  what gateways admitted in NO_ASSIGNMENT (the first to report would be lent the others'
+  start-up allowance).
+- after an outage (every record lapsed unrefreshed), for one TTL from the first
+  refresh after it: the gateways kept running what they admitted, which the first one
+  back would otherwise be lent.
 
-Start-up bounds. With ``learn_on_start`` and ``expected_gateways`` at least the real
-gateway count, the sum of in-flight never exceeds C from the first request on. Without
-it (the default: one gateway, or gateways that refresh before taking traffic, lose
-nothing, and the first TTL is not spent echoing start-up allowances), the overshoot is
-at most the NO_ASSIGNMENT admits (P0 only, K / expected_gateways per gateway) made
-before each gateway's first report, and ends when those requests finish.
+Start-up bounds. With ``learn_on_start`` and ``expected_gateways`` >= the real count,
+in-flight never exceeds C from the first request on. Without it (the default: the first
+TTL is not spent echoing start-up allowances), the overshoot is at most the
+NO_ASSIGNMENT admits (P0 only, K / expected_gateways each) before each first report.
 """
 
 from __future__ import annotations
@@ -107,11 +104,11 @@ class InProcessCoordinator:
         self.slo = SloController(config.slo)
         self.records: dict[str, GatewayRecord] = {}
         self.learning_until = -1.0
+        self.epoch_started: float | None = None  # its learning began (learn_on_start, reset)
         self.refreshes = 0
-        # The fleet's clock (Redis's TIME, a wall clock) may step back: the time a
-        # refresh runs at is that clock plus ``clock_offset_s``, grown by every step
-        # back, so it never goes back and goes on at the clock's pace (deadlines
-        # neither move back nor freeze for the step's length). ``clock_s``: the last.
+        # The fleet's clock (Redis's TIME) may step back: a refresh runs at it plus
+        # ``clock_offset_s``, grown by every step back, so it never goes back and keeps
+        # the clock's pace (deadlines neither move back nor freeze). ``clock_s``: the last.
         self.clock_s = -math.inf
         self.clock_offset_s = 0.0
         self.slo_seen: dict[str, int] = {}
@@ -126,6 +123,7 @@ class InProcessCoordinator:
             now = self.clock_s
         self.clock_s = now
         if self.learn_on_start or self._lapsed(now):
+            self.epoch_started = now if self.learn_on_start else self.epoch_started
             self.learn_on_start = False
             self.learning_until = now + self.config.lease.ttl_s
         self.refreshes += 1
@@ -147,7 +145,7 @@ class InProcessCoordinator:
         """Simulate lost coordinator state (a Redis restart): forget all, learn for a TTL."""
         self.epoch = epoch
         self.records.clear()
-        self.learning_until = now + self.config.lease.ttl_s
+        self.epoch_started, self.learning_until = now, now + self.config.lease.ttl_s
 
     @property
     def ceilings(self) -> tuple[float, float, float]:
@@ -211,8 +209,13 @@ class InProcessCoordinator:
         rec.has_total = req.has_total
         rec.bypass_inuse, rec.bypass_has = req.bypass_inuse, req.bypass_has
         rec.tenants = dict(req.tenants)
-        if req.epoch is not None and req.epoch != self.epoch and rec.learning_until <= 0.0:
-            rec.learning_until = now + self.config.lease.ttl_s
+        lc = self.config.lease
+        if req.epoch is not None and req.epoch != self.epoch:
+            if rec.learning_until <= 0.0:
+                rec.learning_until = now + lc.ttl_s
+            if self.epoch_started is not None:  # lost state: one cut off from us spends its
+                end = self.epoch_started + lc.ttl_s + lc.reuse_timeout_s  # old lease that long
+                self.learning_until = max(self.learning_until, end)
         return rec
 
     def _grant(self, rec: GatewayRecord, *, learning: bool, p0_reserve: int) -> LeaseGrant:

@@ -39,6 +39,7 @@ def dump_state(coord: InProcessCoordinator) -> dict[str, Any]:
         "learn_on_start": coord.learn_on_start,
         "capacity": coord.capacity,
         "learning_until": coord.learning_until,
+        "epoch_started": coord.epoch_started,
         "refreshes": coord.refreshes,
         "clock_s": coord.clock_s,
         "clock_offset_s": coord.clock_offset_s,
@@ -68,6 +69,8 @@ def load_state(config: AdmissionConfig, data: Mapping[str, Any]) -> InProcessCoo
     )
     coord.capacity = int(data["capacity"])
     coord.learning_until = float(data["learning_until"])
+    started = data.get("epoch_started")  # absent from state an older version wrote
+    coord.epoch_started = None if started is None else float(started)
     coord.refreshes = int(data["refreshes"])
     # absent from state an older version wrote
     coord.clock_s = float(data.get("clock_s", -math.inf))
