@@ -66,6 +66,7 @@ class NodeRuntime:
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     kv_ingest: NodeKvIngest | None = None  # precise mode, with the node's kv_events
+    kv_connected: asyncio.Event = field(default_factory=asyncio.Event)  # its publisher's
 
     @property
     def node_id(self) -> NodeId:
@@ -120,6 +121,7 @@ class NodeWatcher:
                     self._mark(rt, healthy=False)
         for rt in runtimes:
             self._spawn(rt)
+        await self._kv_connected(runtimes)
 
     async def add(self, config: NodeConfig) -> NodeRuntime:
         """Add a node at run time (admin API): probe it once, then watch it."""
@@ -142,7 +144,25 @@ class NodeWatcher:
                 if not rt.passes:
                     self._mark(rt, healthy=False)
                 self._spawn(rt)
+        if self._current(rt):
+            await self._kv_connected([rt])
         return rt
+
+    async def _kv_connected(self, runtimes: list[NodeRuntime]) -> None:
+        """Precise mode: wait (bounded) until each KV event subscription is connected. A
+        publisher drops what it sends before (ZMQ's slow joiner): a request served
+        at once had its first blocks' events lost, and every later block of that
+        prompt was an orphan the index could not key."""
+        waits = [rt.kv_connected.wait() for rt in runtimes if rt.kv_ingest is not None]
+        if not waits:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.startup_probe_timeout_s):
+                await asyncio.gather(*waits)
+        late = [str(rt.node_id) for rt in runtimes
+                if rt.kv_ingest is not None and not rt.kv_connected.is_set()]
+        if late:
+            log.warning("KV events of %s not connected yet; serving without them", late)
 
     async def remove(self, node_id: NodeId) -> bool:
         rt = self.nodes.pop(node_id, None)
@@ -238,6 +258,7 @@ class NodeWatcher:
                 await follow_kv_events(
                     endpoint, ingest, model=model, apply=apply,
                     current=lambda: not self._stopped and self._current(rt),
+                    connected=rt.kv_connected,
                 )
                 return
             except asyncio.CancelledError:
