@@ -116,3 +116,23 @@ def test_a_node_back_from_unhealthy_has_an_empty_cache_in_approximate_mode(mode:
     assert ctl.index.num_blocks() == held  # out, not forgotten yet
     ctl.set_healthy(NodeId("n0"), True, 0.5)
     assert ctl.index.num_blocks() == (0 if mode == "approximate" else held)
+
+
+def test_precise_mode_keeps_what_the_engine_holds_past_its_own_lru() -> None:
+    """Precise mode: the index's LRU ran at the engine's cache size, in dispatch order
+    and counting routing's speculative guesses, so it evicted a block the engine still
+    held (a running request's); a later hit on it sends no BlockStored, and the index
+    never had it again. The engine's BlockRemoved is what evicts: the index keeps
+    twice the cache, only to bound memory."""
+    cfg = ControllerConfig(hasher="trace", policy="kvgate", index_mode="precise")
+    ctl = Controller(cfg, rng=random.Random(3))
+    n0 = NodeId("n0")
+    ctl.add_node(NodeSpec(node_id=n0, cache_blocks=8), 0.0)
+    assert ctl.index.capacity(n0) == 16
+    r1, r2, r3 = [11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]
+    ctl.on_blocks_stored(n0, r1, 0.01)  # r1 runs on, its blocks in use
+    ctl.on_blocks_stored(n0, r2, 0.11)  # r2 finishes: its blocks free, cached
+    ctl.index.insert(n0, r3, 0.2, speculative=True)  # r3 dispatched (a guess)
+    ctl.on_blocks_removed(n0, r2, 0.21)  # the engine evicts r2's blocks for r3's
+    ctl.on_blocks_stored(n0, r3, 0.21)
+    assert ctl.index.match(r1, 5.0).get(n0) == 4  # r1's follow-up still finds them

@@ -151,3 +151,17 @@ def test_reset_prefix_cache_refuses_while_in_use_and_clear_all_always_works() ->
     assert pool.free_block_ids() == [0, 1, 2]
     assert pool.take_events()[-1] == AllBlocksCleared()
     pool.check_invariants()
+
+
+def test_a_salted_chains_first_block_names_its_salt_in_extra_keys() -> None:
+    """vLLM puts a request's cache_salt in its first block's extra keys; the events of
+    kvgate engine said nothing of it, so a gateway keying blocks by their tokens took a
+    salted prompt's blocks for the plain prompt's."""
+    pool = BlockPool(num_blocks=6, block_size=2)
+    blocks = pool.allocate(3)
+    assert blocks is not None
+    pool.cache_full_blocks(blocks[:2], [11, 12], None, [(1, 2), (3, 4)], root_extra=("s",))
+    pool.cache_full_blocks(blocks[2:], [13], 12, [(5, 6)], root_extra=("s",))  # not a root
+    first, second = pool.take_events()
+    assert isinstance(first, BlockStored) and first.extra_keys == (("s",), None)
+    assert isinstance(second, BlockStored) and second.extra_keys is None

@@ -6,9 +6,11 @@ import asyncio
 import json
 from typing import Any
 
+from kvgate.core.hashing import TokenBlockHasher, make_hasher
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import fleet_order
 from kvgate.gateway import NodeConfig
+from kvgate.gateway.kv_ingest import NodeKvIngest
 from kvgate.gateway.node_probe import parse_evictions, parse_load, parse_models
 
 VLLM = """\
@@ -217,6 +219,20 @@ def test_a_restart_is_seen_by_the_process_start_time_alone(kit: Any) -> None:
             await watcher.scrape(rt)
             assert ctl.index.node_entries(NodeId("n0")) == 0
             assert rt.started_at == 1700000042.25
+            # precise mode, the new process's KV events said so first (its sequence
+            # started again) and the index already holds what it cached since: the
+            # start time changing must not clear that a second time
+            h = make_hasher("sim", block_size=16)
+            assert isinstance(h, TokenBlockHasher)
+            rt.kv_ingest = NodeKvIngest(h)
+            rt.kv_ingest.counts["restarts"] = 1
+            ctl.index.insert(NodeId("n0"), [21, 22], 0.0)
+            pages.append(pages[0].replace("1700000000.5", "1700000099.0"))
+            await watcher.scrape(rt)
+            assert ctl.index.node_entries(NodeId("n0")) == 2
+            pages.append(pages[0].replace("1700000000.5", "1700000123.0"))
+            await watcher.scrape(rt)  # a restart the events did not see: cleared
+            assert ctl.index.node_entries(NodeId("n0")) == 0
 
     kit.run(body())
 

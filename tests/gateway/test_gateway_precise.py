@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -99,6 +100,59 @@ def test_the_index_learns_a_prompt_from_its_engines_events(sockets: Path) -> Non
     run(body())
 
 
+def test_a_prompt_of_token_ids_is_keyed_as_the_engine_caches_it(sockets: Path) -> None:
+    """A completions prompt given as token ids was chained as the text "1 2 3 ...":
+    no event ever confirmed its guesses, and its repeats went wherever load said."""
+
+    async def body() -> None:
+        async with _stack(sockets) as st:
+            ids = [(7 * i) % 32_000 for i in range(40 * 16 + 5)]
+            body = {"model": MODEL, "max_tokens": 4, "prompt": ids}
+            ctl = st.gw.gateway.controller
+            h = make_hasher("sim", block_size=16)
+            assert isinstance(h, TokenBlockHasher)
+            chain = h.chain_for_tokens(ids, model=MODEL)
+            seen = []
+            for _ in range(2):
+                async with st.session.post(st.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    cached = (await r.json())["usage"]["prompt_tokens_details"]
+                    seen.append((r.headers["X-Kvgate-Node"], r.headers["X-Kvgate-Route-Reason"],
+                                 cached["cached_tokens"]))
+                node = NodeId(seen[0][0])
+                await eventually(lambda: ctl.index.match(chain, 0.0).get(node) == 40  # noqa: B023
+                                 and ctl.index.speculative_entries(node) == 0)  # noqa: B023
+            assert seen[1][0] == seen[0][0] and seen[1][1] == "cache_hit"
+            assert seen[1][2] == 40 * 16
+
+    run(body())
+
+
+def test_a_salted_prompt_is_no_hit_for_the_plain_one(sockets: Path) -> None:
+    """A cache_salt roots the engine's chain apart, and vLLM names it in the first
+    block's extra_keys; kvgate engine did not, and the gateway keyed the salted blocks
+    by their tokens alone: the same prompt without the salt was routed to them for a
+    hit the engine could not give."""
+
+    async def body() -> None:
+        async with _stack(sockets, n=1) as st:
+            messages = [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": "salted?"}]
+            body = {"model": MODEL, "max_tokens": 4, "messages": messages,
+                    "cache_salt": "tenant-a-secret"}
+            async with st.session.post(st.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+            rt = next(iter(st.gw.gateway.watcher.nodes.values()))
+            ingest = rt.kv_ingest
+            assert ingest is not None
+            await eventually(lambda: ingest.counts["extra_keys_blocks"] >= 1)
+            assert ingest.counts["stored_blocks"] == 0
+            ctl = st.gw.gateway.controller
+            assert not ctl.index.match(_chain("salted?"), 0.0)  # nothing confirmed for it
+
+    run(body())
+
+
 def test_an_engine_eviction_leaves_the_index(sockets: Path) -> None:
     async def body() -> None:
         async with _stack(sockets, n=1) as st:
@@ -150,3 +204,35 @@ def test_a_bad_message_is_counted_and_the_stream_goes_on(sockets: Path) -> None:
 
     run(body())
 
+
+
+def test_a_node_takes_one_kv_events_endpoint_per_data_parallel_rank(sockets: Path) -> None:
+    """vLLM's data-parallel rank r publishes on the endpoint's port + r: a node took one
+    endpoint, so only rank 0's cache was ever seen. A comma-separated list subscribes
+    to each, into the node's one mapper (ranks told apart by their batches)."""
+    from kvgate.core.config import ControllerConfig
+    from kvgate.core.controller import Controller
+    from kvgate.core.errors import ConfigError
+    from kvgate.gateway.config import NodeConfig, NodesConfig
+    from kvgate.gateway.node_watcher import NodeWatcher
+
+    cfg = NodeConfig(id="a", url="http://a:1", kv_events=f"ipc://{sockets}/r0, ipc://{sockets}/r1")
+    assert cfg.kv_events_endpoints == (f"ipc://{sockets}/r0", f"ipc://{sockets}/r1")
+    with pytest.raises(ConfigError, match="kv_events"):
+        NodeConfig(id="a", url="http://a:1", kv_events="tcp://h:5557,http://h:5558")
+
+    async def body() -> None:
+        ctl = Controller(ControllerConfig(index_mode="precise", hasher="sim"),
+                         rng=random.Random(1))
+        w = NodeWatcher(ctl, NodesConfig(health_interval_s=60, metrics_interval_s=60,
+                                         evictions_interval_s=60), upstream=None,  # type: ignore[arg-type]
+                        clock=lambda: 0.0)
+        rt = w._register(cfg)
+        w._spawn(rt)
+        try:
+            assert rt.kv_ingest is not None and len(rt.kv_connected) == 2
+            assert len(rt.tasks) == 5  # health, metrics, evictions + one per rank
+        finally:
+            await w.stop()
+
+    run(body())

@@ -154,3 +154,51 @@ def test_memory_is_bounded_oldest_hashes_forgotten_first() -> None:
     assert ops == [IndexRemoved((stored.keys[4],))]  # type: ignore[union-attr]
     with pytest.raises(ValueError):
         NodeKvIngest(h, max_blocks=0)
+
+
+def test_a_block_cached_twice_leaves_with_its_last_copy() -> None:
+    """vLLM does not de-duplicate: two requests computing the same block in one step
+    cache a copy each (a BlockStored each) and evicting one copy sends one
+    BlockRemoved. The first removal dropped the key the engine still held, and every
+    later block continuing it was an orphan."""
+    h = _hasher()
+    ids = _tokens(3)
+    ing = NodeKvIngest(h)
+    [a, b] = ing.feed(0, _batch(_stored([1, 2], None, ids[: 2 * BS]),
+                                _stored([1, 2], None, ids[: 2 * BS])), MODEL)
+    assert a == b
+    assert ing.feed(1, _batch(BlockRemoved(block_hashes=(2, 1))), MODEL) == []
+    # the other copy still names the parent of the next block
+    [c] = ing.feed(2, _batch(_stored([3], 2, ids[2 * BS :])), MODEL)
+    assert c == IndexStored((h.chain_for_tokens(ids, model=MODEL)[2],))
+    assert ing.counts["orphan_blocks"] == 0
+    ops = ing.feed(3, _batch(BlockRemoved(block_hashes=(3, 2, 1))), MODEL)
+    assert ops == [IndexRemoved(tuple(reversed(h.chain_for_tokens(ids, model=MODEL))))]
+
+
+def test_blocks_with_extra_keys_are_not_keyed_by_their_tokens() -> None:
+    """A cache_salt (or multimodal input) is in the first block's extra_keys: keyed by
+    its tokens alone, a salted prompt's blocks were a false hit for the plain one."""
+    ing = NodeKvIngest(_hasher())
+    salted = _stored([1, 2], None, _tokens(2), extra_keys=(("s3cret",), None))
+    assert ing.feed(0, _batch(salted), MODEL) == []
+    assert ing.feed(1, _batch(_stored([3], 2, _tokens(1, salt=5))), MODEL) == []
+    assert ing.counts["extra_keys_blocks"] == 2 and ing.counts["orphan_blocks"] == 1
+    plain = _stored([4], None, _tokens(1), extra_keys=(None,))  # vLLM's for plain text
+    assert len(ing.feed(2, _batch(plain), MODEL)) == 1
+
+
+def test_each_rank_numbers_its_own_batches_and_restarts_alone() -> None:
+    """Data-parallel ranks publish on their own endpoints, each with its own sequence:
+    interleaved they are no restart, and one rank restarting drops only its blocks."""
+    h = _hasher()
+    ing = NodeKvIngest(h)
+    shared, own = _tokens(1), _tokens(1, salt=8)
+    ing.feed(0, _batch(_stored([1], None, shared), rank=0), MODEL)
+    ing.feed(0, _batch(_stored([1], None, shared), rank=1), MODEL)
+    ing.feed(1, _batch(_stored([9], None, own), rank=1), MODEL)
+    ing.feed(1, _batch(rank=0), MODEL)
+    assert ing.counts["restarts"] == 0 and ing.counts["missed_batches"] == 0
+    ops = ing.feed(0, _batch(rank=1), MODEL)  # rank 1's engine started again
+    assert ops == [IndexRemoved((h.chain_for_tokens(own, model=MODEL)[0],))]
+    assert ing.counts["restarts"] == 1 and ing.remembered == 1

@@ -70,7 +70,7 @@ from kvgate.core.config import ControllerConfig, bucket_of
 from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Preempt, Reject
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
-from kvgate.core.hashing import Hasher, chain_from_ids, make_hasher
+from kvgate.core.hashing import Hasher, TokenBlockHasher, chain_from_ids, make_hasher
 from kvgate.core.ids import BlockChain, NodeId, RequestId
 from kvgate.core.index import ClusterIndex, HotPrefixTracker
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order, rendezvous_rank
@@ -98,6 +98,9 @@ _FAULTS = frozenset(
 _EJECTING_FAULTS = _FAULTS - {FailureKind.NODE_DOWN}
 # a queued request turned away for waiting too long, or pushed out of a full queue
 _GAVE_UP_WAITING = frozenset({RejectReason.QUEUE_TIMEOUT, RejectReason.QUEUE_FULL})
+
+
+PRECISE_INDEX_HEADROOM = 2  # precise mode: index capacity over the engine's cache
 
 
 @dataclass(slots=True)
@@ -190,10 +193,17 @@ class Controller:
 
     def add_node(self, spec: NodeSpec, now: float) -> None:
         self.nodes.add(spec)
+        capacity = spec.cache_blocks
+        if self.config.index_mode == "precise":
+            # The engine's BlockRemoved events evict; the index's own LRU, in dispatch
+            # order and counting routing's speculative guesses, only bounds memory. At
+            # the engine's size it evicted blocks the engine still held (a running
+            # request's), which no event brings back: a hit sends no BlockStored.
+            capacity *= PRECISE_INDEX_HEADROOM
         if self.index.has_node(spec.node_id):
-            self.index.set_capacity(spec.node_id, spec.cache_blocks)
+            self.index.set_capacity(spec.node_id, capacity)
         else:
-            self.index.add_node(spec.node_id, spec.cache_blocks)
+            self.index.add_node(spec.node_id, capacity)
         self._capacity_changed(now)
 
     def remove_node(self, node_id: NodeId, now: float) -> None:
@@ -333,6 +343,9 @@ class Controller:
         elif req.messages is not None:
             chain = h.chain_for_messages(req.messages, req.model)
             tokens = req.prompt_tokens or h.estimate_tokens_messages(req.messages)
+        elif req.prompt_token_ids is not None and isinstance(h, TokenBlockHasher):
+            chain = h.chain_for_tokens(req.prompt_token_ids, model=req.model)
+            tokens = len(req.prompt_token_ids)
         else:
             assert req.prompt is not None
             chain = h.chain_for_prompt(req.prompt, req.model)

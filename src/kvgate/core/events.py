@@ -24,6 +24,9 @@ class RequestArrived:
     messages: tuple[tuple[str, str], ...] | None = None
     block_ids: tuple[int, ...] | None = None
     prompt_tokens: int | None = None  # known token count (trace); else estimated
+    # a completions prompt given as token ids (``prompt`` then holds them as text): a
+    # token hasher chains the ids themselves, as the engine caches them
+    prompt_token_ids: tuple[int, ...] | None = None
     max_tokens: int = 256
     # whether the client asked for max_tokens: without it vLLM generates what fits in
     # the context, so only the prompt must fit (max_tokens is then an output estimate)

@@ -96,6 +96,8 @@ class EngineRequest:
         max_tokens: output tokens to generate; the engine generates exactly this many.
         priority: lower value is served first (vLLM semantics).
         arrival: arrival time in seconds (tie-break of the priority order).
+        cache_salt: the request's ``cache_salt`` (its block hashes are already salted):
+            as vLLM's, the first block's ``BlockStored`` names it in ``extra_keys``.
     """
 
     request_id: str
@@ -105,6 +107,7 @@ class EngineRequest:
     max_tokens: int
     priority: int = 0
     arrival: float
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:

@@ -158,6 +158,8 @@ class BlockPool:
         block_hashes: Sequence[int],
         parent_hash: int | None,
         token_ids: Sequence[tuple[int, ...]],
+        *,
+        root_extra: tuple[str, ...] | None = None,
     ) -> None:
         """Register newly full blocks of one request under their chained hashes.
 
@@ -166,26 +168,33 @@ class BlockPool:
         when unknown). Runs of consecutive blocks become one `BlockStored`. A
         hash that is already cached by another block leaves this block
         uncached and splits the run (the next event names it as parent).
+        `root_extra` is the chain's first block's extra key (a cache_salt), when
+        `blocks[0]` is that block.
         """
         run_hashes: list[int] = []
         run_tokens: list[int] = []
+        run_extra: tuple[str, ...] | None = None  # the run's first block's, if the root
         run_parent = parent_hash
         parent = parent_hash
-        for block, block_hash, tokens in zip(blocks, block_hashes, token_ids, strict=True):
+        for i, (block, block_hash, tokens) in enumerate(
+            zip(blocks, block_hashes, token_ids, strict=True)
+        ):
             if block.block_hash is not None:
                 raise ValueError(f"block {block.block_id} is already cached")
             if block_hash in self._cached:
-                self._flush_run(run_hashes, run_parent, run_tokens)
-                run_hashes, run_tokens = [], []
+                self._flush_run(run_hashes, run_parent, run_tokens, run_extra)
+                run_hashes, run_tokens, run_extra = [], [], None
                 run_parent = block_hash
             else:
                 block.block_hash = block_hash
                 block.parent_hash = parent
                 self._cached[block_hash] = block
+                if i == 0 and parent_hash is None:
+                    run_extra = root_extra
                 run_hashes.append(block_hash)
                 run_tokens.extend(tokens)
             parent = block_hash
-        self._flush_run(run_hashes, run_parent, run_tokens)
+        self._flush_run(run_hashes, run_parent, run_tokens, run_extra)
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drop one reference on each block, walking `blocks` in reverse.
@@ -287,13 +296,16 @@ class BlockPool:
         self._free = OrderedDict((b.block_id, b) for b in self._blocks)
         self._events.append(AllBlocksCleared())
 
-    def _flush_run(self, hashes: list[int], parent: int | None, tokens: list[int]) -> None:
+    def _flush_run(self, hashes: list[int], parent: int | None, tokens: list[int],
+                   root_extra: tuple[str, ...] | None = None) -> None:
         if hashes:
+            extra = None if root_extra is None else (root_extra, *([None] * (len(hashes) - 1)))
             self._events.append(
                 BlockStored(
                     block_hashes=tuple(hashes),
                     parent_block_hash=parent,
                     token_ids=tuple(tokens),
                     block_size=self._block_size,
+                    extra_keys=extra,
                 )
             )

@@ -53,6 +53,9 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str = GPU_MEDIUM
+    # per block, what names its KV beyond its tokens (vLLM: a cache_salt on a prompt's
+    # first block); None: nothing for any block
+    extra_keys: tuple[tuple[str, ...] | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

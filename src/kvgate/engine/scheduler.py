@@ -214,11 +214,13 @@ class Scheduler:
         if num_full <= first:
             return
         indices = range(first, num_full)
+        salt = seq.request.cache_salt
         self.pool.cache_full_blocks(
             seq.blocks[first:num_full],
             [seq.block_hash(i) for i in indices],
             seq.block_hash(first - 1) if first else None,
             [seq.block_token_ids(i, block_size) for i in indices],
+            root_extra=(salt,) if salt and not first else None,
         )
         seq.num_cached_blocks = num_full
 

@@ -540,7 +540,8 @@ class EngineServer:
         now = self.now()
         req = EngineRequest(request_id=rid, prompt_tokens=tokens.num_tokens,
                             block_hashes=tokens.block_hashes, token_ids=tokens.token_ids,
-                            max_tokens=max_tokens, priority=priority, arrival=now)
+                            max_tokens=max_tokens, priority=priority, arrival=now,
+                            cache_salt=tokens.cache_salt)
         decision = self.engine.submit(req, now)
         self._drain_events(now)
         return decision

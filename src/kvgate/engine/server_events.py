@@ -59,7 +59,8 @@ def to_wire_event(event: ek.KvEvent) -> KVEvent | None:
     """The vLLM wire value of an engine event; None for kvgate's own announcements."""
     if isinstance(event, ek.BlockStored):
         return gpu_block_stored(
-            event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size
+            event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+            extra_keys=event.extra_keys,
         )
     if isinstance(event, ek.BlockRemoved):
         return gpu_block_removed(event.block_hashes)

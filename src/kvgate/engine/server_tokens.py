@@ -89,6 +89,7 @@ class SimTokens:
 
     token_ids: tuple[int, ...]
     block_hashes: tuple[int, ...]  # one per FULL block
+    cache_salt: str | None = None  # it roots the chain (and its first block's extra key)
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +155,7 @@ class PromptTokenizer:
             chain = self._hasher.chain_for_tokens(ids, model=f"\0salt:{salt}" if salt else "")
         except ClientRequestError as exc:
             raise InvalidValueError(f"Invalid '{param}': {exc.message}", param=param) from exc
-        return SimTokens(token_ids=tuple(ids), block_hashes=chain)
+        return SimTokens(token_ids=tuple(ids), block_hashes=chain, cache_salt=salt or None)
 
 
 def token_text(token_id: int) -> str:

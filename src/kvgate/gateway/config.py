@@ -157,16 +157,19 @@ class NodeConfig:
     models: tuple[str, ...] = ()
     api_key: str | None = None  # sent as Authorization to the node (vLLM --api-key)
     # its KV cache events' ZMQ publisher, e.g. tcp://10.0.0.1:5557 (vLLM's
-    # --kv-events-config endpoint, connected to); read in precise mode only
+    # --kv-events-config endpoint, connected to), or one per data-parallel rank, comma
+    # separated (vLLM's rank r publishes on the port plus r); read in precise mode only
     kv_events: str | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ConfigError(f"node {self.url}: id must be non-empty")
-        if self.kv_events is not None and not _zmq_endpoint(self.kv_events):
+        if self.kv_events is not None and not all(
+            _zmq_endpoint(e) for e in self.kv_events_endpoints
+        ):
             raise ConfigError(
-                f"node {self.id}: kv_events must look like tcp://host:port or ipc://path, "
-                f"got {self.kv_events!r}",
+                f"node {self.id}: kv_events must look like tcp://host:port or ipc://path "
+                f"(comma separated, one per data-parallel rank), got {self.kv_events!r}",
                 param="kv_events",
             )
         if self.api_key is not None and "@" in self.url.partition("://")[2].partition("/")[0]:
@@ -182,6 +185,13 @@ class NodeConfig:
             raise ConfigError(f"node {self.id}: capacity >= 1 and cache_blocks >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"node {self.id}: max_model_len must be >= 1")
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str, ...]:
+        """Its KV event publishers (one per data-parallel rank); () without any."""
+        if self.kv_events is None:
+            return ()
+        return tuple(e.strip() for e in self.kv_events.split(","))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

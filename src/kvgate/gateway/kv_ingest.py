@@ -15,9 +15,16 @@ request's chain does. It remembers engine hash -> our key, so a later
 
 Rules, each counted in :attr:`NodeKvIngest.counts` (the gateway's ``/metrics``):
 
-* **Data-parallel ranks** (``data_parallel_rank``) keep their own caches behind one
-  API server: a key leaves the node's index only when no rank holds it any more, and
-  ``AllBlocksCleared`` of one rank drops only what that rank alone held.
+* **Copies**: vLLM does not de-duplicate its cache: two requests computing the same
+  block in one step each cache a copy, with a ``BlockStored`` each, and each copy's
+  eviction sends its own ``BlockRemoved``; a block leaves with its last copy.
+* **Data-parallel ranks** (``data_parallel_rank``) keep their own caches (each rank
+  publishes on its own endpoint, with its own sequence): a key leaves the node's
+  index only when no rank holds it any more, and ``AllBlocksCleared`` or a restart of
+  one rank drops only what that rank alone held.
+* **Extra keys**: a block whose ``extra_keys`` name more than its tokens (a
+  ``cache_salt``, multimodal inputs) is not keyed (``extra_keys_blocks``): by its
+  tokens it would be a false hit for the plain prompt; its descendants are orphans.
 * **Orphans**: a ``BlockStored`` whose parent we never saw (the gateway started
   after the engine, or missed events) cannot be keyed: its blocks, and their
   descendants, are skipped (``orphan_blocks``). The index then knows those
@@ -26,10 +33,11 @@ Rules, each counted in :attr:`NodeKvIngest.counts` (the gateway's ``/metrics``):
   events of another size are skipped), and only the GPU pool counts (a CPU
   offload tier is not a prefix-cache hit for the router: ``other_medium``); of a
   hybrid model's KV cache groups only group 0 is followed.
-* **Sequence**: a batch numbered past the next expected one means batches were lost
-  (``missed_batches``; the index may hold a block the engine dropped until its TTL
-  or LRU ends it); a number at or below the last one means a new publisher (the
-  engine restarted, with an empty cache): the node's index is cleared first.
+* **Sequence** (per rank): a batch numbered past the next expected one means batches
+  were lost (``missed_batches``; the index may hold a block the engine dropped until
+  its TTL ends it); a number at or below the last one means a new publisher (the
+  engine restarted, with an empty cache): what it held is dropped first (the whole
+  node when it is the node's only publisher).
 * **Memory** is bounded: at most ``max_blocks`` engine hashes are remembered per
   node (the oldest forgotten first; a removal of a forgotten block then leaves the
   index to its LRU and TTL).
@@ -87,10 +95,13 @@ class NodeKvIngest:
             raise ValueError("max_blocks must be >= 1")
         self._hasher = hasher
         self._max_blocks = max_blocks
-        # per data-parallel rank: engine hash -> our key (insertion order: oldest first)
-        self._keys: dict[int | None, dict[BlockHash, int]] = {}
+        # per data-parallel rank: engine hash -> [our key, copies] (insertion order:
+        # oldest first). vLLM does not de-duplicate: two requests computing the same
+        # block in one step cache a copy each, each with its BlockStored, and each
+        # copy's eviction sends its own BlockRemoved.
+        self._keys: dict[int | None, dict[BlockHash, list[int]]] = {}
         self._holders: Counter[int] = Counter()  # our key -> ranks holding it
-        self._last_seq: int | None = None
+        self._last_seq: dict[int | None, int] = {}  # per rank: each publishes its own
         self.counts: Counter[str] = Counter()
 
     @property
@@ -101,16 +112,16 @@ class NodeKvIngest:
         """The index operations batch ``seq`` implies, in order. ``model`` names the
         root of a sequence that is not a LoRA adapter's (the node's base model)."""
         ops: list[IndexOp] = []
-        last = self._last_seq
+        rank = batch.data_parallel_rank
+        last = self._last_seq.get(rank)
         if last is not None:
-            if seq <= last:
+            if seq <= last:  # a new publisher: that rank's engine restarted, empty
                 self.counts["restarts"] += 1
-                ops += self.reset()
+                ops += self._restart(rank)
             elif seq > last + 1:
                 self.counts["missed_batches"] += seq - last - 1
-        self._last_seq = seq
+        self._last_seq[rank] = seq
         self.counts["batches"] += 1
-        rank = batch.data_parallel_rank
         for event in batch.events:
             if isinstance(event, BlockStored):
                 keys = self._stored(event, rank, model)
@@ -125,19 +136,28 @@ class NodeKvIngest:
                     self.counts["other_medium"] += 1
             elif isinstance(event, AllBlocksCleared):
                 self.counts["cleared"] += 1
-                ranks = self._keys.get(rank)
-                if ranks:
-                    gone = self._drop(rank, list(ranks))
-                    if gone:
-                        ops.append(IndexRemoved(gone))
+                ops += self._drop_rank(rank)
         return ops
 
     def reset(self) -> list[IndexOp]:
         """Forget everything (a new engine process): the node's index is cleared."""
         self._keys.clear()
         self._holders.clear()
-        self._last_seq = None
+        self._last_seq.clear()
         return [IndexCleared()]
+
+    def _restart(self, rank: int | None) -> list[IndexOp]:
+        if set(self._keys) <= {rank}:  # the node's only publisher: clear it all
+            return self.reset()
+        return self._drop_rank(rank)
+
+    def _drop_rank(self, rank: int | None) -> list[IndexOp]:
+        """Every copy ``rank`` holds is gone; the keys no other rank holds."""
+        known = self._keys.get(rank)
+        if not known:
+            return []
+        gone = self._drop(rank, [h for h, entry in known.items() for _ in range(entry[1])])
+        return [IndexRemoved(gone)] if gone else []
 
     def _stored(self, ev: BlockStored, rank: int | None, model: str) -> tuple[int, ...]:
         hashes = ev.block_hashes
@@ -148,13 +168,21 @@ class NodeKvIngest:
         if ev.block_size != size or len(ev.token_ids) != len(hashes) * size:
             self.counts["bad_block_size"] += len(hashes)
             return ()
+        extra = ev.extra.get("extra_keys")
+        if isinstance(extra, tuple) and any(k is not None for k in extra):
+            # a cache_salt or multimodal inputs: the tokens alone do not name the KV, and
+            # keyed by them it would be a false hit for the plain prompt (descendants
+            # are then orphans)
+            self.counts["extra_keys_blocks"] += len(hashes)
+            return ()
         known = self._keys.setdefault(rank, {})
         parent: int | None = None
         if ev.parent_block_hash is not None:
-            parent = known.get(ev.parent_block_hash)
-            if parent is None:
+            entry = known.get(ev.parent_block_hash)
+            if entry is None:
                 self.counts["orphan_blocks"] += len(hashes)
                 return ()
+            parent = entry[0]
         root = model
         if ev.lora_id is not None:
             lora = ev.lora_name
@@ -165,48 +193,53 @@ class NodeKvIngest:
         keys = self._hasher.chain_for_tokens(ev.token_ids, parent=parent, model=root)
         holders = self._holders
         for h, key in zip(hashes, keys, strict=True):
-            old = known.pop(h, None)
-            if old is not None:  # stored again without a removal: still one holder
-                holders[old] -= 1
-                if holders[old] <= 0:
-                    del holders[old]
-            known[h] = key
+            entry = known.get(h)
+            if entry is not None and entry[0] == key:
+                entry[1] += 1  # another copy of a block this rank holds
+                continue
+            if entry is not None:  # the same engine hash for other tokens: replaced
+                self._release(entry[0])
+            known[h] = [key, 1]
             holders[key] += 1
         self.counts["stored_blocks"] += len(keys)
         self._bound(known)
         return tuple(keys)
 
     def _drop(self, rank: int | None, hashes: Sequence[BlockHash]) -> tuple[int, ...]:
-        """Forget ``hashes`` of ``rank``; the keys no rank holds any more."""
+        """One copy of each of ``hashes`` of ``rank`` is gone; the keys no rank holds
+        any more."""
         known = self._keys.get(rank)
-        if not known:
-            self.counts["unknown_removed"] += len(hashes)
-            return ()
-        holders = self._holders
         gone: list[int] = []
         for h in hashes:
-            key = known.pop(h, None)
-            if key is None:
+            entry = known.get(h) if known else None
+            if entry is None:
                 self.counts["unknown_removed"] += 1
                 continue
-            holders[key] -= 1
-            if holders[key] <= 0:
-                del holders[key]
-                gone.append(key)
+            entry[1] -= 1
+            if entry[1] > 0:  # another copy is still cached
+                continue
+            del known[h]  # type: ignore[union-attr]
+            if self._release(entry[0]):
+                gone.append(entry[0])
         self.counts["removed_blocks"] += len(gone)
         return tuple(gone)
 
-    def _bound(self, known: dict[BlockHash, int]) -> None:
+    def _release(self, key: int) -> bool:
+        """One rank fewer holds ``key``; True when none does any more."""
+        holders = self._holders
+        holders[key] -= 1
+        if holders[key] > 0:
+            return False
+        del holders[key]
+        return True
+
+    def _bound(self, known: dict[BlockHash, list[int]]) -> None:
         excess = self.remembered - self._max_blocks
         if excess <= 0:
             return
-        holders = self._holders
         self.counts["forgotten_blocks"] += excess
         for _ in range(min(excess, len(known))):
-            key = known.pop(next(iter(known)))
-            holders[key] -= 1
-            if holders[key] <= 0:
-                del holders[key]
+            self._release(known.pop(next(iter(known)))[0])
 
 
 def _followed(medium: str | None, group_idx: int | None) -> bool:

@@ -96,8 +96,8 @@ FAMILIES: dict[str, Family] = {
                "(sequence gaps), restarts, malformed, no_model, cleared."),
         Family("kvgate_kv_event_blocks_total", "counter",
                "Blocks named by a node's KV events (precise mode), by kind: stored, removed, "
-               "orphan, forgotten, unknown_removed, other_medium, bad_block_size, "
-               "unnamed_lora."),
+               "orphan, forgotten, extra_keys, unknown_removed, other_medium, "
+               "bad_block_size, unnamed_lora."),
         Family("kvgate_http_responses_total", "counter", "Responses by endpoint and status."),
         Family("kvgate_client_disconnects_total", "counter",
                "Clients that went away before their answer was complete."),

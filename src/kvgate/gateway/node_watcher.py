@@ -66,7 +66,8 @@ class NodeRuntime:
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     kv_ingest: NodeKvIngest | None = None  # precise mode, with the node's kv_events
-    kv_connected: asyncio.Event = field(default_factory=asyncio.Event)  # its publisher's
+    kv_connected: list[asyncio.Event] = field(default_factory=list)  # one per publisher
+    kv_restarts_seen: int = 0  # the ingest's restarts the watcher has accounted for
 
     @property
     def node_id(self) -> NodeId:
@@ -153,14 +154,14 @@ class NodeWatcher:
         publisher drops what it sends before (ZMQ's slow joiner): a request served
         at once had its first blocks' events lost, and every later block of that
         prompt was an orphan the index could not key."""
-        waits = [rt.kv_connected.wait() for rt in runtimes if rt.kv_ingest is not None]
+        waits = [e.wait() for rt in runtimes for e in rt.kv_connected]
         if not waits:
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.startup_probe_timeout_s):
                 await asyncio.gather(*waits)
         late = [str(rt.node_id) for rt in runtimes
-                if rt.kv_ingest is not None and not rt.kv_connected.is_set()]
+                if not all(e.is_set() for e in rt.kv_connected)]
         if late:
             log.warning("KV events of %s not connected yet; serving without them", late)
 
@@ -220,21 +221,28 @@ class NodeWatcher:
             asyncio.ensure_future(self._every(c.evictions_interval_s, rt, self.poll_evictions)),
         ]
         hasher = self.controller.hasher
-        endpoint = rt.config.kv_events
         if self.controller.config.index_mode != "precise" or not isinstance(
             hasher, TokenBlockHasher
         ):
             return
-        if endpoint is None:
+        if not rt.config.kv_events_endpoints:
             # routing's guesses expire in seconds unconfirmed: no cache is seen there
             log.warning("node %s has no kv_events endpoint: precise mode sees no cache "
                         "on it", rt.node_id)
             return
-        rt.kv_ingest = NodeKvIngest(hasher)
-        rt.tasks.append(asyncio.ensure_future(self._follow_kv_events(rt, endpoint)))
+        rt.kv_ingest = NodeKvIngest(hasher)  # one for all its ranks' publishers
+        rt.kv_connected = []
+        for endpoint in rt.config.kv_events_endpoints:
+            connected = asyncio.Event()
+            rt.kv_connected.append(connected)
+            rt.tasks.append(
+                asyncio.ensure_future(self._follow_kv_events(rt, endpoint, connected))
+            )
 
-    async def _follow_kv_events(self, rt: NodeRuntime, endpoint: str) -> None:
-        """Precise mode: the node's KV events into the index (kv_subscriber.py)."""
+    async def _follow_kv_events(
+        self, rt: NodeRuntime, endpoint: str, connected: asyncio.Event
+    ) -> None:
+        """Precise mode: one publisher's KV events into the index (kv_subscriber.py)."""
         ingest = rt.kv_ingest
         assert ingest is not None
         node_id = rt.node_id
@@ -258,7 +266,7 @@ class NodeWatcher:
                 await follow_kv_events(
                     endpoint, ingest, model=model, apply=apply,
                     current=lambda: not self._stopped and self._current(rt),
-                    connected=rt.kv_connected,
+                    connected=connected,
                 )
                 return
             except asyncio.CancelledError:
@@ -404,8 +412,14 @@ class NodeWatcher:
         empty and none of the old process's evictions are pending."""
         log.warning("node %s restarted (%s)", rt.node_id, why)
         _forget_notices(rt)
-        if rt.kv_ingest is not None:
-            rt.kv_ingest.reset()  # the old process's block hashes name nothing now
+        ingest = rt.kv_ingest
+        if ingest is not None:
+            if ingest.counts["restarts"] > rt.kv_restarts_seen:
+                # its events said so first and the index already follows the new
+                # process: clearing again dropped what that process has cached since
+                rt.kv_restarts_seen = ingest.counts["restarts"]
+                return
+            ingest.reset()  # the old process's block hashes name nothing now
         self.controller.on_cache_cleared(rt.node_id, self.clock())
 
     # ------------------------------------------------------------------ views
@@ -463,6 +477,7 @@ _BATCH_COUNTS = (("received", "batches"), ("missed", "missed_batches"), ("restar
                  ("malformed", "malformed"), ("no_model", "no_model"), ("cleared", "cleared"))
 _BLOCK_COUNTS = (("stored", "stored_blocks"), ("removed", "removed_blocks"),
                  ("orphan", "orphan_blocks"), ("forgotten", "forgotten_blocks"),
+                 ("extra_keys", "extra_keys_blocks"),
                  ("unknown_removed", "unknown_removed"), ("other_medium", "other_medium"),
                  ("bad_block_size", "bad_block_size"), ("unnamed_lora", "unnamed_lora_blocks"))
 

@@ -187,7 +187,10 @@ def _prompt_form(parsed: ChatRequest | CompletionRequest) -> dict[str, Any]:
     if parsed.prompt_text is not None:
         return {"prompt": head + parsed.prompt_text}
     ids = parsed.prompt_token_ids or ()
-    return {"prompt": head + " ".join(map(str, ids)), "prompt_tokens": len(ids)}
+    form: dict[str, Any] = {"prompt": head + " ".join(map(str, ids)), "prompt_tokens": len(ids)}
+    if salt is None:  # a token hasher chains the ids as the engine caches them
+        form["prompt_token_ids"] = tuple(ids)
+    return form
 
 
 def _excluded(header: str | None) -> frozenset[NodeId]:

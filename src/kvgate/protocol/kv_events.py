@@ -180,13 +180,16 @@ def schema_for(vllm_version: str = LATEST_VLLM_VERSION) -> WireSchema:
 
 def gpu_block_stored(block_hashes: Sequence[BlockHash], parent_block_hash: BlockHash | None,
                      token_ids: Sequence[int], block_size: int, *, group_idx: int = 0,
-                     kv_cache_spec_kind: str = "full_attention") -> BlockStored:
+                     kv_cache_spec_kind: str = "full_attention",
+                     extra_keys: Sequence[tuple[str, ...] | None] | None = None) -> BlockStored:
     """A ``BlockStored`` with the field values vLLM's GPU block pool sets for a
-    plain-text, full-attention model without LoRA."""
+    full-attention model without LoRA; ``extra_keys`` per block (a cache_salt on the
+    first), else none."""
+    extra = (None,) * len(block_hashes) if extra_keys is None else tuple(extra_keys)
     return BlockStored(
         block_hashes=tuple(block_hashes), parent_block_hash=parent_block_hash,
         token_ids=tuple(token_ids), block_size=block_size, lora_id=None, medium="GPU",
-        extra={"extra_keys": (None,) * len(block_hashes), "group_idx": group_idx,
+        extra={"extra_keys": extra, "group_idx": group_idx,
                "kv_cache_spec_kind": kv_cache_spec_kind},
     )
 
