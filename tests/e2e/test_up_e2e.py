@@ -210,7 +210,7 @@ def test_up_in_precise_mode_learns_the_cache_from_engine_events(e2e: Any) -> Non
                     if question == "first?":
                         rt = next(rt for rt in watcher.nodes.values() if rt.node_id == nodes[0])
                         async with asyncio.timeout(5):  # its BlockStored events arrive
-                            while not (rt.kv_ingest and rt.kv_ingest.counts["stored_blocks"]):
+                            while not (rt.kv and rt.kv.ingest.counts["stored_blocks"]):
                                 await asyncio.sleep(0.02)
             assert nodes[1] == nodes[0] and cached["cached_tokens"] >= 16 * 40
         finally:

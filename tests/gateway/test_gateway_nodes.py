@@ -10,7 +10,7 @@ from kvgate.core.hashing import TokenBlockHasher, make_hasher
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import fleet_order
 from kvgate.gateway import NodeConfig
-from kvgate.gateway.kv_ingest import NodeKvIngest
+from kvgate.gateway.kv_watch import NodeKvWatch
 from kvgate.gateway.node_probe import parse_evictions, parse_load, parse_models
 
 VLLM = """\
@@ -224,8 +224,8 @@ def test_a_restart_is_seen_by_the_process_start_time_alone(kit: Any) -> None:
             # start time changing must not clear that a second time
             h = make_hasher("sim", block_size=16)
             assert isinstance(h, TokenBlockHasher)
-            rt.kv_ingest = NodeKvIngest(h)
-            rt.kv_ingest.counts["restarts"] = 1
+            rt.kv = NodeKvWatch(NodeId("n0"), h, ["ipc:///nowhere"])
+            rt.kv.ingest.counts["restarts"] = 1
             ctl.index.insert(NodeId("n0"), [21, 22], 0.0)
             pages.append(pages[0].replace("1700000000.5", "1700000099.0"))
             await watcher.scrape(rt)

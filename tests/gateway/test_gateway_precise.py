@@ -88,7 +88,7 @@ def test_the_index_learns_a_prompt_from_its_engines_events(sockets: Path) -> Non
                 and ctl.index.speculative_entries(NodeId(node)) == 0
             )
             rt = st.gw.gateway.watcher.nodes[NodeId(node)]
-            assert rt.kv_ingest is not None and rt.kv_ingest.counts["stored_blocks"] >= len(chain)
+            assert rt.kv is not None and rt.kv.ingest.counts["stored_blocks"] >= len(chain)
             # the next question shares the system prompt: to its holder, from its cache
             node2, reason, cached2 = await _chat(st, "Do you sell gift cards?")
             assert (node2, reason) == (node, "cache_hit")
@@ -143,8 +143,8 @@ def test_a_salted_prompt_is_no_hit_for_the_plain_one(sockets: Path) -> None:
             async with st.session.post(st.url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200, await r.text()
             rt = next(iter(st.gw.gateway.watcher.nodes.values()))
-            ingest = rt.kv_ingest
-            assert ingest is not None
+            assert rt.kv is not None
+            ingest = rt.kv.ingest
             await eventually(lambda: ingest.counts["extra_keys_blocks"] >= 1)
             assert ingest.counts["stored_blocks"] == 0
             ctl = st.gw.gateway.controller
@@ -230,7 +230,7 @@ def test_a_node_takes_one_kv_events_endpoint_per_data_parallel_rank(sockets: Pat
         rt = w._register(cfg)
         w._spawn(rt)
         try:
-            assert rt.kv_ingest is not None and len(rt.kv_connected) == 2
+            assert rt.kv is not None and len(rt.kv.connected) == 2
             assert len(rt.tasks) == 5  # health, metrics, evictions + one per rank
         finally:
             await w.stop()

@@ -37,8 +37,7 @@ from kvgate.core.hashing import TokenBlockHasher
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeSpec
 from kvgate.gateway.config import NodeConfig, NodesConfig
-from kvgate.gateway.kv_ingest import IndexOp, IndexRemoved, IndexStored, NodeKvIngest
-from kvgate.gateway.kv_subscriber import follow_kv_events
+from kvgate.gateway.kv_watch import NodeKvWatch, base_model, kv_event_rows
 from kvgate.gateway.node_probe import ModelInfo, parse_evictions, parse_load, parse_models
 from kvgate.gateway.upstream import Upstream
 
@@ -65,9 +64,7 @@ class NodeRuntime:
     started_at: float | None = None  # its process's start, as its metrics give it
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    kv_ingest: NodeKvIngest | None = None  # precise mode, with the node's kv_events
-    kv_connected: list[asyncio.Event] = field(default_factory=list)  # one per publisher
-    kv_restarts_seen: int = 0  # the ingest's restarts the watcher has accounted for
+    kv: NodeKvWatch | None = None  # precise mode, with the node's kv_events
 
     @property
     def node_id(self) -> NodeId:
@@ -154,14 +151,13 @@ class NodeWatcher:
         publisher drops what it sends before (ZMQ's slow joiner): a request served
         at once had its first blocks' events lost, and every later block of that
         prompt was an orphan the index could not key."""
-        waits = [e.wait() for rt in runtimes for e in rt.kv_connected]
-        if not waits:
+        watches = [rt.kv for rt in runtimes if rt.kv is not None]
+        if not watches:
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.startup_probe_timeout_s):
-                await asyncio.gather(*waits)
-        late = [str(rt.node_id) for rt in runtimes
-                if not all(e.is_set() for e in rt.kv_connected)]
+                await asyncio.gather(*(w.wait_connected() for w in watches))
+        late = [str(w.node_id) for w in watches if not w.is_connected()]
         if late:
             log.warning("KV events of %s not connected yet; serving without them", late)
 
@@ -230,51 +226,15 @@ class NodeWatcher:
             log.warning("node %s has no kv_events endpoint: precise mode sees no cache "
                         "on it", rt.node_id)
             return
-        rt.kv_ingest = NodeKvIngest(hasher)  # one for all its ranks' publishers
-        rt.kv_connected = []
-        for endpoint in rt.config.kv_events_endpoints:
-            connected = asyncio.Event()
-            rt.kv_connected.append(connected)
-            rt.tasks.append(
-                asyncio.ensure_future(self._follow_kv_events(rt, endpoint, connected))
-            )
-
-    async def _follow_kv_events(
-        self, rt: NodeRuntime, endpoint: str, connected: asyncio.Event
-    ) -> None:
-        """Precise mode: one publisher's KV events into the index (kv_subscriber.py)."""
-        ingest = rt.kv_ingest
-        assert ingest is not None
-        node_id = rt.node_id
-
-        def model() -> str | None:
-            return base_model(rt)
-
-        def apply(ops: list[IndexOp]) -> None:
-            now = self.clock()
-            for op in ops:
-                if isinstance(op, IndexStored):
-                    self.controller.on_blocks_stored(node_id, op.keys, now)
-                elif isinstance(op, IndexRemoved):
-                    self.controller.on_blocks_removed(node_id, op.keys, now)
-                else:
-                    log.warning("node %s restarted (KV event sequence reset)", node_id)
-                    self.controller.on_cache_cleared(node_id, now)
-
-        while not self._stopped and self._current(rt):
-            try:
-                await follow_kv_events(
-                    endpoint, ingest, model=model, apply=apply,
-                    current=lambda: not self._stopped and self._current(rt),
-                    connected=connected,
-                )
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug or a socket error must not end precise mode
-                rt.errors["kv_events"] += 1
-                log.exception("KV events of node %s failed; reconnecting", node_id)
-                await asyncio.sleep(self.config.health_interval_s)
+        rt.kv = NodeKvWatch(rt.node_id, hasher, rt.config.kv_events_endpoints)
+        rt.tasks += rt.kv.start(
+            self.controller,
+            model=lambda: base_model(rt.config, rt.models),
+            current=lambda: not self._stopped and self._current(rt),
+            clock=self.clock,
+            errors=rt.errors,
+            retry_s=self.config.health_interval_s,
+        )
 
     async def _every(
         self, interval: float, rt: NodeRuntime, probe: Callable[[NodeRuntime], Awaitable[None]]
@@ -412,14 +372,8 @@ class NodeWatcher:
         empty and none of the old process's evictions are pending."""
         log.warning("node %s restarted (%s)", rt.node_id, why)
         _forget_notices(rt)
-        ingest = rt.kv_ingest
-        if ingest is not None:
-            if ingest.counts["restarts"] > rt.kv_restarts_seen:
-                # its events said so first and the index already follows the new
-                # process: clearing again dropped what that process has cached since
-                rt.kv_restarts_seen = ingest.counts["restarts"]
-                return
-            ingest.reset()  # the old process's block hashes name nothing now
+        if rt.kv is not None and not rt.kv.restart_is_new():
+            return  # its events said so first: the index already follows the new process
         self.controller.on_cache_cleared(rt.node_id, self.clock())
 
     # ------------------------------------------------------------------ views
@@ -458,28 +412,9 @@ class NodeWatcher:
 
     def kv_event_counts(self) -> tuple[list[tuple[str, str, int]], list[tuple[str, str, int]]]:
         """Precise mode's counters per node: (batches by kind, blocks by kind)."""
-        batches: list[tuple[str, str, int]] = []
-        blocks: list[tuple[str, str, int]] = []
-        for node_id in sorted(self.nodes):
-            ingest = self.nodes[node_id].kv_ingest
-            if ingest is None:
-                continue
-            counts = ingest.counts
-            for kind, key in _BATCH_COUNTS:
-                batches.append((node_id, kind, counts[key]))
-            for kind, key in _BLOCK_COUNTS:
-                blocks.append((node_id, kind, counts[key]))
-        return batches, blocks
-
-
-# metric kind -> NodeKvIngest / subscriber counter
-_BATCH_COUNTS = (("received", "batches"), ("missed", "missed_batches"), ("restarts", "restarts"),
-                 ("malformed", "malformed"), ("no_model", "no_model"), ("cleared", "cleared"))
-_BLOCK_COUNTS = (("stored", "stored_blocks"), ("removed", "removed_blocks"),
-                 ("orphan", "orphan_blocks"), ("forgotten", "forgotten_blocks"),
-                 ("extra_keys", "extra_keys_blocks"),
-                 ("unknown_removed", "unknown_removed"), ("other_medium", "other_medium"),
-                 ("bad_block_size", "bad_block_size"), ("unnamed_lora", "unnamed_lora_blocks"))
+        return kv_event_rows(
+            (node_id, rt.kv) for node_id, rt in sorted(self.nodes.items()) if rt.kv is not None
+        )
 
 
 def _json(body: bytes) -> Any:
@@ -495,17 +430,3 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
-
-
-def base_model(rt: NodeRuntime) -> str | None:
-    """The model a node's sequences start from in its KV events (LoRA adapters name
-    their own): the configured first model, else the first one it lists that is no
-    adapter (vLLM gives adapters a ``parent``); None while unknown."""
-    if rt.config.models:
-        return rt.config.models[0]
-    if rt.models is None:
-        return None
-    for entry in rt.models.entries:
-        if not entry.get("parent") and isinstance(entry.get("id"), str):
-            return str(entry["id"])
-    return rt.models.ids[0] if rt.models.ids else None

@@ -1,0 +1,136 @@
+"""Precise mode's glue between the node watcher and the controller, per node.
+
+:class:`NodeKvWatch` owns what the watcher keeps for one node's KV events: the
+mapper every publisher of the node feeds (one per data-parallel rank,
+``NodeConfig.kv_events_endpoints``), one "connected" flag per publisher, the
+subscriber tasks (``kv_subscriber.py``, restarted after an error) and how many of
+the mapper's restarts the watcher has accounted for. The index operations the
+mapper yields are applied to the controller here, on the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+from kvgate.core.controller import Controller
+from kvgate.core.hashing import TokenBlockHasher
+from kvgate.core.ids import NodeId
+from kvgate.gateway.config import NodeConfig
+from kvgate.gateway.kv_ingest import IndexOp, IndexRemoved, IndexStored, NodeKvIngest
+from kvgate.gateway.kv_subscriber import follow_kv_events
+from kvgate.gateway.node_probe import ModelInfo
+
+__all__ = ["NodeKvWatch", "base_model", "kv_event_rows"]
+
+log = logging.getLogger("kvgate.gateway.kv_events")
+
+# metric kind -> NodeKvIngest / subscriber counter
+BATCH_COUNTS = (("received", "batches"), ("missed", "missed_batches"), ("restarts", "restarts"),
+                ("malformed", "malformed"), ("no_model", "no_model"), ("cleared", "cleared"))
+BLOCK_COUNTS = (("stored", "stored_blocks"), ("removed", "removed_blocks"),
+                ("orphan", "orphan_blocks"), ("forgotten", "forgotten_blocks"),
+                ("extra_keys", "extra_keys_blocks"),
+                ("unknown_removed", "unknown_removed"), ("other_medium", "other_medium"),
+                ("bad_block_size", "bad_block_size"), ("unnamed_lora", "unnamed_lora_blocks"))
+
+Rows = list[tuple[str, str, int]]
+
+
+class NodeKvWatch:
+    """One node's KV event subscriptions (precise mode)."""
+
+    def __init__(self, node_id: NodeId, hasher: TokenBlockHasher, endpoints: Sequence[str]) -> None:
+        self.node_id = node_id
+        self.endpoints = tuple(endpoints)
+        self.ingest = NodeKvIngest(hasher)  # one for all its ranks' publishers
+        self.connected = [asyncio.Event() for _ in self.endpoints]
+        self.restarts_seen = 0  # the ingest's restarts already accounted for
+
+    def start(
+        self,
+        controller: Controller,
+        *,
+        model: Callable[[], str | None],
+        current: Callable[[], bool],
+        clock: Callable[[], float],
+        errors: Counter[str],
+        retry_s: float,
+    ) -> list[asyncio.Task[None]]:
+        """One subscriber task per publisher, each restarted ``retry_s`` after a failure,
+        until ``current()`` turns false (the node removed, the watcher stopped)."""
+
+        def apply(ops: list[IndexOp]) -> None:
+            apply_ops(controller, self.node_id, ops, clock())
+
+        async def follow(endpoint: str, connected: asyncio.Event) -> None:
+            while current():
+                try:
+                    await follow_kv_events(endpoint, self.ingest, model=model, apply=apply,
+                                           current=current, connected=connected)
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug or a socket error must not end precise mode
+                    errors["kv_events"] += 1
+                    log.exception("KV events of node %s failed; reconnecting", self.node_id)
+                    await asyncio.sleep(retry_s)
+
+        return [asyncio.ensure_future(follow(e, c))
+                for e, c in zip(self.endpoints, self.connected, strict=True)]
+
+    def restart_is_new(self) -> bool:
+        """Another signal says the engine restarted: False when its events said so
+        first (their sequence started again) and the index already follows the new
+        process; clearing again dropped what it had cached since. True otherwise,
+        and the mapper forgets the old process's hashes."""
+        restarts = self.ingest.counts["restarts"]
+        if restarts > self.restarts_seen:
+            self.restarts_seen = restarts
+            return False
+        self.ingest.reset()
+        return True
+
+    async def wait_connected(self) -> None:
+        await asyncio.gather(*(c.wait() for c in self.connected))
+
+    def is_connected(self) -> bool:
+        return all(c.is_set() for c in self.connected)
+
+
+def apply_ops(controller: Controller, node_id: NodeId, ops: Iterable[IndexOp], now: float) -> None:
+    for op in ops:
+        if isinstance(op, IndexStored):
+            controller.on_blocks_stored(node_id, op.keys, now)
+        elif isinstance(op, IndexRemoved):
+            controller.on_blocks_removed(node_id, op.keys, now)
+        else:
+            log.warning("node %s restarted (KV event sequence reset)", node_id)
+            controller.on_cache_cleared(node_id, now)
+
+
+def base_model(config: NodeConfig, models: ModelInfo | None) -> str | None:
+    """The model a node's sequences start from in its KV events (LoRA adapters name
+    their own): the configured first model, else the first one it lists that is no
+    adapter (vLLM gives adapters a ``parent``); None while unknown."""
+    if config.models:
+        return config.models[0]
+    if models is None:
+        return None
+    for entry in models.entries:
+        if not entry.get("parent") and isinstance(entry.get("id"), str):
+            return str(entry["id"])
+    return models.ids[0] if models.ids else None
+
+
+def kv_event_rows(watches: Iterable[tuple[str, NodeKvWatch]]) -> tuple[Rows, Rows]:
+    """Precise mode's counters per node, for /metrics: (batches by kind, blocks by kind)."""
+    batches: Rows = []
+    blocks: Rows = []
+    for node_id, watch in watches:
+        counts = watch.ingest.counts
+        batches += [(node_id, kind, counts[key]) for kind, key in BATCH_COUNTS]
+        blocks += [(node_id, kind, counts[key]) for kind, key in BLOCK_COUNTS]
+    return batches, blocks
