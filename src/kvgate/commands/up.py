@@ -533,7 +533,8 @@ def banner(
     )
     lines = [
         f"kvgate up: {len(cluster.engines)} engine(s) behind one gateway "
-        f"(policy {policy}, engine speedup {speedup:g}x)",
+        f"(policy {policy}, engine speedup {speedup:g}x, "
+        f"{'precise' if cluster.socket_dir else 'approximate'} cache index)",
         f"  gateway    {url}",
         f"  OpenAI API {url}/v1",
         f"  dashboard  {url}/dashboard",
@@ -542,7 +543,8 @@ def banner(
         f"  admin token{' (generated)' if token_generated else ''}: {cluster.admin_token}",
     ]
     for e in cluster.engines:
-        lines.append(f"  engine     {e.node_id}  {e.url}  (pid {e.pid})")
+        events = f"  KV events {e.kv_events}" if e.kv_events else ""
+        lines.append(f"  engine     {e.node_id}  {e.url}  (pid {e.pid}){events}")
     lines += [
         f"  engine logs {cluster.log_dir}",
         "",
