@@ -136,3 +136,24 @@ def test_precise_mode_keeps_what_the_engine_holds_past_its_own_lru() -> None:
     ctl.on_blocks_removed(n0, r2, 0.21)  # the engine evicts r2's blocks for r3's
     ctl.on_blocks_stored(n0, r3, 0.21)
     assert ctl.index.match(r1, 5.0).get(n0) == 4  # r1's follow-up still finds them
+
+
+def test_precise_mode_lets_routing_teach_the_index_for_a_node_while_asked() -> None:
+    """A gateway started after a long-running engine: the engine's events continue
+    prefixes they never named (orphans), so precise mode alone would never see them;
+    while the driver asks, dispatches to that node teach the index as in approximate
+    mode (kept, not speculative guesses that expire in 2 s)."""
+    cfg = ControllerConfig(hasher="trace", policy="kvgate", index_mode="precise")
+    ctl = Controller(cfg, rng=random.Random(3))
+    n0 = NodeId("n0")
+    ctl.add_node(NodeSpec(node_id=n0), 0.0)
+    ctl.on_load_report(n0, waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    _send(ctl, "r1", 0.1)
+    assert ctl.index.speculative_entries(n0) == ctl.index.node_entries(n0) > 0  # guesses
+    ctl.set_routing_learns(n0, True)
+    _send(ctl, "r22", 0.2)
+    assert ctl.index.node_entries(n0) > ctl.index.speculative_entries(n0)  # learnt, kept
+    ctl.set_routing_learns(n0, False)
+    ctl.remove_node(n0, 0.3)
+    assert n0 not in ctl.routing_learns

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
@@ -236,3 +237,86 @@ def test_a_node_takes_one_kv_events_endpoint_per_data_parallel_rank(sockets: Pat
             await w.stop()
 
     run(body())
+
+
+def test_orphan_blocks_make_routing_teach_the_index_until_they_stop() -> None:
+    """Events that continue prefixes the gateway never heard stored (it started after
+    the engine) cannot be keyed: while they come, routing teaches the index for that
+    node too, and ORPHAN_QUIET_S after the last one it stops."""
+    from kvgate.core.config import ControllerConfig
+    from kvgate.core.controller import Controller
+    from kvgate.core.nodes import NodeSpec
+    from kvgate.gateway.kv_watch import ORPHAN_QUIET_S, NodeKvWatch
+    from kvgate.protocol import KVEventBatch, gpu_block_stored
+
+    ctl = Controller(ControllerConfig(index_mode="precise", hasher="sim"), rng=random.Random(1))
+    n0 = NodeId("n0")
+    ctl.add_node(NodeSpec(node_id=n0), 0.0)
+    h = make_hasher("sim", block_size=16)
+    assert isinstance(h, TokenBlockHasher)
+    watch = NodeKvWatch(n0, h, ["ipc:///nowhere"])
+    known = KVEventBatch(ts=0.0, events=(gpu_block_stored([1], None, list(range(16)), 16),))
+    watch.ingest.feed(0, known, MODEL)
+    watch.note_orphans(ctl, 1.0)
+    assert n0 not in ctl.routing_learns  # every block keyed: events alone
+    orphan = KVEventBatch(ts=0.0, events=(gpu_block_stored([9], 8, list(range(16)), 16),))
+    watch.ingest.feed(1, orphan, MODEL)
+    watch.note_orphans(ctl, 2.0)
+    assert n0 in ctl.routing_learns
+    watch.note_orphans(ctl, 2.0 + ORPHAN_QUIET_S / 2)
+    assert n0 in ctl.routing_learns
+    watch.note_orphans(ctl, 2.0 + ORPHAN_QUIET_S + 1)
+    assert n0 not in ctl.routing_learns
+
+
+def test_a_gateway_started_after_its_engine_still_sees_the_old_prefixes(sockets: Path) -> None:
+    """The engine cached a system prompt before the gateway connected: the events of
+    every prompt continuing it are orphans. Precise mode alone never saw that prefix
+    (routing's guesses expire in 2 s); with the orphans routing teaches the index, and
+    a later request sharing the prompt still goes to its holder."""
+    from kvgate.engine.server import start_engine_server
+    from kvgate.gateway import start_gateway
+
+    async def body() -> None:
+        endpoints = {f"e{i}": f"ipc://{sockets}/late{i}" for i in range(2)}
+        engines = [await start_engine_server(EngineServerConfig(
+            port=0, speedup=50.0, node_id=nid, model=MODEL, kv_events_endpoint=ep))
+            for nid, ep in endpoints.items()]
+        gw = None
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def chat(url: str, question: str, **headers: str) -> tuple[str, str, int]:
+                    body = {"model": MODEL, "max_tokens": 4, "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": question}]}
+                    async with session.post(url + "/v1/chat/completions", json=body,
+                                            headers=headers) as r:
+                        assert r.status == 200, await r.text()
+                        usage = (await r.json())["usage"]
+                        return (r.headers.get("X-Kvgate-Node", ""),
+                                r.headers.get("X-Kvgate-Route-Reason", ""),
+                                usage["prompt_tokens_details"]["cached_tokens"])
+
+                await chat(engines[0].url, "before the gateway")  # e0 holds the prompt
+                # e1 first in slot order: a tie on load goes there, not to the holder
+                nodes = [{"id": e.node_id, "url": e.url, "kv_events": endpoints[e.node_id]}
+                         for e in reversed(engines)]
+                gw = await start_gateway(fast_gateway_config(
+                    nodes, routing={"params": {"epsilon": 0.0}, "index_mode": "precise",
+                                    "hasher": "sim"}))
+                ctl = gw.gateway.controller
+                # a first request through the gateway on e0: its blocks continue the old
+                # prompt, so its events are orphans
+                assert (await chat(gw.url, "first", **{"X-Kvgate-Exclude-Node": "e1"}))[0] == "e0"
+                await eventually(lambda: NodeId("e0") in ctl.routing_learns)
+                await chat(gw.url, "taught")  # a dispatch routing now learns from
+                await asyncio.sleep(2.5)  # past every speculative entry's 2 s
+                node, reason, cached = await chat(gw.url, "much later")
+                assert (node, reason) == ("e0", "cache_hit") and cached > 0
+        finally:
+            if gw is not None:
+                await gw.stop()
+            for e in engines:
+                await e.stop()
+
+    run(body(), timeout=30)

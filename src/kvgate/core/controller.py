@@ -143,6 +143,7 @@ class Controller:
         # same arguments, so the index and every later decision are exactly as if the
         # insert had happened inside the decision.
         self.defer_index_inserts = False
+        self.routing_learns: set[NodeId] = set()  # precise mode: see set_routing_learns
         self._pending_inserts: list[tuple[NodeId, BlockChain, float, bool, list[int] | None]] = []
         self.hot = HotPrefixTracker(window_s=cfg.hot_window_s)
         self.policy = make_policy(cfg.policy, cfg.policy_params)
@@ -212,6 +213,7 @@ class Controller:
             self.policy.on_node_removed(node_id)
         self._ejected_until.pop(node_id, None)
         self._evictions_pending.pop(node_id, None)  # a node added again starts afresh
+        self.routing_learns.discard(node_id)
         self._capacity_changed(now)
 
     def set_healthy(self, node_id: NodeId, healthy: bool, now: float) -> None:
@@ -291,6 +293,16 @@ class Controller:
         self, node_id: NodeId, *, waiting: int, running: int, kv_util: float | None, now: float
     ) -> None:
         self.nodes.report(node_id, waiting=waiting, running=running, kv_util=kv_util, now=now)
+
+    def set_routing_learns(self, node_id: NodeId, on: bool) -> None:
+        """Precise mode: while ``on``, dispatches to the node teach the index as in
+        approximate mode. Its events cannot key what it caches on top of prefixes they
+        never named (a gateway started after a long-running engine: the hot system
+        prompt's continuations are orphans), and routing's guesses would expire."""
+        if on:
+            self.routing_learns.add(node_id)
+        else:
+            self.routing_learns.discard(node_id)
 
     def on_blocks_stored(self, node_id: NodeId, chain: Sequence[int], now: float) -> None:
         """Precise mode: the engine cached these blocks (already in our key space)."""
@@ -514,7 +526,10 @@ class Controller:
             context_tokens=ctx.prompt_tokens,
             tenant=record.arrived.tenant,
         )
-        speculative = self.config.index_mode == "precise"
+        speculative = (
+            self.config.index_mode == "precise"
+            and node.spec.node_id not in self.routing_learns
+        )
         # approximate mode keeps what this dispatch teaches the index, to take it back if
         # the node never runs it (precise mode: guesses expire, events are the truth)
         learned = record.learned = [] if ctx.chain and not speculative else None

@@ -82,9 +82,7 @@ async def follow_kv_events(
             if name is None:
                 ingest.counts["no_model"] += 1
                 continue
-            ops = ingest.feed(seq, batch, name)
-            if ops:
-                apply(ops)
+            apply(ingest.feed(seq, batch, name))  # even none: apply looks at the counts
     finally:
         if monitor is not None:
             monitor.cancel()

@@ -37,6 +37,7 @@ BLOCK_COUNTS = (("stored", "stored_blocks"), ("removed", "removed_blocks"),
                 ("bad_block_size", "bad_block_size"), ("unnamed_lora", "unnamed_lora_blocks"))
 
 Rows = list[tuple[str, str, int]]
+ORPHAN_QUIET_S = 60.0  # without orphan blocks this long, routing stops teaching the index
 
 
 class NodeKvWatch:
@@ -48,6 +49,27 @@ class NodeKvWatch:
         self.ingest = NodeKvIngest(hasher)  # one for all its ranks' publishers
         self.connected = [asyncio.Event() for _ in self.endpoints]
         self.restarts_seen = 0  # the ingest's restarts already accounted for
+        self.orphans_seen = 0
+        self.orphan_at: float | None = None  # the last orphan block; None: routing does not learn
+
+    def note_orphans(self, controller: Controller, now: float) -> None:
+        """After each batch, and on the watcher's scrape: while the node's events bring
+        orphans (blocks continuing a prefix the events never named), routing teaches
+        the index too, as in approximate mode; ``ORPHAN_QUIET_S`` without any, it stops.
+        A gateway started after a long-running engine sees the prefixes stored before
+        only this way (until the engine stores them again, which for a hot system
+        prompt may be never)."""
+        orphans = self.ingest.counts["orphan_blocks"]
+        if orphans > self.orphans_seen:
+            self.orphans_seen = orphans
+            if self.orphan_at is None:
+                log.warning("node %s: KV events continue prefixes stored before the "
+                            "gateway heard them; routing teaches the index too", self.node_id)
+                controller.set_routing_learns(self.node_id, True)
+            self.orphan_at = now
+        elif self.orphan_at is not None and now - self.orphan_at > ORPHAN_QUIET_S:
+            self.orphan_at = None
+            controller.set_routing_learns(self.node_id, False)
 
     def start(
         self,
@@ -63,7 +85,9 @@ class NodeKvWatch:
         until ``current()`` turns false (the node removed, the watcher stopped)."""
 
         def apply(ops: list[IndexOp]) -> None:
-            apply_ops(controller, self.node_id, ops, clock())
+            now = clock()
+            apply_ops(controller, self.node_id, ops, now)
+            self.note_orphans(controller, now)
 
         async def follow(endpoint: str, connected: asyncio.Event) -> None:
             while current():

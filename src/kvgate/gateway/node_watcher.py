@@ -317,6 +317,8 @@ class NodeWatcher:
             return
         if not self._current(rt):
             return
+        if rt.kv is not None:  # precise mode: routing stops teaching once orphans stop
+            rt.kv.note_orphans(self.controller, self.clock())
         started = sample.started_at
         if started is not None:
             if rt.started_at is not None and abs(started - rt.started_at) > 0.5:
