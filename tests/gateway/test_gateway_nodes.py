@@ -210,29 +210,46 @@ def test_a_restart_is_seen_by_the_process_start_time_alone(kit: Any) -> None:
                 return 200, pages[-1].encode()
 
             watcher._get = fake_get  # type: ignore[method-assign]
+            n0 = NodeId("n0")
+            window = watcher._restart_window_s
+
+            def page(started: float) -> None:
+                pages.append(f"vllm:num_requests_running 0\nprocess_start_time_seconds {started}\n")
+
             await watcher.scrape(rt)
             assert rt.started_at == 1700000000.5
-            ctl.index.insert(NodeId("n0"), [11, 12, 13], 0.0)
+            ctl.index.insert(n0, [11, 12, 13], 0.0)
             await watcher.scrape(rt)  # the same process: nothing forgotten
-            assert ctl.index.node_entries(NodeId("n0")) == 3
-            pages.append(pages[0].replace("1700000000.5", "1700000042.25"))
+            assert ctl.index.node_entries(n0) == 3
+            page(1700000042.25)
             await watcher.scrape(rt)
-            assert ctl.index.node_entries(NodeId("n0")) == 0
+            assert ctl.index.node_entries(n0) == 0
             assert rt.started_at == 1700000042.25
-            # precise mode, the new process's KV events said so first (its sequence
-            # started again) and the index already holds what it cached since: the
-            # start time changing must not clear that a second time
+            # a second signal of the same restart (its notice log going back, a poll
+            # later) must not drop what the new process cached meanwhile
+            ctl.index.insert(n0, [14], 0.0)
+            watcher._restarted(rt, "its eviction log went back")
+            assert ctl.index.node_entries(n0) == 1
+            await asyncio.sleep(window + 0.05)
+            # behind a load balancer an older process answers: no restart
+            page(1700000010.0)
+            await watcher.scrape(rt)
+            assert ctl.index.node_entries(n0) == 1 and rt.started_at == 1700000042.25
+            # precise mode, the new process's KV events said so first (their sequence
+            # started again) and the index already follows it: not cleared again
             h = make_hasher("sim", block_size=16)
             assert isinstance(h, TokenBlockHasher)
-            rt.kv = NodeKvWatch(NodeId("n0"), h, ["ipc:///nowhere"])
+            rt.kv = NodeKvWatch(n0, h, ["ipc:///nowhere"])
             rt.kv.ingest.counts["restarts"] = 1
-            ctl.index.insert(NodeId("n0"), [21, 22], 0.0)
-            pages.append(pages[0].replace("1700000000.5", "1700000099.0"))
+            rt.kv.note_restarts(watcher.clock())
+            ctl.index.insert(n0, [21, 22], 0.0)
+            page(1700000099.0)
             await watcher.scrape(rt)
-            assert ctl.index.node_entries(NodeId("n0")) == 2
-            pages.append(pages[0].replace("1700000000.5", "1700000123.0"))
-            await watcher.scrape(rt)  # a restart the events did not see: cleared
-            assert ctl.index.node_entries(NodeId("n0")) == 0
+            assert ctl.index.node_entries(n0) == 3
+            await asyncio.sleep(window + 0.05)
+            page(1700000123.0)
+            await watcher.scrape(rt)  # a restart the events did not report: cleared
+            assert ctl.index.node_entries(n0) == 0
 
     kit.run(body())
 

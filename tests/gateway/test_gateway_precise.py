@@ -221,6 +221,11 @@ def test_a_node_takes_one_kv_events_endpoint_per_data_parallel_rank(sockets: Pat
     assert cfg.kv_events_endpoints == (f"ipc://{sockets}/r0", f"ipc://{sockets}/r1")
     with pytest.raises(ConfigError, match="kv_events"):
         NodeConfig(id="a", url="http://a:1", kv_events="tcp://h:5557,http://h:5558")
+    # vLLM's default endpoint is where the engine binds: nothing to connect to (it was
+    # accepted, and the subscription failed every second for good)
+    for wildcard in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557"):
+        with pytest.raises(ConfigError, match="wildcard"):
+            NodeConfig(id="a", url="http://a:1", kv_events=wildcard)
 
     async def body() -> None:
         ctl = Controller(ControllerConfig(index_mode="precise", hasher="sim"),

@@ -271,7 +271,8 @@ def test_redis_coordinator_config() -> None:
         AdmissionSection(coordinator="redis", redis_url="http://x")
     # a bad port was a 49-line traceback at start-up; a database that is no number
     # (a typo) was ignored by redis-py, the fleet's state landing in database 0
-    for bad, why in (("redis://127.0.0.1:notaport/0", "Port"),
+    for bad, why in (("redis://127.0.0.1:notaport/0", "bad host or port"),
+                     ("redis://:s3cret#x@127.0.0.1:6379/0", "bad host or port"),
                      ("redis://:s3cret@127.0.0.1:6379/l3", "database, a number")):
         with pytest.raises(ConfigError, match=why) as err:
             AdmissionSection(coordinator="redis", redis_url=bad)

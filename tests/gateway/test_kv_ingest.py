@@ -182,10 +182,15 @@ def test_blocks_with_extra_keys_are_not_keyed_by_their_tokens() -> None:
     ing = NodeKvIngest(_hasher())
     salted = _stored([1, 2], None, _tokens(2), extra_keys=(("s3cret",), None))
     assert ing.feed(0, _batch(salted), MODEL) == []
+    # its continuation (decode, a later chunk) is no more keyable, and no orphan either:
+    # orphans make routing teach the index (kv_watch.py), which salted traffic kept on
     assert ing.feed(1, _batch(_stored([3], 2, _tokens(1, salt=5))), MODEL) == []
-    assert ing.counts["extra_keys_blocks"] == 2 and ing.counts["orphan_blocks"] == 1
+    assert ing.counts["extra_keys_blocks"] == 3 and ing.counts["orphan_blocks"] == 0
     plain = _stored([4], None, _tokens(1), extra_keys=(None,))  # vLLM's for plain text
     assert len(ing.feed(2, _batch(plain), MODEL)) == 1
+    # their evictions name nothing in the index, and they are forgotten
+    assert ing.feed(3, _batch(BlockRemoved(block_hashes=(3, 2, 1))), MODEL) == []
+    assert ing.remembered == 1 and ing.counts["unknown_removed"] == 0
 
 
 def test_each_rank_numbers_its_own_batches_and_restarts_alone() -> None:

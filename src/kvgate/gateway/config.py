@@ -169,7 +169,8 @@ class NodeConfig:
         ):
             raise ConfigError(
                 f"node {self.id}: kv_events must look like tcp://host:port or ipc://path "
-                f"(comma separated, one per data-parallel rank), got {self.kv_events!r}",
+                f"(comma separated, one per data-parallel rank; the engine's own address, "
+                f"not the wildcard it binds), got {self.kv_events!r}",
                 param="kv_events",
             )
         if self.api_key is not None and "@" in self.url.partition("://")[2].partition("/")[0]:
@@ -449,11 +450,16 @@ class GatewayConfig:
 
 
 def _zmq_endpoint(text: str) -> bool:
-    """tcp://host:port or ipc://path (what a SUB socket connects to)."""
+    """tcp://host:port or ipc://path (what a SUB socket connects to); not a wildcard
+    host (vLLM's default tcp://*:5557 is where the engine binds, nothing to connect to)."""
     if text.startswith("ipc://"):
         return len(text) > len("ipc://")
     host, sep, port = text.removeprefix("tcp://").rpartition(":")
-    return text.startswith("tcp://") and bool(sep and host and port.isdigit())
+    return (
+        text.startswith("tcp://")
+        and bool(sep and host and port.isdigit())
+        and host not in ("*", "0.0.0.0", "[::]", "::")
+    )
 
 
 def _check_redis_url(url: str) -> None:
@@ -471,7 +477,14 @@ def _check_redis_url(url: str) -> None:
     try:
         parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:
-        raise ConfigError(f"admission.redis_url {shown!r}: {exc}", param="redis_url") from exc
+        # neither the URL nor redis-py's words: with a '#', '/' or '?' in the password
+        # the redaction misses it and redis-py quotes it as the port
+        scheme = url.partition("://")[0]
+        raise ConfigError(
+            f"admission.redis_url ({scheme}://...) cannot be parsed: a bad host or port, "
+            "or a password with '#', '/' or '?' not percent-encoded",
+            param="redis_url",
+        ) from exc
     if not url.startswith("unix://"):
         path = urlsplit(url).path.strip("/")
         if path and not path.isdigit():

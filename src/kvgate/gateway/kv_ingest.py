@@ -61,6 +61,7 @@ from kvgate.protocol.kv_events import (
 __all__ = ["IndexCleared", "IndexOp", "IndexRemoved", "IndexStored", "NodeKvIngest"]
 
 DEFAULT_MAX_BLOCKS = 1 << 20  # engine hashes remembered per node (about 150 MB at most)
+UNKEYABLE = -1  # the "key" of a block its tokens do not name (our keys are unsigned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,13 +169,6 @@ class NodeKvIngest:
         if ev.block_size != size or len(ev.token_ids) != len(hashes) * size:
             self.counts["bad_block_size"] += len(hashes)
             return ()
-        extra = ev.extra.get("extra_keys")
-        if isinstance(extra, tuple) and any(k is not None for k in extra):
-            # a cache_salt or multimodal inputs: the tokens alone do not name the KV, and
-            # keyed by them it would be a false hit for the plain prompt (descendants
-            # are then orphans)
-            self.counts["extra_keys_blocks"] += len(hashes)
-            return ()
         known = self._keys.setdefault(rank, {})
         parent: int | None = None
         if ev.parent_block_hash is not None:
@@ -183,6 +177,23 @@ class NodeKvIngest:
                 self.counts["orphan_blocks"] += len(hashes)
                 return ()
             parent = entry[0]
+        extra = ev.extra.get("extra_keys")
+        if parent == UNKEYABLE or (
+            isinstance(extra, tuple) and any(k is not None for k in extra)
+        ):
+            # a cache_salt or multimodal inputs (or a block continuing one): the tokens
+            # alone do not name the KV, and keyed by them it would be a false hit for
+            # the plain prompt. Remembered as such, so its continuations are not taken
+            # for orphans (which would make routing teach the index, kv_watch.py).
+            self.counts["extra_keys_blocks"] += len(hashes)
+            for h in hashes:
+                entry = known.get(h)
+                if entry is None:
+                    known[h] = [UNKEYABLE, 1]
+                elif entry[0] == UNKEYABLE:
+                    entry[1] += 1
+            self._bound(known)
+            return ()
         root = model
         if ev.lora_id is not None:
             lora = ev.lora_name
@@ -219,7 +230,7 @@ class NodeKvIngest:
             if entry[1] > 0:  # another copy is still cached
                 continue
             del known[h]  # type: ignore[union-attr]
-            if self._release(entry[0]):
+            if entry[0] != UNKEYABLE and self._release(entry[0]):
                 gone.append(entry[0])
         self.counts["removed_blocks"] += len(gone)
         return tuple(gone)
@@ -239,7 +250,9 @@ class NodeKvIngest:
             return
         self.counts["forgotten_blocks"] += excess
         for _ in range(min(excess, len(known))):
-            self._release(known.pop(next(iter(known)))[0])
+            key = known.pop(next(iter(known)))[0]
+            if key != UNKEYABLE:
+                self._release(key)
 
 
 def _followed(medium: str | None, group_idx: int | None) -> bool:

@@ -48,7 +48,8 @@ class NodeKvWatch:
         self.endpoints = tuple(endpoints)
         self.ingest = NodeKvIngest(hasher)  # one for all its ranks' publishers
         self.connected = [asyncio.Event() for _ in self.endpoints]
-        self.restarts_seen = 0  # the ingest's restarts already accounted for
+        self.restarts_seen = 0  # the ingest's restarts already noted
+        self.restarted_at: float | None = None  # the last restart the events reported
         self.orphans_seen = 0
         self.orphan_at: float | None = None  # the last orphan block; None: routing does not learn
 
@@ -87,6 +88,7 @@ class NodeKvWatch:
         def apply(ops: list[IndexOp]) -> None:
             now = clock()
             apply_ops(controller, self.node_id, ops, now)
+            self.note_restarts(now)
             self.note_orphans(controller, now)
 
         async def follow(endpoint: str, connected: asyncio.Event) -> None:
@@ -97,25 +99,29 @@ class NodeKvWatch:
                     return
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # a bug or a socket error must not end precise mode
+                except Exception as exc:  # a bug or a socket error must not end it
                     errors["kv_events"] += 1
-                    log.exception("KV events of node %s failed; reconnecting", self.node_id)
+                    if errors["kv_events"] == 1:  # the first with its traceback, then a line
+                        log.exception("KV events of node %s failed; retrying", self.node_id)
+                    else:
+                        log.warning("KV events of node %s failed again (%s); retrying",
+                                    self.node_id, exc)
                     await asyncio.sleep(retry_s)
 
         return [asyncio.ensure_future(follow(e, c))
                 for e, c in zip(self.endpoints, self.connected, strict=True)]
 
-    def restart_is_new(self) -> bool:
-        """Another signal says the engine restarted: False when its events said so
-        first (their sequence started again) and the index already follows the new
-        process; clearing again dropped what it had cached since. True otherwise,
-        and the mapper forgets the old process's hashes."""
+    def note_restarts(self, now: float) -> None:
+        """After each batch: when the events reported a restart (their sequence started
+        again; the mapper already cleared the node), remember when."""
         restarts = self.ingest.counts["restarts"]
         if restarts > self.restarts_seen:
             self.restarts_seen = restarts
-            return False
-        self.ingest.reset()
-        return True
+            self.restarted_at = now
+
+    def restarted_within(self, now: float, window_s: float) -> bool:
+        """The events reported a restart less than ``window_s`` ago."""
+        return self.restarted_at is not None and now - self.restarted_at < window_s
 
     async def wait_connected(self) -> None:
         await asyncio.gather(*(c.wait() for c in self.connected))

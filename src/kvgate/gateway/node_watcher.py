@@ -62,6 +62,7 @@ class NodeRuntime:
     last_seq: int = -1
     cache_tokens: int | None = None  # the KV cache size its metrics give, in tokens
     started_at: float | None = None  # its process's start, as its metrics give it
+    restarted_at: float | None = None  # when a restart of it was last acted on
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     kv: NodeKvWatch | None = None  # precise mode, with the node's kv_events
@@ -321,9 +322,11 @@ class NodeWatcher:
             rt.kv.note_orphans(self.controller, self.clock())
         started = sample.started_at
         if started is not None:
-            if rt.started_at is not None and abs(started - rt.started_at) > 0.5:
-                self._restarted(rt, "its process start time changed")
-            rt.started_at = started
+            # only a start later than any seen is a new process: behind a load balancer
+            # the URL reaches several, and an older one answering is no restart
+            if rt.started_at is not None and started > rt.started_at + 0.5:
+                self._restarted(rt, "its process start time moved on")
+            rt.started_at = max(started, rt.started_at or started)
         cache_tokens = sample.cache_tokens
         if cache_tokens is not None and cache_tokens != rt.cache_tokens:
             rt.cache_tokens = cache_tokens  # the index follows the node's real cache
@@ -355,6 +358,7 @@ class NodeWatcher:
         if cursor is not None and cursor < rt.eviction_cursor:
             # the node's notice log went back: a new engine process, with an empty
             # cache and none of the old one's evictions pending; read its log afresh
+            _forget_notices(rt)
             self._restarted(rt, "its eviction log went back")
             return
         for ev in events:
@@ -369,14 +373,30 @@ class NodeWatcher:
                                                                    rt.last_seq)
 
     def _restarted(self, rt: NodeRuntime, why: str) -> None:
-        """A new engine process behind the node's URL (seen by its metrics' start time
-        or its notice log, even when no health check failed meanwhile): its cache is
-        empty and none of the old process's evictions are pending."""
+        """A new engine process behind the node's URL, seen by one of its signals (its
+        KV events' sequence, its notice log, its metrics' start time; no health check
+        need have failed): its cache is empty and none of the old process's evictions
+        are pending. One restart is acted on once: a second signal of it, later, would
+        drop what the new process has cached since."""
+        now = self.clock()
+        window = self._restart_window_s
+        if rt.kv is not None and rt.kv.restarted_within(now, window):
+            rt.restarted_at = now  # its events said so first; the index follows it
+            return
+        if rt.restarted_at is not None and now - rt.restarted_at < window:
+            return
+        rt.restarted_at = now
         log.warning("node %s restarted (%s)", rt.node_id, why)
         _forget_notices(rt)
-        if rt.kv is not None and not rt.kv.restart_is_new():
-            return  # its events said so first: the index already follows the new process
-        self.controller.on_cache_cleared(rt.node_id, self.clock())
+        if rt.kv is not None:
+            rt.kv.ingest.reset()  # the old process's block hashes name nothing now
+        self.controller.on_cache_cleared(rt.node_id, now)
+
+    @property
+    def _restart_window_s(self) -> float:
+        """Signals of one restart come within a few probe intervals of each other."""
+        c = self.config
+        return 3 * max(c.metrics_interval_s, c.evictions_interval_s)
 
     # ------------------------------------------------------------------ views
     def model_entries(self) -> list[dict[str, Any]]:
