@@ -314,6 +314,10 @@ def test_a_gateway_started_after_its_engine_still_sees_the_old_prefixes(sockets:
                 # prompt, so its events are orphans
                 assert (await chat(gw.url, "first", **{"X-Kvgate-Exclude-Node": "e1"}))[0] == "e0"
                 await eventually(lambda: NodeId("e0") in ctl.routing_learns)
+                async with session.get(gw.url + "/metrics") as r:
+                    text = await r.text()
+                assert 'kvgate_kv_event_routing_learns{node="e0"} 1' in text
+                assert 'kvgate_kv_event_routing_learns{node="e1"} 0' in text
                 await chat(gw.url, "taught")  # a dispatch routing now learns from
                 await asyncio.sleep(2.5)  # past every speculative entry's 2 s
                 node, reason, cached = await chat(gw.url, "much later")

@@ -99,6 +99,8 @@ def node_view(gw: Gateway, state: NodeState, now: float) -> dict[str, Any]:
         "index": {
             "entries": gw.controller.index.node_entries(node_id),
             "speculative": gw.controller.index.speculative_entries(node_id),
+            # precise mode: its events bring orphans, so routing teaches the index too
+            "routing_learns": node_id in gw.controller.routing_learns,
         },
         "spec": {
             "models": sorted(spec.models),

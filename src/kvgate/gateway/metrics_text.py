@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvgate.core.admission import BreakerState, LeaseState, Priority
 from kvgate.core.controller import Controller
+from kvgate.core.ids import NodeId
 from kvgate.gateway.node_watcher import NodeWatcher
 
 
@@ -94,6 +95,9 @@ FAMILIES: dict[str, Family] = {
         Family("kvgate_kv_event_batches_total", "counter",
                "KV event batches from a node (precise mode), by kind: received, missed "
                "(sequence gaps), restarts, malformed, no_model, cleared."),
+        Family("kvgate_kv_event_routing_learns", "gauge",
+               "1 while a node's KV events bring orphans and routing teaches the index "
+               "about it too (precise mode)."),
         Family("kvgate_kv_event_blocks_total", "counter",
                "Blocks named by a node's KV events (precise mode), by kind: stored, removed, "
                "orphan, forgotten, extra_keys, unknown_removed, other_medium, "
@@ -296,3 +300,7 @@ def _nodes(page: _Page, controller: Controller, watcher: NodeWatcher, now: float
     page.declare("kvgate_kv_event_blocks_total")
     for node_id, kind, n in blocks:
         page.add("kvgate_kv_event_blocks_total", n, node=node_id, kind=kind)
+    page.declare("kvgate_kv_event_routing_learns")
+    for node_id in sorted({row[0] for row in batches}):
+        page.add("kvgate_kv_event_routing_learns",
+                 int(NodeId(node_id) in controller.routing_learns), node=node_id)
