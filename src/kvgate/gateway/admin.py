@@ -40,7 +40,7 @@ from kvgate.edge import expect_handler, json_response
 from kvgate.gateway.body import read_body
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.config_load import parse_node
-from kvgate.gateway.errors import error_response
+from kvgate.gateway.errors import refusing
 from kvgate.gateway.redact import REDACTED, redact_url
 
 if TYPE_CHECKING:
@@ -245,14 +245,6 @@ class AdminApi:
                 code="invalid_admin_token",
             )
 
-    def expect_check(self, request: web.Request) -> web.StreamResponse | None:
-        """The token check before an ``Expect: 100-continue`` body is invited."""
-        try:
-            self.check(request)
-        except (AuthError, AdminDisabled) as exc:
-            return error_response(exc)
-        return None
-
     def _node(self, request: web.Request) -> NodeState:
         node_id = request.match_info["id"]
         state = self.gw.controller.nodes.get(NodeId(node_id))
@@ -365,7 +357,9 @@ def register_admin(app: web.Application, gw: Gateway) -> None:
     r.add_get("/admin/nodes", api.list_nodes)
     # 417 / 413 / 401 / 403 as JSON, and only then the 100: a caller without the token
     # is not invited to send its body
-    expect = expect_handler(gw.config.server.client_max_size, api.expect_check)
+    expect = expect_handler(
+        gw.config.server.client_max_size, refusing(api.check, AuthError, AdminDisabled)
+    )
     r.add_post("/admin/nodes", api.add_node, expect_handler=expect)
     r.add_get("/admin/nodes/{id}", api.get_node)
     r.add_delete("/admin/nodes/{id}", api.remove_node)

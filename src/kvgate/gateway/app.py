@@ -36,12 +36,12 @@ from kvgate.core.admission import AdmissionConfig, InProcessCoordinator
 from kvgate.core.controller import Controller
 from kvgate.core.errors import AuthError
 from kvgate.core.nodes import NodeTable
-from kvgate.edge import EdgeRunner, ExpectCheck, expect_handler, json_response
+from kvgate.edge import EdgeRunner, expect_handler, json_response
 from kvgate.gateway.admin import register_admin
 from kvgate.gateway.config import DEFAULT_GATEWAY_ID, GatewayConfig
 from kvgate.gateway.dashboard import register_dashboard
 from kvgate.gateway.driver import Driver, InProcessLeaseClient, LeaseClient, RemoteLeaseClient
-from kvgate.gateway.errors import edge_middleware, error_response
+from kvgate.gateway.errors import edge_middleware, refusing
 from kvgate.gateway.identity import Authenticator
 from kvgate.gateway.metrics_text import GatewayMetrics, render
 from kvgate.gateway.node_watcher import NodeWatcher
@@ -204,23 +204,12 @@ class Gateway:
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("kvgate_gateway", Gateway)
 
 
-def _known_caller(auth: Authenticator) -> ExpectCheck:
-    """The proxy's first check, before a body is invited: a 401 for an unknown caller."""
-
-    def check(request: web.Request) -> web.StreamResponse | None:
-        try:
-            auth.identify(request.headers)
-        except AuthError as exc:
-            return error_response(exc)
-        return None
-
-    return check
-
-
 def register_routes(app: web.Application, gw: Gateway) -> None:
     """Every route of the OpenAI surface and the probes, in one place."""
     # Expect: 100-continue is answered only for a caller and a size the proxy would take
-    expect = expect_handler(gw.config.server.client_max_size, _known_caller(gw.auth))
+    # the proxy's first check before a body is invited: a 401 for an unknown caller
+    known_caller = refusing(lambda r: gw.auth.identify(r.headers), AuthError)
+    expect = expect_handler(gw.config.server.client_max_size, known_caller)
     app.router.add_post("/v1/completions", gw.handler.completions, expect_handler=expect)
     app.router.add_post("/v1/chat/completions", gw.handler.chat, expect_handler=expect)
     app.router.add_get("/v1/models", gw.models)

@@ -28,7 +28,7 @@ from aiohttp import web
 from kvgate.core.admission import Rejected
 from kvgate.core.decisions import Fail
 from kvgate.core.errors import AuthError, KvgateError
-from kvgate.edge import json_response
+from kvgate.edge import ExpectCheck, json_response
 from kvgate.protocol import (
     ProtocolError,
     error_body,
@@ -101,6 +101,22 @@ def fail_response(fail: Fail, headers: Mapping[str, str] | None = None) -> web.R
         )
     out["Retry-After"] = "1"
     return json_response(fail.http_status, body, out)
+
+
+def refusing(
+    check: Callable[[web.Request], object], *refusals: type[KvgateError]
+) -> ExpectCheck:
+    """An ``Expect: 100-continue`` check (``edge.expect_handler``) from a check that
+    raises: one of ``refusals`` is the answer, before any body is invited."""
+
+    def run(request: web.Request) -> web.StreamResponse | None:
+        try:
+            check(request)
+        except refusals as exc:
+            return error_response(exc)
+        return None
+
+    return run
 
 
 def error_response(exc: BaseException) -> web.Response:
