@@ -220,7 +220,7 @@ class Scheduler:
             [seq.block_hash(i) for i in indices],
             seq.block_hash(first - 1) if first else None,
             [seq.block_token_ids(i, block_size) for i in indices],
-            root_extra=(salt,) if salt and not first else None,
+            root_extra=(salt,) if salt else None,  # the pool knows which block is the root
         )
         seq.num_cached_blocks = num_full
 

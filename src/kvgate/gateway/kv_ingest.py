@@ -186,13 +186,7 @@ class NodeKvIngest:
             # the plain prompt. Remembered as such, so its continuations are not taken
             # for orphans (which would make routing teach the index, kv_watch.py).
             self.counts["extra_keys_blocks"] += len(hashes)
-            for h in hashes:
-                entry = known.get(h)
-                if entry is None:
-                    known[h] = [UNKEYABLE, 1]
-                elif entry[0] == UNKEYABLE:
-                    entry[1] += 1
-            self._bound(known)
+            self._remember(known, hashes, [UNKEYABLE] * len(hashes))
             return ()
         root = model
         if ev.lora_id is not None:
@@ -202,19 +196,25 @@ class NodeKvIngest:
                 return ()
             root = lora
         keys = self._hasher.chain_for_tokens(ev.token_ids, parent=parent, model=root)
-        holders = self._holders
+        self._remember(known, hashes, keys)
+        self.counts["stored_blocks"] += len(keys)
+        return tuple(keys)
+
+    def _remember(
+        self, known: dict[BlockHash, list[int]], hashes: Sequence[BlockHash], keys: Sequence[int]
+    ) -> None:
+        """``hashes`` (one more copy each) name ``keys`` on this rank; within the bound."""
         for h, key in zip(hashes, keys, strict=True):
             entry = known.get(h)
             if entry is not None and entry[0] == key:
                 entry[1] += 1  # another copy of a block this rank holds
                 continue
-            if entry is not None:  # the same engine hash for other tokens: replaced
+            if entry is not None and entry[0] != UNKEYABLE:  # other tokens: replaced
                 self._release(entry[0])
             known[h] = [key, 1]
-            holders[key] += 1
-        self.counts["stored_blocks"] += len(keys)
+            if key != UNKEYABLE:
+                self._holders[key] += 1
         self._bound(known)
-        return tuple(keys)
 
     def _drop(self, rank: int | None, hashes: Sequence[BlockHash]) -> tuple[int, ...]:
         """One copy of each of ``hashes`` of ``rank`` is gone; the keys no rank holds
