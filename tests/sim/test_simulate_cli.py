@@ -202,12 +202,15 @@ def test_policy_params_reach_only_their_policy(
         ("kvgate.epsilon=2", "epsilon must be in [0, 1]"),
         # the report records its parameters, and JSON has no Infinity
         ("kvgate.affinity_slack_s=inf", "the value must be a finite number"),
+        # a policy the run leaves out: recorded in the settings and never used
+        ("dynamo_cost.overlap_weight=2", "dynamo_cost, which --policies does not run"),
     ],
 )
 def test_bad_policy_params_fail_before_simulating(
     item: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["simulate", "--workload", "gsp", "--find-saturation", "--policy-param", item])
+    argv = ["simulate", "--workload", "gsp", "--find-saturation", "--policies", "kvgate,random"]
+    code = main([*argv, "--policy-param", item])
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "simulating" not in err

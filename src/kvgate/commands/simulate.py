@@ -559,7 +559,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     progress = SimProgress(not args.no_progress)
     try:
         params = parse_policy_params(args.policy_param)  # bad ones fail before any run
-        resolve_policies(_policy_names(args))  # so do unknown policies
+        check_params_run(params, resolve_policies(_policy_names(args)))  # so do unknown policies
         check_closed_loop(args)
         check_output_file(args.json, "--json")  # before the run, not after it
         check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
@@ -604,6 +604,17 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
     return EXIT_BROKEN_PIPE if broken else 0
+
+
+def check_params_run(params: dict[str, dict[str, object]], policies: list[str]) -> None:
+    """A ``--policy-param`` for a policy the run leaves out would be recorded in the
+    report's settings and silently unused: a typo'd comparison. Raises ValueError."""
+    unused = sorted(set(params) - set(policies))
+    if unused:
+        raise ValueError(
+            f"--policy-param sets {', '.join(unused)}, which --policies does not run "
+            f"(it runs {', '.join(policies)})"
+        )
 
 
 def check_saturation_args(args: argparse.Namespace) -> None:
