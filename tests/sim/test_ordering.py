@@ -7,7 +7,9 @@ from typing import Any
 from kvgate.sim.ordering import format_ordering, format_tally, ordering, tally
 
 
-def _row(p99: float, mean: float, goodput: float, hit: float, load: float = 1.1) -> dict[str, Any]:
+def _row(
+    p99: float, mean: float, goodput: float, hit: float, load: float | None = 1.1
+) -> dict[str, Any]:
     return {
         "ttft_p99_s": p99,
         "ttft_mean_s": mean,
@@ -57,6 +59,16 @@ def test_each_failure_names_where_a_baseline_wins() -> None:
     text = format_ordering(result)
     assert "FAIL goodput_rps" in text and "does not beat 3.100" in text
     assert "< 0.1700 (the best cache-aware baseline, preble_e2)" in text
+
+
+def test_a_run_with_no_load_fails_the_load_check() -> None:
+    """A run where no node processed a token (everything refused) has no balance: its
+    load is None, and the check fails instead of passing at a perfect 0."""
+    rep = _report(kvgate=_row(1.0, 0.5, 3.0, 0.18, load=None), preble_e2=_row(2, 0.6, 2.5, 0.17))
+    result = ordering(rep)
+    assert result is not None and not result["holds"]
+    assert not result["checks"]["load_max_over_mean"]["ok"]
+    assert "no token processed" in format_ordering(result)
 
 
 def test_nothing_to_compare() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,22 @@ def test_a_scenario_at_a_fraction_of_saturation_is_plotted(tmp_path: Path) -> No
     args += ["--scenario", "traffic_double", "--saturation", "1", "--at-saturation", "0.5"]
     assert main([*args, "--plot", str(plot)]) == 0
     assert plot.stat().st_size > 1000
+
+
+def test_a_run_where_nothing_completes_is_plotted_and_fails_its_load_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One cache block per node: every prompt is too long and refused. The plot says so
+    without matplotlib's empty-legend warning, and the load check fails (no token was
+    processed) instead of passing at 0.000."""
+    plot = tmp_path / "none.png"
+    args = [*SMALL, "--cache-blocks", "1", "--policies", "kvgate,random"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's UserWarning would fail the test
+        assert main([*args, "--plot", str(plot)]) == 0
+    assert plot.stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "FAIL load_max_over_mean        none  no token processed" in out
 
 
 def test_a_reader_that_goes_away_stops_it_quietly(tmp_path: Path) -> None:

@@ -34,16 +34,22 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     for row, (label, rep) in enumerate(runs.items()):
         ax_t, ax_h = axes[row]
         names = list(rep["policies"])
+        drawn = 0
         for name in names:
             ttfts = sorted(rep["policies"][name].get("ttft_samples_s", []))
             if ttfts:
                 ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
                 ax_t.plot(ttfts, ys, label=name)
-        ax_t.set_xscale("log")
+                drawn += 1
         ax_t.set_xlabel("TTFT (s)")
         ax_t.set_ylabel("CDF")
         ax_t.set_title(f"TTFT {label}".strip())
-        ax_t.legend(fontsize=7)
+        if drawn:
+            ax_t.set_xscale("log")
+            ax_t.legend(fontsize=7)
+        else:  # every request refused or failed: say so rather than draw an empty legend
+            ax_t.text(0.5, 0.5, "no request completed", ha="center", va="center",
+                      transform=ax_t.transAxes)
         hits = [rep["policies"][n]["hit_ratio"] for n in names]
         ax_h.bar(range(len(names)), hits)
         b = rep["bounds"]

@@ -70,7 +70,7 @@ def ordering(report: Mapping[str, Any], policy: str = "kvgate") -> dict[str, Any
     checks["load_max_over_mean"] = {
         "value": load,
         "limit": LOAD_MAX_OVER_MEAN_LIMIT,
-        "ok": load <= LOAD_MAX_OVER_MEAN_LIMIT,
+        "ok": load is not None and load <= LOAD_MAX_OVER_MEAN_LIMIT,
     }
     hit = ours["hit_ratio"]
     aware = [n for n in others if _uses_cache(n)]
@@ -172,7 +172,10 @@ def format_ordering(result: Mapping[str, Any]) -> str:
             rel = "beats" if c["ok"] else "does not beat"
             tail = f"{rel} {_shown(c['other'], digits)} (the best other policy, {c['against']})"
         elif "limit" in c:
-            tail = f"<= {c['limit']}" if c["ok"] else f"> {c['limit']}"
+            if c["value"] is None:
+                tail = "no token processed: no load to balance"
+            else:
+                tail = f"<= {c['limit']}" if c["ok"] else f"> {c['limit']}"
         else:
             rel = ">=" if c["ok"] else "<"
             tail = f"{rel} {c['floor']:.4f} ({POOLED_LRU_SHARE:.0%} of the pooled-LRU bound)"

@@ -155,7 +155,8 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
     # each node's share of the processed prefill and decode tokens
     work = [n.prefill_tokens + n.decode_tokens for n in cluster.nodes]
     mean_work = sum(work) / len(work) if work else 0.0
-    load_max_over_mean = max(work) / mean_work if mean_work else 0.0
+    # no token processed anywhere: no balance to speak of (None, not a perfect 0)
+    load_max_over_mean = max(work) / mean_work if mean_work else None
 
     rejects = Counter(o.reason for o in outs if o.status == "rejected")
     failures = Counter(o.reason for o in outs if o.status == "failed")
