@@ -382,6 +382,11 @@ async def test_an_unknown_expectation_is_a_json_417_without_an_echo(start_server
     assert head.split(b" ")[1] == b"417"
     error = json.loads(body)["error"]
     assert error["code"] == "expectation_failed" and "the-moon" not in error["message"]
+    for path in (b"/health", b"/v1/models", b"/metrics"):  # GET routes too, not text/plain
+        head, body = await _raw_exchange(
+            server.port, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nExpect: the-moon\r\n\r\n")
+        assert head.split(b" ")[1] == b"417", path
+        assert json.loads(body)["error"]["code"] == "expectation_failed"
 
 
 async def test_settings_the_simulator_need_not_honour_are_accepted(

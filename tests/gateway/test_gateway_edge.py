@@ -256,5 +256,12 @@ def test_expect_is_answered_only_for_a_body_the_gateway_would_take(kit: Any) -> 
                 c.url, _expect_head("100-continue", "Authorization: Bearer sk-good-key"), CHAT,
                 pause=0.2)
             assert raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200"), raw[:120]
+            # a GET route too: aiohttp's own text/plain 417 quoted the header
+            for path in ("/health", "/v1/models", "/metrics", "/admin/nodes", "/dashboard"):
+                raw, _ = await exchange(c.url, (
+                    f"GET {path} HTTP/1.1\r\nHost: x\r\nExpect: the-moon\r\n"
+                    "Connection: close\r\n\r\n").encode())
+                err = assert_openai_error(raw, 417)
+                assert err["code"] == "expectation_failed" and "the-moon" not in err["message"]
 
     kit.run(body())

@@ -47,6 +47,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import zmq
@@ -445,16 +446,18 @@ class EngineServer:
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[_http_errors])
         expect = expect_handler(self.config.max_body_bytes)  # 417 / 413 as JSON, then 100
+        plain = expect_handler(self.config.max_body_bytes)  # a GET's odd Expect: JSON 417 too
+        get = partial(app.router.add_get, expect_handler=plain)
         app.router.add_post("/v1/completions", self._completions, expect_handler=expect)
         app.router.add_post("/v1/chat/completions", self._chat, expect_handler=expect)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        get("/v1/models", self._models)
+        get("/health", self._health)
+        get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._tokenize, expect_handler=expect)
-        app.router.add_get("/kvgate/evictions", self._evictions)
-        app.router.add_get("/kv_event_sources", self._kv_event_sources)
+        get("/kvgate/evictions", self._evictions)
+        get("/kv_event_sources", self._kv_event_sources)
         app.router.add_post("/admin/fault", self._admin_fault, expect_handler=expect)
-        app.router.add_get("/admin/fault", self._admin_state)
+        get("/admin/fault", self._admin_state)
         return app
 
     async def _read_json(self, request: web.Request) -> bytes:

@@ -27,6 +27,7 @@ import hmac
 import json
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -354,16 +355,18 @@ def register_admin(app: web.Application, gw: Gateway) -> None:
     """Add the ``/admin`` routes (always registered; they answer 403 without a token)."""
     api = AdminApi(gw)
     r = app.router
-    r.add_get("/admin/nodes", api.list_nodes)
+    plain = expect_handler(gw.config.server.client_max_size)  # a JSON 417, as below
+    get = partial(r.add_get, expect_handler=plain)
+    get("/admin/nodes", api.list_nodes)
     # 417 / 413 / 401 / 403 as JSON, and only then the 100: a caller without the token
     # is not invited to send its body
     expect = expect_handler(
         gw.config.server.client_max_size, refusing(api.check, AuthError, AdminDisabled)
     )
     r.add_post("/admin/nodes", api.add_node, expect_handler=expect)
-    r.add_get("/admin/nodes/{id}", api.get_node)
-    r.add_delete("/admin/nodes/{id}", api.remove_node)
+    get("/admin/nodes/{id}", api.get_node)
+    r.add_delete("/admin/nodes/{id}", api.remove_node, expect_handler=plain)
     r.add_post("/admin/nodes/{id}/drain", api.drain_node, expect_handler=expect)
-    r.add_get("/admin/config", api.config)
-    r.add_get("/admin/admission", api.admission)
-    r.add_get("/admin/decisions", api.decisions)
+    get("/admin/config", api.config)
+    get("/admin/admission", api.admission)
+    get("/admin/decisions", api.decisions)

@@ -28,6 +28,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -212,11 +213,14 @@ def register_routes(app: web.Application, gw: Gateway) -> None:
     expect = expect_handler(gw.config.server.client_max_size, known_caller)
     app.router.add_post("/v1/completions", gw.handler.completions, expect_handler=expect)
     app.router.add_post("/v1/chat/completions", gw.handler.chat, expect_handler=expect)
-    app.router.add_get("/v1/models", gw.models)
-    app.router.add_get("/v1/models/{model:.+}", gw.model)  # ids may hold '/'
-    app.router.add_get("/health", gw.health)
-    app.router.add_get("/ready", gw.ready_handler)
-    app.router.add_get("/metrics", gw.metrics_handler)
+    # a GET's odd expectation is a JSON 417 too, not aiohttp's text/plain one
+    plain = expect_handler(gw.config.server.client_max_size)
+    get = partial(app.router.add_get, expect_handler=plain)
+    get("/v1/models", gw.models)
+    get("/v1/models/{model:.+}", gw.model)  # ids may hold '/'
+    get("/health", gw.health)
+    get("/ready", gw.ready_handler)
+    get("/metrics", gw.metrics_handler)
     register_admin(app, gw)  # /admin/... (bearer admin token; 403 when none is set)
     register_dashboard(app, gw)  # /dashboard, /dashboard/state (read-only, no secrets)
 
