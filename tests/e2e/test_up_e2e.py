@@ -246,3 +246,9 @@ def test_bad_gateway_settings_fail_before_any_engine_starts(
     assert "server.port must be in [0, 65535]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--nodes", "1000"])
+    # a short token is the flag's error, not the config file's `server.admin_token`
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--admin-token", "short"])
+    err = capsys.readouterr().err
+    assert "argument --admin-token: must be at least 8 characters" in err
+    assert "server.admin_token" not in err

@@ -50,10 +50,21 @@ from kvgate.commands.pipes import silence_stdout
 from kvgate.core.errors import ConfigError, KvgateError
 from kvgate.core.hashing import make_hasher
 from kvgate.gateway.app import GatewayServer, start_gateway
-from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.config import GatewayConfig, ServerConfig
 from kvgate.gateway.config_load import build_config
 
 log = logging.getLogger("kvgate.up")
+
+
+def admin_token_arg(text: str) -> str:
+    """``--admin-token``, checked by the gateway's own rule, in the flag's words (the
+    config's message named ``server.admin_token``, which `kvgate up` has no file for)."""
+    try:
+        ServerConfig(admin_token=text)
+    except ConfigError as exc:
+        message = getattr(exc, "message", None) or str(exc)
+        raise argparse.ArgumentTypeError(message.replace("server.admin_token ", "")) from None
+    return text
 
 DEFAULT_NODES = 4
 MAX_NODES = 64  # engine processes one `kvgate up` starts at most
@@ -472,6 +483,7 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--policy", default="kvgate", help="routing policy (default %(default)s)")
     p.add_argument(
         "--admin-token",
+        type=admin_token_arg,
         default=None,
         help="bearer token of the admin API (default: a random one, printed)",
     )
