@@ -1,10 +1,11 @@
 """A stub OpenAI-compatible server for the load generator's tests.
 
-It streams ``tokens`` one-character tokens ``delay_s`` apart, reports usage with a
-prefix cache of its own (cached tokens = longest common prefix with any earlier prompt,
-in 4-character tokens, rounded down to 64-character blocks), can fail chosen requests
-with an HTTP status or a mid-stream error, can answer ``GET /v1/models`` with HTML or
-not at all, and records what it received.
+It streams ``tokens`` one-character tokens ``delay_s`` apart (then, ``tail_delay_s``
+later, the usage chunk and ``[DONE]``), reports usage with a prefix cache of its own
+(cached tokens = longest common prefix with any earlier prompt, in 4-character tokens,
+rounded down to 64-character blocks), can fail chosen requests with an HTTP status or
+a mid-stream error, can answer ``GET /v1/models`` with HTML or not at all, and records
+what it received.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Stub:
     cached: bool = True
     usage: bool = True  # False: no usage anywhere (a server that reports none)
     empty_text: bool = False  # token chunks carry empty text (special tokens)
+    tail_delay_s: float = 0.0  # streaming: pause after the last token, before usage/[DONE]
     models_mode: str = "ok"  # GET /v1/models: "ok", "html" (200 text/html) or "hang"
     models_calls: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -111,6 +113,7 @@ class Stub:
                     token = "" if self.empty_text else "x"
                     piece = {"delta": {"content": token}} if chat else {"text": token}
                     await send({"choices": [{"index": 0, **piece}]})
+                await asyncio.sleep(self.tail_delay_s)
                 usage = self._usage(prompt, n_out)
                 if self.usage and body.get("stream_options", {}).get("include_usage"):
                     await send({"choices": [], "usage": usage})

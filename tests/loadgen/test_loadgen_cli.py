@@ -119,6 +119,25 @@ def test_usage_errors_return_2(argv: list[str], capsys: pytest.CaptureFixture[st
     assert "kvgate bench:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("block_tokens", "chars_per_token", "least"),
+                         [("1", "4", 4), ("2", "4", 4), ("3", "4", 4), ("7", "2", 8)])
+def test_blocks_too_short_for_distinct_text_exit_2(
+        block_tokens: str, chars_per_token: str, least: int,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--block-tokens 1 or 2 gave distinct block ids the same text (a shared prefix the
+    workload does not have); refused before any workload is built or request sent."""
+    args = _parse("--block-tokens", block_tokens, "--chars-per-token", chars_per_token,
+                  "--model", "m", "--base-url", "http://127.0.0.1:9")
+    assert run_bench(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvgate bench: --block-tokens {block_tokens} x --chars-per-token "
+                          f"{chars_per_token} = ") and err.count("\n") == 1
+    assert f"use --block-tokens {least} or more" in err
+    cfg = config_from_args(_parse("--block-tokens", str(least), "--chars-per-token",
+                                  chars_per_token, "--num-requests", "5"))
+    assert cfg.workload.block_tokens == least
+
+
 def test_an_empty_trace_or_synthetic_options_on_a_trace_are_usage_errors(
         tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """An empty trace printed an all-zero table and exited 0; --workload-size on a trace

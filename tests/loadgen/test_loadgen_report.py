@@ -148,3 +148,22 @@ def test_table_is_aligned() -> None:
     # what the first failed request of a status was told, under its count
     status_row = lines.index(f"{'  status 503:':<40}2")
     assert lines[status_row + 1].startswith("    first: ")
+
+
+def test_table_shows_the_first_failure_of_each_kind_under_a_status() -> None:
+    """Status 0 holds connection failures and timeouts: the first of one kind hid the
+    other (a timeout read as a connection failure)."""
+    conn = RequestResult(request_id="c", success=False, status=0, error="connection",
+                         error_detail="ClientConnectorError: refused")
+    late = RequestResult(request_id="t", success=False, status=0, error="timeout",
+                         error_detail="timeout after HTTP 200 headers: TimeoutError()")
+    rep = build_report([conn, late, conn], duration_s=1.0)
+    assert rep.failed_by_status == {"0": 3}
+    assert rep.errors_by_type == {"connection": 2, "timeout": 1}
+    lines = rep.format_table().splitlines()
+    row = lines.index(f"{'  status 0:':<40}3")
+    assert lines[row + 1: row + 3] == [
+        "    first: ClientConnectorError: refused",
+        "    first: timeout after HTTP 200 headers:",
+    ]
+    assert lines[row + 3] == "    TimeoutError()"

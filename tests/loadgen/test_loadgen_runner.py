@@ -168,6 +168,57 @@ def test_a_special_token_with_empty_text_is_timed_as_vllms_bench_does(
     assert rep.metrics["ttft"].count == 3
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_e2el_ends_at_the_last_token_chunk_as_vllms_bench(
+        stub_server: Serve, endpoint: str) -> None:
+    """vLLM's bench ends E2EL at the last chunk with choices; a server that sends the
+    usage chunk and [DONE] 0.3 s later made it 0.3 s longer (and TPOT with it)."""
+    rep, _ = _run(stub_server, dict(tokens=3, delay_s=0.01, tail_delay_s=0.3),
+                  workload=_workload(2, out=3), endpoint=endpoint, num_requests=2)
+    assert rep.completed == 2 and rep.total_output_tokens == 6  # usage still read
+    for r in rep.results:
+        assert r.e2e_s is not None and r.ttft_s is not None
+        assert r.e2e_s == pytest.approx(r.ttft_s + sum(r.itl_s), abs=1e-9)
+        assert r.e2e_s < 0.25 <= r.end_s - r.start_s  # the request itself ran on
+    e2el = rep.metrics["e2el"]
+    assert e2el.mean is not None and e2el.mean < 250.0
+
+
+def test_e2el_without_streaming_is_the_whole_body(stub_server: Serve) -> None:
+    """No stream: the body is the one data chunk; E2EL covers the server's 5 x 20 ms and
+    ends with the request, before it."""
+    rep, _ = _run(stub_server, dict(tokens=5, delay_s=0.02), workload=_workload(2, out=5),
+                  stream=False, num_requests=2)
+    assert rep.completed == 2
+    for r in rep.results:
+        assert r.e2e_s is not None and 0.09 <= r.e2e_s <= r.end_s - r.start_s
+
+
+def test_a_timeout_counts_as_a_timeout_not_under_its_headers_status(
+        stub_server: Serve) -> None:
+    """Headers (200) came, the stream outlived --request-timeout: it was listed under
+    status 200 like a server error; now status 0 (no complete answer), error timeout,
+    and still in every total."""
+    def fail(i: int) -> int | None:
+        return 503 if i == 2 else None
+
+    rep, _ = _run(stub_server, dict(tokens=40, delay_s=0.05, fail=fail),
+                  workload=_workload(3, out=40), concurrency=1, num_requests=3,
+                  model="m", request_timeout_s=0.4)
+    assert (rep.sent, rep.completed, rep.failed, rep.incomplete) == (3, 0, 3, 0)
+    assert rep.failed_by_status == {"0": 2, "503": 1}
+    assert rep.errors_by_type == {"http": 1, "timeout": 2}
+    assert sum(rep.failed_by_status.values()) == sum(rep.errors_by_type.values()) == 3
+    timed_out = [r for r in rep.results if r.error == "timeout"]
+    assert all(r.status == 0 for r in timed_out)
+    assert timed_out[0].error_detail.startswith("timeout after HTTP 200 headers: ")
+    assert all(0.35 <= r.end_s - r.start_s < 1.5 for r in timed_out)
+    table = rep.format_table().splitlines()
+    row = table.index(f"{'  status 0:':<40}2")
+    assert table[row + 1].startswith("    first: timeout after HTTP 200 headers")
+    assert not any(line.startswith("  status 200:") for line in table)
+
+
 def test_without_usage_a_whole_answer_counts_its_estimated_tokens(stub_server: Serve) -> None:
     """No usage and no stream: the text's characters over chars_per_token (4), where it
     was 1 token whatever the length."""

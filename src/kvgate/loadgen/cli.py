@@ -28,7 +28,12 @@ from kvgate.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from kvgate.loadgen.prompts import SYNTHETIC_WORKLOADS, synthetic_workload, trace_workload
+from kvgate.loadgen.prompts import (
+    MIN_BLOCK_CHARS,
+    SYNTHETIC_WORKLOADS,
+    synthetic_workload,
+    trace_workload,
+)
 from kvgate.loadgen.report import parse_goodput
 from kvgate.loadgen.runner import LoadConfig, run_load
 
@@ -103,7 +108,11 @@ def _fill_parser(p: argparse.ArgumentParser) -> None:
         "--limit", type=positive_int, metavar="N", help="read only the first N requests of --trace"
     )
     wl.add_argument(
-        "--block-tokens", type=positive_int, default=512, help="tokens per block id (default 512)"
+        "--block-tokens",
+        type=positive_int,
+        default=512,
+        help="tokens per block id (default 512); times --chars-per-token it must be at "
+        f"least {MIN_BLOCK_CHARS}, the characters that give each id its own text",
     )
     wl.add_argument(
         "--seed",
@@ -234,6 +243,20 @@ def check_json_output(json_path: str | None) -> None:
         raise ValueError(f"--json {path}: the file is not writable")
 
 
+def check_block_size(block_tokens: int, chars_per_token: int) -> None:
+    """Refuse blocks too short to give distinct ids distinct text (ValueError, exit 2),
+    before a workload is built: such blocks shared text, so the server saw prefix
+    sharing the workload does not have (see :mod:`kvgate.loadgen.prompts`)."""
+    chars = block_tokens * chars_per_token
+    if chars < MIN_BLOCK_CHARS:
+        least = -(-MIN_BLOCK_CHARS // chars_per_token)
+        raise ValueError(
+            f"--block-tokens {block_tokens} x --chars-per-token {chars_per_token} = {chars} "
+            f"characters per block, too few to give every block id its own text (at least "
+            f"{MIN_BLOCK_CHARS}); use --block-tokens {least} or more"
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
     """The :class:`LoadConfig` for parsed ``bench`` arguments (reads ``--trace``; one
     line on stderr when ``--num-requests`` leaves out part of the trace)."""
@@ -246,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         raise ValueError("--save-detailed needs --json FILE")
     check_json_output(args.json)
     check_closed_loop(args)
+    check_block_size(args.block_tokens, args.chars_per_token)
     num_requests: int
     if args.trace:
         if args.workload_size is not None or args.arrival_rate is not None:

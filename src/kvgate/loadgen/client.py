@@ -10,9 +10,18 @@ chunk carries ``usage`` (prompt, completion and ``prompt_tokens_details.cached_t
 vLLM reports the last one only when started with ``--enable-prompt-tokens-details``).
 Without usage, output tokens = token chunks.
 
-Without streaming there is no TTFT or ITL; E2E is the time to the full response.
-Without usage there, output tokens are estimated from the text (``chars_per_token``
-characters each, at least one), where vLLM's bench re-tokenizes it.
+E2E latency ends, as in ``vllm bench serve``, at the last data chunk received: the
+last chunk with choices (the trailing usage chunk, ``[DONE]`` and the end of the body
+do not count; only when no chunk had choices, the last data chunk of any kind). So
+``E2E - TTFT`` is the sum of the ITL gaps. Without streaming the body is the one data
+chunk: E2E ends when it has been read, before it is parsed. There is no TTFT or ITL
+then, and without usage the output tokens are estimated from the text
+(``chars_per_token`` characters each, at least one), where vLLM's bench re-tokenizes
+it.
+
+A request that times out (``--request-timeout``) fails with error ``timeout`` and
+status 0, as when no response arrived: headers without the rest of the answer are no
+answer (it was counted under their 200). The detail says whether headers had come.
 """
 
 from __future__ import annotations
@@ -98,7 +107,8 @@ def build_payload(
 @dataclass(slots=True)
 class _StreamState:
     sent: float
-    last: float | None = None
+    last: float | None = None  # the last chunk with choices
+    last_data: float | None = None  # the last data chunk of any kind ([DONE] excluded)
     ttft: float | None = None
     chunks: int = 0
     itl: list[float] = field(default_factory=list)
@@ -126,6 +136,7 @@ def _on_event(st: _StreamState, data: bytes, now: float) -> bool:
     """Handle one ``data:`` payload; False at ``[DONE]``."""
     if data == b"[DONE]":
         return False
+    st.last_data = now
     obj = json.loads(data)
     if not isinstance(obj, dict):
         raise ValueError("stream chunk is not a JSON object")
@@ -155,6 +166,15 @@ def _usage_int(usage: dict[str, object] | None, key: str) -> int | None:
 def _cached(usage: dict[str, object] | None) -> int | None:
     details = usage.get("prompt_tokens_details") if usage else None
     return _usage_int(details, "cached_tokens") if isinstance(details, dict) else None
+
+
+async def _error_body(resp: aiohttp.ClientResponse) -> str:
+    """The start of a refusal's body, best effort: the status is the answer, so a body
+    that times out or is not UTF-8 must not turn it into a timeout or bad_response."""
+    try:
+        return (await resp.text(errors="replace"))[:300]
+    except (TimeoutError, aiohttp.ClientError) as e:
+        return f"(body not read: {type(e).__name__})"
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, st: _StreamState) -> None:
@@ -197,11 +217,13 @@ async def send_request(
             res.status = resp.status
             if resp.status != 200:
                 res.error = "http"
-                res.error_detail = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                res.error_detail = f"HTTP {resp.status}: {await _error_body(resp)}"
             elif stream:
                 await _read_stream(resp, st)
             else:
-                body = await resp.json(content_type=None)
+                raw = await resp.read()
+                st.last_data = time.perf_counter()  # the whole body: its one data chunk
+                body = json.loads(raw)
                 if not isinstance(body, dict):
                     raise ValueError("response is not a JSON object")
                 if "error" in body:
@@ -215,7 +237,11 @@ async def send_request(
                     chars = sum(len(_choice_text(c)) for c in choices)
                     st.chunks = math.ceil(chars / chars_per_token) if chars else 0
     except TimeoutError as e:
-        res.error, res.error_detail = "timeout", f"timeout: {e!r}"[:300]
+        # the answer never came whole: no status, whatever the headers said (listed
+        # under 200 it read as the server's fault, not as a timeout)
+        got = f" after HTTP {res.status} headers" if res.status else ""
+        res.status = 0
+        res.error, res.error_detail = "timeout", f"timeout{got}: {e!r}"[:300]
     except aiohttp.ClientError as e:
         res.error, res.error_detail = "connection", f"{type(e).__name__}: {e}"[:300]
     except (ValueError, KeyError, TypeError) as e:  # JSON and shape problems
@@ -237,7 +263,10 @@ async def send_request(
         res.error, res.error_detail = "empty_output", "the response carried no tokens"
         return res
     res.success = True
-    res.e2e_s = end - st.sent
+    # vLLM's latency: to the last chunk with choices, else the last data chunk (success
+    # needs one); `end` came later, after [DONE] or EOF and the connection's release
+    last = st.last if st.last is not None else st.last_data
+    res.e2e_s = (last if last is not None else end) - st.sent
     if stream:
         res.ttft_s = st.ttft
         res.itl_s = st.itl

@@ -2,18 +2,28 @@
 
 A workload request is a chain of block ids (Mooncake ``hash_ids``; the synthetic
 generators use the same model). Each id maps deterministically to a *chunk* of exactly
-``block_tokens * chars_per_token`` characters: short English words drawn by a
-``random.Random`` seeded from ``blake2b(seed, block id)`` (stable across processes and
-Python versions, unlike ``hash()``), joined by spaces, cut to length, ending in a
-space. A prompt is the concatenation of its blocks' chunks cut to
+``block_tokens * chars_per_token`` characters: a 14-letter *tag*, then short English
+words drawn by a ``random.Random`` seeded from ``blake2b(seed, block id)`` (stable
+across processes and Python versions, unlike ``hash()``), joined by spaces, cut to
+length, ending in a space. A prompt is the concatenation of its blocks' chunks cut to
 ``prompt_tokens * chars_per_token`` characters. Ids chain (id *i* fixes the whole
 prefix up to block *i*), so two requests with equal leading ids get byte-identical
 leading text and a different id gives different text from that block on.
 
+The tag is the id (modulo 2**64) through a seed-keyed bijection, written in base 26:
+distinct ids get distinct chunks *by construction*, not by chance. Words alone could
+not promise it: short chunks are one or two words, and ids 0 to 99 999 gave only
+27 055 distinct chunks at 8 characters, 88 894 at 12 and 99 817 at 16 (so distinct
+blocks shared text and the server saw sharing the workload does not have). A chunk must hold the tag
+and its space, so blocks shorter than :data:`MIN_BLOCK_CHARS` characters are refused
+(ValueError; ``kvgate bench`` exits 2).
+
 The words are short and common (3.7 letters on average; one word plus its space is
 usually one BPE token), so with the default 4 characters per token a prompt likely
-has somewhat fewer real tokens than ``prompt_tokens`` (not measured here: no tokenizer
-files); the report uses the server's ``usage.prompt_tokens`` when it is given.
+has somewhat fewer real tokens than ``prompt_tokens``; the tag, a made-up word, is
+likely several tokens, which matters only for small blocks (not measured here: no
+tokenizer files); the report uses the server's ``usage.prompt_tokens`` when it is
+given.
 ``seed`` is mixed into every chunk: the same seed replays the same text (a second run
 starts with a warm prefix cache); change it to start cold.
 """
@@ -58,19 +68,65 @@ bird door open close fast slow blue green cold warm rain snow wind star moon
 _WORDS = tuple(_WORD_TEXT.split())
 
 
+_TAG_LETTERS = 14
+"""Letters of a chunk's tag: 26**14 > 2**64, so every 64-bit value has its own tag."""
+
+MIN_BLOCK_CHARS = _TAG_LETTERS + 1
+"""Fewest characters per block (``block_tokens * chars_per_token``): the tag and the
+space that ends every chunk."""
+
+_MASK64 = (1 << 64) - 1
+
+
 def _chunk_seed(seed: int, block_id: int) -> int:
     digest = hashlib.blake2b(f"kvgate-loadgen:{seed}:{block_id}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little")
 
 
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit values (each step is invertible)
+    that scatters neighbours, so ids 0, 1, 2 do not get tags with a common start."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def block_tag(block_id: int, seed: int = 0) -> str:
+    """14 lowercase letters, one-to-one with ``block_id % 2**64`` for a given seed:
+    adding a seed-derived key and :func:`_mix64` are bijections and 26**14 > 2**64."""
+    key = hashlib.blake2b(f"kvgate-loadgen-tag:{seed}".encode(), digest_size=8).digest()
+    x = _mix64((block_id + int.from_bytes(key, "little")) & _MASK64)
+    letters: list[str] = []
+    for _ in range(_TAG_LETTERS):
+        x, digit = divmod(x, 26)
+        letters.append(chr(ord("a") + digit))
+    return "".join(letters)
+
+
+def check_block_chars(block_tokens: int, chars_per_token: int) -> None:
+    """ValueError when a block's chunk is too short to hold its tag (see the module
+    docstring): without it, distinct ids could share text."""
+    if block_tokens < 1 or chars_per_token < 1:
+        raise ValueError("block_tokens and chars_per_token must be >= 1")
+    chars = block_tokens * chars_per_token
+    if chars < MIN_BLOCK_CHARS:
+        raise ValueError(
+            f"blocks of {block_tokens} tokens x {chars_per_token} characters = {chars} "
+            f"characters are too short to give every block id its own text (at least "
+            f"{MIN_BLOCK_CHARS} are needed)"
+        )
+
+
 @lru_cache(maxsize=16384)
 def block_text(block_id: int, chars: int, seed: int = 0) -> str:
-    """The chunk of exactly ``chars`` characters for ``block_id`` (ends in a space)."""
-    if chars < 1:
-        raise ValueError("chars must be >= 1")
+    """The chunk of exactly ``chars`` characters for ``block_id`` (ends in a space): its
+    tag, then words. ValueError below :data:`MIN_BLOCK_CHARS`, where the tag would be
+    cut and distinct ids could give the same chunk."""
+    if chars < MIN_BLOCK_CHARS:
+        raise ValueError(f"a chunk needs at least {MIN_BLOCK_CHARS} characters, got {chars}")
     rng = random.Random(_chunk_seed(seed, block_id))
-    parts: list[str] = []
-    size = 0
+    parts: list[str] = [block_tag(block_id, seed) + " "]
+    size = len(parts[0])
     while size < chars:
         words = rng.choices(_WORDS, k=chars // 4 + 8)
         text = " ".join(words) + " "
@@ -89,8 +145,7 @@ def prompt_text(
 ) -> str:
     """The concatenated chunks of ``block_ids`` cut to ``prompt_tokens * chars_per_token``
     characters (shorter when the ids do not cover that many characters)."""
-    if block_tokens < 1 or chars_per_token < 1:
-        raise ValueError("block_tokens and chars_per_token must be >= 1")
+    check_block_chars(block_tokens, chars_per_token)
     want = max(0, prompt_tokens) * chars_per_token
     chunk = block_tokens * chars_per_token
     n_blocks = min(len(block_ids), -(-want // chunk))
@@ -135,8 +190,10 @@ def make_spec(
         # Ids that do not cover the prompt (none at all, or a trace read with another
         # --block-tokens than its own): private filler makes up the rest, so what is
         # sent is as long as the prompt_tokens reported (it was cut short: 48 tokens
-        # sent for 1 536 counted)
-        text += block_text(hash_free_id(req.request_id), short, seed)
+        # sent for 1 536 counted); a chunk is never shorter than its tag, so a short
+        # remainder is the head of a minimum-size one
+        filler = block_text(hash_free_id(req.request_id), max(short, MIN_BLOCK_CHARS), seed)
+        text += filler[:short]
     return PromptSpec(request_id=req.request_id, prompt=text, prompt_tokens=tokens,
                       max_tokens=out, arrival_s=req.arrival_s, session=req.session)
 

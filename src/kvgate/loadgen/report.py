@@ -6,7 +6,9 @@ Definitions (``vllm bench serve``, research/workloads.md section 4):
   a special token's). ITL: the gaps between such chunks of one request (pooled over
   all requests for the statistics). TPOT:
   ``(E2E - TTFT) / (output_tokens - 1)`` per request with more than one output token.
-  E2EL: send to the last byte of the response.
+  E2EL: send to the last data chunk received, as vLLM's bench (the last chunk with
+  choices, so E2EL - TTFT is the sum of the ITL gaps; not the usage chunk, ``[DONE]``
+  or the end of the body); without streaming, to the whole body read.
 * Throughputs count successful requests only and divide by the benchmark duration.
 * Goodput: successful requests that meet every SLO, per second of duration. Failed
   and incomplete requests never count as good, so ``goodput_ratio`` is good / sent.
@@ -27,7 +29,9 @@ the key ends in ``_ms``; absent values are ``null``:
   synthetic workload).
 * Counts: ``sent``, ``completed``, ``failed``, ``incomplete`` (cancelled at the time
   bound), ``failed_by_status`` (HTTP status as a string -> count; ``"0"`` = no
-  response), ``errors_by_type`` (``RequestResult.error`` -> count, failed only).
+  complete response: a connection failure or a timeout, even one after the headers),
+  ``errors_by_type`` (``RequestResult.error`` -> count, failed only). Both sum to
+  ``failed``.
 * ``duration``; tokens of successful requests: ``total_input_tokens``,
   ``total_output_tokens``, ``total_cached_tokens``, ``cached_tokens_reported``
   (requests whose usage had cached tokens), ``cache_hit_ratio`` (0..1).
@@ -73,7 +77,8 @@ class RequestResult:
     """What one request did. Times are seconds; ``start_s``/``end_s`` are relative to
     the start of the benchmark.
 
-    ``status`` is the HTTP status, 0 when no response arrived. ``error`` is ``""`` on
+    ``status`` is the HTTP status, 0 when no complete response arrived (a connection
+    failure, or a timeout even after the headers came). ``error`` is ``""`` on
     success, else one of ``http``, ``connection``, ``timeout``, ``stream_error``,
     ``bad_response``, ``empty_output``, ``internal`` (a loadgen bug) or ``cancelled``
     (still running at the time bound; such requests are *incomplete*, not failed).
@@ -240,12 +245,17 @@ class LoadReport:
             d["itls"] = [list(r.itl_s) for r in rs]
         return d
 
-    def _first_failure(self, status: str) -> str | None:
-        """The error detail of the first failed request with ``status`` (None: none)."""
+    def _first_failures(self, status: str) -> list[str]:
+        """The error detail of the first failed request with ``status``, one per error
+        type (status 0 holds connection failures and timeouts: the first of one kind
+        hid the other)."""
+        firsts: dict[str, str] = {}
         for r in self.results:
             if not r.success and r.error != "cancelled" and str(r.status) == status:
-                return " ".join((r.error_detail or r.error or "").split()) or None
-        return None
+                detail = " ".join((r.error_detail or r.error or "").split())
+                if detail:
+                    firsts.setdefault(r.error, detail)
+        return list(firsts.values())
 
     def format_table(self) -> str:
         """A console table shaped like ``vllm bench serve``'s."""
@@ -266,7 +276,7 @@ class LoadReport:
         for status, n in sorted(self.failed_by_status.items()):
             row(f"  status {status}:", n)
             # what the first of them was told: a count alone hid a 400 for every request
-            if (first := self._first_failure(status)) is not None:
+            for first in self._first_failures(status):
                 text = textwrap.wrap(f"first: {first}", w - 4, max_lines=4, placeholder=" ...")
                 lines.extend(f"    {part}" for part in text)
         if self.incomplete:

@@ -39,7 +39,7 @@ from typing import Literal, TextIO
 import aiohttp
 
 from kvgate.loadgen.client import build_payload, endpoint_url, first_model, send_request
-from kvgate.loadgen.prompts import PromptSpec, make_spec
+from kvgate.loadgen.prompts import PromptSpec, check_block_chars, make_spec
 from kvgate.loadgen.report import SLO_METRICS, LoadReport, RequestResult, build_report
 from kvgate.sim.workload import SimRequest, Workload
 
@@ -95,6 +95,8 @@ class LoadConfig:
                           ("output_tokens_cap", self.output_tokens_cap)):
             if cap is not None and cap < 1:
                 raise ValueError(f"{name} must be >= 1")
+        # before any request: every prompt would fail the same way in make_spec
+        check_block_chars(self.workload.block_tokens, self.chars_per_token)
         bad = set(self.goodput_slos_ms) - set(SLO_METRICS)
         if bad:
             raise ValueError(f"unknown SLO metrics {sorted(bad)}; expected {SLO_METRICS}")
