@@ -224,6 +224,21 @@ def test_remove_blocks_and_clear_drop_speculative_marks() -> None:
     assert idx.expire(5.0) == 0
 
 
+def test_forget_oldest_drops_the_least_recently_touched_entries() -> None:
+    """An announced eviction said only how many blocks went: the node's LRU front goes."""
+    idx = make()
+    idx.insert(A, (1, 2), 0.0)  # touched last to first: 2 is the older of the two
+    idx.insert(A, (5, 6, 7), 1.0)
+    idx.insert(B, (1, 2), 1.0)
+    idx.insert(A, (1,), 2.0)  # the root again: now the most recent
+    assert idx.forget_oldest(A, 2) == 2  # 2, then 7 (the tail of the chain of t=1)
+    assert idx.match((1, 2), 3.0) == {A: 1, B: 2}
+    assert idx.match((5, 6, 7), 3.0) == {A: 2}
+    assert idx.forget_oldest(A, 99) == 3 and idx.node_entries(A) == 0
+    assert idx.forget_oldest(A, 1) == 0 and idx.forget_oldest(NodeId("x"), 1) == 0
+    assert idx.forget_oldest(B, 0) == 0 and idx.match((1, 2), 3.0) == {B: 2}
+
+
 # --- membership ---------------------------------------------------------------------------
 def test_clear_node_drops_everything_but_keeps_the_node() -> None:
     idx = make()

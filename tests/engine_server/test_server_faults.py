@@ -210,6 +210,9 @@ async def test_mass_evict_is_announced_and_logged(start_server: Any,
         page = await resp.json()
     assert [e["type"] for e in page["events"]] == ["EvictionDone"]
     assert page["events"][0]["num_blocks_evicted"] >= 300
+    # in tokens too, so a gateway with index blocks of another size can forget as many
+    done = page["events"][0]
+    assert done["num_tokens_evicted"] == done["num_blocks_evicted"] * 16
     assert page["next"] == 2 and page["pending"] == 0 and not page["truncated"]
     assert server.engine.metrics().num_cached_blocks < 100
 

@@ -63,6 +63,13 @@ def test_parse_models_and_evictions_defensively() -> None:
     assert [(e.seq, e.kind) for e in events] == [(5, "announced")] and cursor == 6
     assert parse_evictions(None) == ([], None)
     assert parse_evictions({"events": "nope"}) == ([], None)
+    # a done's size in tokens is kept (the index forgets that much); junk counts as none
+    events, _ = parse_evictions([
+        {"seq": 1, "type": "EvictionDone", "num_tokens_evicted": 4096},
+        {"seq": 2, "type": "EvictionDone", "num_tokens_evicted": -3},
+        {"seq": 3, "type": "EvictionDone", "num_tokens_evicted": True},
+        {"seq": 4, "type": "EvictionDone"}])
+    assert [e.tokens_evicted for e in events] == [4096, 0, 0, 0]
 
 
 def test_load_reports_reach_the_node_table(kit: Any) -> None:

@@ -76,6 +76,23 @@ def test_a_node_removed_mid_eviction_comes_back_undiscounted() -> None:
     assert weight(ctl) == 1.0
 
 
+def test_an_announced_eviction_done_forgets_as_many_index_blocks_in_approximate_mode() -> None:
+    """The notice says how many tokens went, not which: the index drops that many of the
+    node's least recently touched blocks (it kept claiming them before, and every request
+    for them went back to the node to miss). Precise mode waits for BlockRemoved."""
+    for mode, left in (("approximate", 2), ("precise", 6)):
+        ctl = Controller(ControllerConfig(hasher="trace", index_mode=mode), rng=random.Random(1))
+        ctl.add_nodes([NodeSpec(node_id=N0), NodeSpec(node_id=NodeId("n1"))], 0.0)
+        ctl.index.insert(N0, (1, 2, 3), 0.0)
+        ctl.index.insert(N0, (7, 8, 9), 1.0)
+        ctl.on_eviction_warning(N0, 2.0)
+        ctl.on_eviction_done(N0, 3.0, tokens_evicted=4 * 512 + 100)  # 4 blocks and a bit
+        assert ctl.index.node_entries(N0) == left, mode
+        if mode == "approximate":
+            assert ctl.index.match((7, 8, 9), 3.0) == {N0: 2}  # 3, 2, 1 and 9 went
+            assert ctl.stats.eviction_blocks_forgotten == 4
+
+
 # --- the simulator ---------------------------------------------------------------------
 
 

@@ -55,6 +55,8 @@ class ControllerStats:
     retries: Counter[str] = field(default_factory=Counter)  # by failure kind
     failures: Counter[str] = field(default_factory=Counter)  # attempt failures by kind
     eviction_warnings: int = 0
+    # index entries dropped when an announced eviction ended (approximate mode)
+    eviction_blocks_forgotten: int = 0
     confined_dispatches: int = 0  # sent only to nodes its tenant held (tenant confinement)
     hits: dict[str, HitCounter] = field(
         default_factory=lambda: {name: HitCounter() for name, _ in PREFIX_BUCKETS}

@@ -224,7 +224,7 @@ class EngineServer:
         )
         self.max_model_len = self.engine.config.model_len_limit
         self.wire_faults = WireFaults()
-        self.evictions = EvictionLog()
+        self.evictions = EvictionLog(block_size=config.block_size)
         self.port = 0
         self.node_id = config.node_id or ""
         self._tokens = PromptTokenizer(config.block_size)

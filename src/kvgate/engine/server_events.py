@@ -103,7 +103,9 @@ class KvEventEncoder:
         return frames
 
 
-def _notice_json(event: ek.EvictionAnnounced | ek.EvictionDone) -> dict[str, Any]:
+def _notice_json(
+    event: ek.EvictionAnnounced | ek.EvictionDone, block_size: int | None
+) -> dict[str, Any]:
     if isinstance(event, ek.EvictionAnnounced):
         return {
             "type": "EvictionAnnounced",
@@ -113,7 +115,11 @@ def _notice_json(event: ek.EvictionAnnounced | ek.EvictionDone) -> dict[str, Any
             "done_by": event.done_by,
             "reason": event.reason,
         }
-    return {"type": "EvictionDone", "num_blocks_evicted": event.num_blocks_evicted}
+    done: dict[str, Any] = {"type": "EvictionDone", "num_blocks_evicted": event.num_blocks_evicted}
+    if block_size is not None:
+        # in tokens too: a gateway keys its index by blocks of its own size
+        done["num_tokens_evicted"] = event.num_blocks_evicted * block_size
+    return done
 
 
 @dataclass(slots=True)
@@ -124,11 +130,12 @@ class EvictionLog:
     was emitted; `EvictionAnnounced` adds ``num_blocks``, ``prefixes`` (engine
     block hashes: the first evicted block of each affected chain segment),
     ``starts_at``, ``done_by`` (engine time) and ``reason``; `EvictionDone` adds
-    ``num_blocks_evicted``. Announcements complete in order, so the number
-    pending is announced minus done.
+    ``num_blocks_evicted`` and, with ``block_size`` known, ``num_tokens_evicted``.
+    Announcements complete in order, so the number pending is announced minus done.
     """
 
     capacity: int = 1024
+    block_size: int | None = None  # the engine's, for notices in tokens
     _entries: deque[dict[str, Any]] = field(default_factory=deque)
     _next: int = 0
     _announced: int = 0
@@ -149,7 +156,8 @@ class EvictionLog:
                 self._done += 1
             else:
                 continue
-            self._entries.append({"seq": self._next, "at": at, **_notice_json(event)})
+            notice = _notice_json(event, self.block_size)
+            self._entries.append({"seq": self._next, "at": at, **notice})
             self._next += 1
             if len(self._entries) > self.capacity:
                 self._entries.popleft()

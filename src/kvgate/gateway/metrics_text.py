@@ -41,6 +41,8 @@ FAMILIES: dict[str, Family] = {
         Family("kvgate_upstream_attempts_total", "counter", "Attempts sent to each node."),
         Family("kvgate_eviction_warnings_total", "counter",
                "Bulk-eviction announcements received from nodes."),
+        Family("kvgate_eviction_blocks_forgotten_total", "counter",
+               "Index blocks dropped when an announced eviction was done (approximate mode)."),
         Family("kvgate_tenant_confined_dispatches_total", "counter",
                "Requests of a tenant pressing its quota sent only to the nodes it held."),
         Family("kvgate_prompt_tokens_total", "counter",
@@ -213,6 +215,7 @@ def render(controller: Controller, watcher: NodeWatcher, own: GatewayMetrics, no
     page.counter_map("kvgate_upstream_failures_total", "kind", st.failures)
     page.counter_map("kvgate_upstream_attempts_total", "node", own.attempts)
     page.add("kvgate_eviction_warnings_total", st.eviction_warnings)
+    page.add("kvgate_eviction_blocks_forgotten_total", st.eviction_blocks_forgotten)
     page.add("kvgate_tenant_confined_dispatches_total", st.confined_dispatches)
     for bucket, hc in st.hits.items():
         page.add("kvgate_prompt_tokens_total", hc.prompt_tokens, bucket=bucket, source="predicted")

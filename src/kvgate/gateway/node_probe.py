@@ -159,6 +159,7 @@ def parse_models(obj: Any) -> ModelInfo | None:
 class EvictionEvent:
     seq: int
     kind: str  # "announced" | "done"
+    tokens_evicted: int = 0  # a done's num_tokens_evicted (0: not given)
 
 
 def parse_evictions(obj: Any) -> tuple[list[EvictionEvent], int | None]:
@@ -184,6 +185,9 @@ def parse_evictions(obj: Any) -> tuple[list[EvictionEvent], int | None]:
         if "announce" in kind:
             out.append(EvictionEvent(seq=seq, kind="announced"))
         elif "done" in kind or "complete" in kind:
-            out.append(EvictionEvent(seq=seq, kind="done"))
+            tokens = item.get("num_tokens_evicted")
+            if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+                tokens = 0
+            out.append(EvictionEvent(seq=seq, kind="done", tokens_evicted=tokens))
     out.sort(key=lambda e: e.seq)
     return out, cursor

@@ -368,7 +368,7 @@ class NodeWatcher:
             if ev.kind == "announced":
                 self.controller.on_eviction_warning(rt.node_id, now)
             else:
-                self.controller.on_eviction_done(rt.node_id, now)
+                self.controller.on_eviction_done(rt.node_id, now, ev.tokens_evicted)
         rt.eviction_cursor = cursor if cursor is not None else max(rt.eviction_cursor,
                                                                    rt.last_seq)
 

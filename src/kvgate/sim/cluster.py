@@ -499,7 +499,7 @@ class SimCluster:
             if isinstance(ev, EvictionAnnounced):
                 ctl.on_eviction_warning(node.node_id, now)
             elif isinstance(ev, EvictionDone):
-                ctl.on_eviction_done(node.node_id, now)
+                ctl.on_eviction_done(node.node_id, now, ev.num_blocks_evicted * self.block_tokens)
             elif isinstance(ev, BlockStored):
                 ctl.on_blocks_stored(node.node_id, ev.block_hashes, now)
             elif isinstance(ev, BlockRemoved):

@@ -158,6 +158,8 @@ class Plan:
     probe: Probe | None = None
     # the fault's [start, end) in seconds, for criteria that compare before and during it
     window: tuple[float, float] | None = None
+    # what the fault did in the run just ended (its hook writes it; mass_eviction)
+    fault: dict[str, object] = field(default_factory=dict)
 
 
 def p2_flood(base: Workload, config: ClusterConfig, rng: Rng, *, factor: float = 10.0) -> Plan:
@@ -213,13 +215,24 @@ def mass_eviction(
     """The fullest node drops its unused cached blocks (up to 90% of its pool) at 40%
     of the run, with and without announcing it first; TTFT p99 and hit ratio of both."""
     at = 0.4 * base.duration_s
+    fault: dict[str, object] = {}
 
     def evict(c: SimCluster) -> None:
         node = max(c.nodes, key=lambda n: (n.engine.pool.num_cached_blocks, -n.index))
-        c.bulk_evict(node.index, 0.9, "memory-pressure purge")
+        # only blocks cached and not in use can go: on a workload whose working set is
+        # far below the cache this is a few blocks, under the bulk threshold, and then
+        # neither run announces anything (the report says so)
+        fault.update(
+            node=str(node.node_id),
+            at_s=round(c.loop.now, 3),
+            pool_blocks=node.engine.pool.num_blocks,
+            evicted_blocks=c.bulk_evict(node.index, 0.9, "memory-pressure purge"),
+        )
 
     ev = config.eviction if announce else replace(config.eviction, announce_lead_s=None)
-    return Plan(workload=base, config=replace(config, eviction=ev), hooks=((at, evict),))
+    return Plan(
+        workload=base, config=replace(config, eviction=ev), hooks=((at, evict),), fault=fault
+    )
 
 
 def tenant_flood(

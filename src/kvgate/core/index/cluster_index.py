@@ -239,6 +239,17 @@ class ClusterIndex:
         self._drop(node, held)
         return len(held)
 
+    def forget_oldest(self, node_id: NodeId, count: int) -> int:
+        """The node evicted about ``count`` blocks in LRU order, and we were told only how
+        many (an announced bulk eviction, approximate mode): drop its ``count`` least
+        recently touched entries, our image of its LRU front. Returns how many."""
+        node = self._nodes.get(node_id)
+        if node is None or count <= 0:
+            return 0
+        victims = list(islice(node.lru, count))
+        self._drop(node, victims)
+        return len(victims)
+
     def expire(self, now: float) -> int:
         """Drop every entry past its TTL or speculative deadline at ``now``; returns the count."""
         return self._expire_due(now) if now >= self._next_due else 0
