@@ -28,8 +28,11 @@ protocol factory overridden) fixes all three:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
+import struct
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -89,6 +92,17 @@ async def read_body_within(
 
 # A route's own check before a client is invited to send its body: a response refuses it
 ExpectCheck = Callable[[web.Request], "web.StreamResponse | None"]
+
+
+def reset_transport(transport: asyncio.Transport) -> None:
+    """Abort a connection with a TCP reset (RST), not a FIN: the kernel drops what it
+    still buffers for the peer (up to megabytes) at once, and the peer sees an error,
+    not an end that reads as a complete answer."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # linger 0: close() resets the connection
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def expect_handler(

@@ -4,6 +4,7 @@ P0 SLO loop, the attempt stays retryable), forwarded once the answer has started
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -30,7 +31,9 @@ class Fake:
 
 
 @asynccontextmanager
-async def _gateway_over(kit: Any, fakes: list[Fake]) -> AsyncIterator[GatewayServer]:
+async def _gateway_over(
+    kit: Any, fakes: list[Fake], **sections: dict[str, Any]
+) -> AsyncIterator[GatewayServer]:
     runners: list[web.AppRunner] = []
     nodes = []
     for fake in fakes:
@@ -69,7 +72,7 @@ async def _gateway_over(kit: Any, fakes: list[Fake]) -> AsyncIterator[GatewaySer
         nodes.append({"id": fake.name, "url": f"http://127.0.0.1:{runner.addresses[0][1]}"})
     gw = None
     try:
-        gw = await start_gateway(kit.config(nodes))
+        gw = await start_gateway(kit.config(nodes, **sections))
         yield gw
     finally:
         if gw is not None:
@@ -164,5 +167,70 @@ def test_a_node_down_after_only_comments_is_retried_elsewhere(kit: Any) -> None:
             assert node is not None and node != hung.name
             assert [f.attempts for f in fakes] == [1, 1]
             assert gw.controller.stats.retries == {"node_down": 1}
+
+    kit.run(body())
+
+
+def test_a_healthy_node_sending_only_comments_times_out(kit: Any) -> None:
+    """A node that stays healthy but answers with keep-alive comments and never data:
+    the comments kept the idle timer from firing, so the request and its credit were
+    held for good (the client saw no status line at all). The first event has its own
+    deadline; then the attempt fails as a timeout: a 502 (a timeout is not retried, the
+    deadline is spent) and the credit back."""
+
+    async def stream(fake: Fake, resp: web.StreamResponse) -> None:
+        if not any(f.started.is_set() for f in fakes):
+            fake.started.set()
+            for _ in range(500):  # 10 s of comments, well past the deadline
+                await resp.write(b": keep-alive\n\n")
+                await asyncio.sleep(0.02)
+            return
+        await resp.write(EVENT + DONE)
+
+    fakes = [Fake("a", stream), Fake("b", stream)]
+
+    async def body() -> None:
+        upstream = {"first_event_timeout_s": 0.5, "stream_idle_timeout_s": 5.0}
+        async with _gateway_over(kit, fakes, upstream=upstream) as gw, \
+                aiohttp.ClientSession() as s:
+            async with asyncio.timeout(5.0):
+                async with s.post(gw.url + C, json={"model": kit.MODEL, "prompt": "x",
+                                                     "stream": True}) as r:
+                    body = await r.json()
+                    status = r.status
+            assert status == 502 and body["error"]["code"] == "timeout", body
+            assert sum(f.attempts for f in fakes) == 1
+            assert gw.controller.stats.failures["timeout"] == 1
+            assert gw.controller.admission.inuse_total == 0
+            # the next request is answered (by a node that sends data)
+            async with s.post(gw.url + C, json={"model": kit.MODEL, "prompt": "x",
+                                                 "stream": True}) as r:
+                assert r.status == 200 and await r.read() == EVENT + DONE
+
+    kit.run(body())
+
+
+def test_a_node_silent_mid_stream_ends_it_with_a_timeout_error_event(kit: Any) -> None:
+    """After the first event the node goes quiet past the idle timeout: the client gets
+    an error event saying so, code ``timeout`` (it said ``upstream_error``, "failed
+    during generation", whatever the failure), then ``[DONE]``."""
+
+    async def stream(fake: Fake, resp: web.StreamResponse) -> None:
+        await resp.write(EVENT)
+        await asyncio.sleep(3.0)
+
+    fakes = [Fake("a", stream)]
+
+    async def body() -> None:
+        async with _gateway_over(kit, fakes, upstream={"stream_idle_timeout_s": 0.3}) as gw, \
+                aiohttp.ClientSession() as s:
+            async with s.post(gw.url + C, json={"model": kit.MODEL, "prompt": "x",
+                                                 "stream": True}) as r:
+                out = await r.read()
+            events = [e for e in out.decode().split("\n\n") if e]
+            assert events[0] == EVENT.decode().strip() and events[-1] == "data: [DONE]"
+            err = json.loads(events[-2][len("data: "):])["error"]
+            assert err["code"] == "timeout" and "sent nothing for 0.3 s" in err["message"]
+            assert gw.controller.admission.inuse_total == 0
 
     kit.run(body())

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from typing import Any
 
 import aiohttp
+import pytest
 
 SYSTEM = "You are a careful assistant. " * 200  # ~5600 characters shared by every request
 
@@ -206,9 +208,14 @@ def test_client_disconnect_cancels_upstream_and_frees_the_credit(kit: Any) -> No
     kit.run(body())
 
 
-def test_a_client_that_stops_reading_a_stream_is_gone_after_the_idle_timeout(kit: Any) -> None:
+def test_a_client_that_stops_reading_a_stream_is_gone_after_the_idle_timeout(
+    kit: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """A client that keeps its connection open but reads nothing must not hold its
-    credit, the node's work and the connection forever."""
+    credit, the node's work and the connection forever. It is reset, not closed: a
+    close queued a FIN behind megabytes of buffered stream, which the client could
+    later read as a complete-looking but truncated answer; and it is logged."""
+    caplog.set_level(logging.INFO, logger="kvgate.gateway")
 
     async def body() -> None:
         async with kit.cluster(1, stub={"mode": "firehose"},
@@ -232,6 +239,12 @@ def test_a_client_that_stops_reading_a_stream_is_gone_after_the_idle_timeout(kit
                 metrics = c.gw.gateway.metrics
                 assert metrics.client_disconnects == 1
                 await kit.eventually(lambda: metrics.responses[("/v1/completions", 499)] == 1)
+                with pytest.raises(ConnectionResetError):  # not a quiet EOF after the data
+                    async with asyncio.timeout(5.0):
+                        while await loop.sock_recv(sock, 1 << 16):
+                            pass
+        assert any("dropped a client that took no byte" in r.getMessage()
+                   for r in caplog.records)
 
     kit.run(body())
 

@@ -40,8 +40,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
-import struct
 import sys
 import time
 import uuid
@@ -53,7 +51,7 @@ from typing import Any, Literal
 import zmq
 from aiohttp import web
 
-from kvgate.edge import EdgeRunner, expect_handler, read_body_within
+from kvgate.edge import EdgeRunner, expect_handler, read_body_within, reset_transport
 from kvgate.edge import json_response as _json  # the gateway's compact JSON answers
 from kvgate.engine.api import EngineConfig, EngineRequest, FinishedRequest, RejectedRequest
 from kvgate.engine.engine import SimEngine
@@ -551,13 +549,8 @@ class EngineServer:
 
     async def _reset(self, request: web.Request) -> web.StreamResponse:
         """Fault: reset the TCP connection (RST) before any byte of the response."""
-        transport = request.transport
-        if transport is not None:
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            transport.abort()
+        if request.transport is not None:
+            reset_transport(request.transport)
         await asyncio.sleep(5)  # handler_cancellation cancels us as the connection drops
         raise web.HTTPServiceUnavailable()  # pragma: no cover - only if no cancellation came
 

@@ -120,6 +120,9 @@ class UpstreamConfig:
     # streams: no byte from the node for this long (incl. headers), or none taken by
     # the client (it stopped reading): the stream ends
     stream_idle_timeout_s: float = 120.0
+    # streams: the first data event (time to first token, prefill included) must come
+    # within this; SSE comments (": keep-alive") before it do not extend it
+    first_event_timeout_s: float = 300.0
     request_timeout_s: float = 600.0  # non-streamed requests: the whole answer
     pool_limit: int = 1024  # pooled upstream connections, all nodes together
     max_response_bytes: int = 64 * 1024 * 1024  # a non-streamed answer larger is a 502
@@ -139,6 +142,7 @@ class UpstreamConfig:
         _positive("upstream", connect_timeout_s=self.connect_timeout_s,
                   keepalive_s=self.keepalive_s,
                   stream_idle_timeout_s=self.stream_idle_timeout_s,
+                  first_event_timeout_s=self.first_event_timeout_s,
                   request_timeout_s=self.request_timeout_s, pool_limit=self.pool_limit,
                   max_response_bytes=self.max_response_bytes)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -48,7 +49,7 @@ from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
 from kvgate.core.errors import InvariantViolation
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
-from kvgate.edge import json_response
+from kvgate.edge import json_response, reset_transport
 from kvgate.gateway.driver import Driver
 from kvgate.gateway.errors import (
     CLIENT_GONE,
@@ -79,6 +80,8 @@ from kvgate.protocol import (
     is_usage_only_chunk,
     server_error_body,
 )
+
+log = logging.getLogger("kvgate.gateway")
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error body passed through
 FAST_WRITE_MAX = 16 * 1024  # a write this small to an empty send buffer never blocks
@@ -167,6 +170,8 @@ class Relay:
         # a stream is idle on either side past this: the node sends nothing, or the
         # client takes nothing (it stopped reading but keeps the connection open)
         self.write_timeout_s = upstream.config.stream_idle_timeout_s
+        # keep-alive comments reset the idle timer: this bounds the wait for real data
+        self.first_event_timeout_s = upstream.config.first_event_timeout_s
 
     async def run(
         self, request: web.Request, flight: Flight, arrived: RequestArrived
@@ -291,7 +296,8 @@ class Relay:
                     if (resp.status < 300 and flight.stream
                             and resp.content_type == "text/event-stream"):
                         filt = StreamFilter(flight.wants_usage)
-                        first = await _first_event(resp.content, filt)
+                        async with asyncio.timeout(self.first_event_timeout_s):
+                            first = await _first_event(resp.content, filt)
                 finally:
                     self.driver.unguard(flight.rid)
         except ProtocolError:  # an oversized event before the first: the engine misbehaves
@@ -433,9 +439,11 @@ class Relay:
                 if filt.saw_error:  # the engine's error event went out already
                     await send(DONE_EVENT)
                 else:
+                    kind = failure or FailureKind.UPSTREAM_ERROR
+                    what = (f"sent nothing for {self.upstream.config.stream_idle_timeout_s:g} s"
+                            if kind is FailureKind.TIMEOUT else "failed during generation")
                     await send(error_event(
-                        f"The inference node {flight.node} failed during generation.",
-                        code="upstream_error",
+                        f"The inference node {flight.node} {what}.", code=kind.value,
                     ))
         await send(None)  # the end
         if filt.done and not content.at_eof():
@@ -518,7 +526,11 @@ class _ClientWriter:
                     await self._out.write(data)
         except TimeoutError:
             if transport is not None:
-                transport.abort()  # close() would wait for the client to read the buffer
+                # close() would wait for the client to read the buffer, then send a FIN
+                # that reads as the end of a complete (truncated) answer
+                reset_transport(transport)
+            log.info("dropped a client that took no byte of its stream for %g s (%s)",
+                     self._timeout_s, self._request.remote)
             raise ConnectionResetError("the client stopped reading the stream") from None
 
 
