@@ -131,19 +131,28 @@ def test_a_comment_is_not_the_first_byte(kit: Any) -> None:
     kit.run(body())
 
 
-def test_a_node_down_after_only_comments_is_retried_elsewhere(kit: Any) -> None:
-    # the first attempt gets keep-alives and nothing else; its node is then marked down:
-    # with no data sent the attempt is aborted and retried on the other node
+def _first_attempt_only_comments(fakes: list[Fake], comments: int) -> Stream:
+    """A stream: the first attempt at any of ``fakes`` gets ``comments`` keep-alives 20
+    ms apart and nothing else (its fake is marked started); every other one an answer."""
+
     async def stream(fake: Fake, resp: web.StreamResponse) -> None:
-        if fake.attempts == 1 and not any(f.started.is_set() for f in fakes):
+        if not any(f.started.is_set() for f in fakes):
             fake.started.set()
-            for _ in range(300):
+            for _ in range(comments):
                 await resp.write(b": keep-alive\n\n")
                 await asyncio.sleep(0.02)
             return
         await resp.write(EVENT + DONE)
 
-    fakes = [Fake("a", stream), Fake("b", stream)]
+    return stream
+
+
+def test_a_node_down_after_only_comments_is_retried_elsewhere(kit: Any) -> None:
+    # the first attempt gets keep-alives and nothing else; its node is then marked down:
+    # with no data sent the attempt is aborted and retried on the other node
+    fakes: list[Fake] = []
+    stream = _first_attempt_only_comments(fakes, 300)
+    fakes += [Fake("a", stream), Fake("b", stream)]
 
     async def body() -> None:
         async with _gateway_over(kit, fakes) as gw, aiohttp.ClientSession() as s:
@@ -177,17 +186,9 @@ def test_a_healthy_node_sending_only_comments_times_out(kit: Any) -> None:
     held for good (the client saw no status line at all). The first event has its own
     deadline; then the attempt fails as a timeout: a 502 (a timeout is not retried, the
     deadline is spent) and the credit back."""
-
-    async def stream(fake: Fake, resp: web.StreamResponse) -> None:
-        if not any(f.started.is_set() for f in fakes):
-            fake.started.set()
-            for _ in range(500):  # 10 s of comments, well past the deadline
-                await resp.write(b": keep-alive\n\n")
-                await asyncio.sleep(0.02)
-            return
-        await resp.write(EVENT + DONE)
-
-    fakes = [Fake("a", stream), Fake("b", stream)]
+    fakes: list[Fake] = []
+    stream = _first_attempt_only_comments(fakes, 500)  # 10 s, well past the deadline
+    fakes += [Fake("a", stream), Fake("b", stream)]
 
     async def body() -> None:
         upstream = {"first_event_timeout_s": 0.5, "stream_idle_timeout_s": 5.0}
