@@ -50,6 +50,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Set by a handler that saw its client go away after the response started (a write
 # failed): what it returns is counted as a 499, as when the disconnect cancels it.
 CLIENT_GONE: web.RequestKey[bool] = web.RequestKey("kvgate_client_gone", bool)
+# Set by a handler once its whole answer went out (a stream's end written): a
+# cancellation after that (the client closed on [DONE] while the handler tidied up the
+# node's connection) is no disconnect, and the response is counted with this status.
+ANSWERED: web.RequestKey[int] = web.RequestKey("kvgate_answered", int)
 
 
 def retry_after(seconds: float) -> str:
@@ -201,7 +205,8 @@ def edge_middleware(responses: Counter[tuple[str, int]]) -> Any:
                     raise
                 resp = _with_request_id(request, error_response(exc))
             except asyncio.CancelledError:
-                status = 499  # client closed request (nginx's code)
+                # client closed request (nginx's code), unless it had the whole answer
+                status = request.get(ANSWERED, 499)
                 raise
             except Exception as exc:  # foreign exceptions: translated here, and only here
                 resp = _with_request_id(request, error_response(exc))

@@ -32,7 +32,9 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("kvgate_requests_total", "counter",
-               "Admitted requests by terminal outcome (completed, failed, cancelled, rejected)."),
+               "Requests the core handled, by terminal outcome: completed, failed, cancelled, "
+               "or rejected (by admission, or before it, e.g. a prompt too long for every "
+               "node); requests refused at parsing (bad JSON, unknown model) are not here."),
         Family("kvgate_rejections_total", "counter", "Requests rejected, by reason."),
         Family("kvgate_routing_decisions_total", "counter", "Routing decisions, by reason."),
         Family("kvgate_retries_total", "counter",

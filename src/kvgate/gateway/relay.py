@@ -52,6 +52,7 @@ from kvgate.core.ids import NodeId, RequestId
 from kvgate.edge import json_response, reset_transport
 from kvgate.gateway.driver import Driver
 from kvgate.gateway.errors import (
+    ANSWERED,
     CLIENT_GONE,
     NODE_HEADER,
     REASON_HEADER,
@@ -195,7 +196,8 @@ class Relay:
                     return result
                 decision = result
         except asyncio.CancelledError:  # the client went away (handler cancellation)
-            self.metrics.client_disconnects += 1
+            if ANSWERED not in request:  # not after its whole answer: that is no loss
+                self.metrics.client_disconnects += 1
             raise
         finally:
             if not flight.done:
@@ -446,6 +448,7 @@ class Relay:
                         f"The inference node {flight.node} {what}.", code=kind.value,
                     ))
         await send(None)  # the end
+        request[ANSWERED] = out.status
         if filt.done and not content.at_eof():
             # Read the chunked terminator so the connection goes back to the pool.
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
