@@ -173,7 +173,9 @@ async def test_metrics_use_vllm_names(start_server: Any, http: aiohttp.ClientSes
                  "vllm:request_success_total", "vllm:cache_config_info"):
         assert name in samples, name
         assert f'model_name="{MODEL}"' in samples[name][0]
-    assert samples["vllm:request_success_total"][1] == 2
+    success = {line.split('finished_reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line.startswith("vllm:request_success_total")}
+    assert success == {"length": 2, "stop": 0, "abort": 0}  # vLLM's three, from 0
     assert samples["vllm:generation_tokens_total"][1] == 4
     assert samples["vllm:prefix_cache_hits_total"][1] > 0
     assert samples["vllm:num_requests_running"][1] == 0

@@ -239,14 +239,16 @@ def render_metrics(
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, value: float,
-               labels: Mapping[str, str] = base) -> None:
+               labels: Mapping[str, str] = base,
+               more: tuple[tuple[Mapping[str, str], float], ...] = ()) -> None:
         # a counter's family is named with its _total, as prometheus_client (vLLM's
         # exporter) writes it: under a bare name its parser sees an empty counter and
-        # an untyped _total sample
+        # an untyped _total sample; ``more`` are further samples of the family
         family = f"{name}_total" if kind == "counter" else name
         lines.append(f"# HELP {family} {help_}")
         lines.append(f"# TYPE {family} {kind}")
-        lines.append(f"{family}{_labels(labels)} {_fmt(value)}")
+        for labelled, v in ((labels, value), *more):
+            lines.append(f"{family}{_labels(labelled)} {_fmt(v)}")
 
     metric("vllm:num_requests_running", "gauge",
            "Number of requests in model execution batches.", m.num_requests_running)
@@ -265,8 +267,12 @@ def render_metrics(
            m.prompt_tokens)
     metric("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
            m.generation_tokens)
+    # every finish reason vLLM writes, from 0, so a dashboard's per-reason panel has
+    # them all (the simulated engine never stops on a stop string: all end by length)
     metric("vllm:request_success", "counter", "Count of successfully processed requests.",
-           m.num_requests_finished, {**base, "finished_reason": FINISH_REASON})
+           m.num_requests_finished, {**base, "finished_reason": FINISH_REASON},
+           more=(({**base, "finished_reason": "stop"}, 0),
+                 ({**base, "finished_reason": "abort"}, m.num_requests_aborted)))
     metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
            1, {**base, "block_size": str(m.block_size), "num_gpu_blocks": str(m.num_gpu_blocks),
                "enable_prefix_caching": "True", "prefix_caching_hash_algo": "xxh3"})
