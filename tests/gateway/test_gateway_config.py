@@ -16,7 +16,7 @@ import pytest
 
 from kvgate.core.errors import ConfigError
 from kvgate.gateway import GatewayConfig, add_serve_parser, load_config
-from kvgate.gateway.config_load import env_overrides
+from kvgate.gateway.config_load import env_overrides, parse_nodes
 from kvgate.gateway.serve import config_from_args
 
 YAML = """\
@@ -87,8 +87,22 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("raw, message", [
     ({"server": {"port": 70000}}, "server.port"),
-    ({"server": {"prot": 1}}, "unknown key"),
-    ({"servr": {}}, "unknown section"),
+    ({"server": {"prot": 1}}, "unknown key(s) prot (did you mean 'port'?)"),
+    ({"servr": {}}, "unknown section 'servr' (did you mean 'server'?)"),
+    ({"server": {"host": ""}}, "server.host must not be empty"),
+    # a URL may hold '=' (a password); its errors never print the password
+    ({"nodes": {"static": ["http://admin:S3cret=x@h:8o00"]}}, "'http://admin:***@h:8o00'"),
+    ({"nodes": {"static": ["http://h:9/?x=1"]}}, "must not have a query or fragment"),
+    ({"nodes": {"static": ["http://h:9#f"]}}, "must not have a query or fragment"),
+    ({"nodes": {"static": ["http://h:0"]}}, "port 0 is no port"),
+    ({"nodes": {"static": ["http://h:9", {"id": "b", "url": "http://h:9/v1"}]}},
+     "nodes 'h:9' and 'b' have the same url"),
+    ({"auth": {"keys": {"sk-abcdefgh": {"max_priority": 1}}}},
+     "auth.keys[sk-a...]: missing required key(s) tenant"),
+    # a quoted number passed, and then every request failed deep in the score
+    ({"routing": {"params": {"decode_s": "3"}}},
+     "routing policy 'kvgate': decode_s must be a number, got '3'"),
+    ({"routing": {"params": {"explore_busy": "yes"}}}, "explore_busy must be true or false"),
     ({"server": {"port": "80"}}, "must be an integer"),
     ({"server": {"route_headers": "yes"}}, "true or false"),
     ({"nodes": {"static": ["ftp://x"]}}, "http://host:port"),
@@ -144,8 +158,21 @@ def test_env_and_file_errors(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.yaml", env={})
     bad = tmp_path / "bad.yaml"
     bad.write_text("server: [1, 2\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad.yaml:2:1: .*"):  # one line: file:line:col
         load_config(bad, env={})
+    # a key given twice: YAML's last-one-wins dropped the first block's port
+    bad.write_text("server: {port: 18431}\nnodes: {}\nserver: {host: 0.0.0.0}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:3:1: duplicate key 'server'"):
+        load_config(bad, env={})
+    bad.write_bytes(b'server: {gateway_id: "\xff"}\n')
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(bad, env={})
+    # a misspelt section was ignored where a misspelt key is an error
+    with pytest.raises(ConfigError, match=r"no config section 'servr' \(did you mean 'server'"):
+        env_overrides({"KVGATE_SERVR_PORT": "1"})
+    parsed = parse_nodes(["a=http://127.0.0.1:9", "http://u:p=w@127.0.0.1:10"])
+    assert [(n.id, n.url) for n in parsed] == [
+        ("a", "http://127.0.0.1:9"), ("127.0.0.1:10", "http://u:p=w@127.0.0.1:10")]
     bad.write_text("- 1\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(bad, env={})

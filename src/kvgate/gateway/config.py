@@ -98,6 +98,11 @@ class ServerConfig:
         _finite("server", self)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        if not self.host.strip():
+            # aiohttp reads an empty host as every interface, while the start-up line
+            # said 127.0.0.1: say 0.0.0.0 to mean that
+            raise ConfigError("server.host must not be empty (0.0.0.0 listens on every "
+                              "interface)", param="host")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"server.log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.admin_token is not None and len(self.admin_token) < 8:
@@ -221,10 +226,15 @@ class NodesConfig:
                   startup_probe_timeout_s=self.startup_probe_timeout_s,
                   unhealthy_after=self.unhealthy_after, healthy_after=self.healthy_after)
         seen: set[str] = set()
+        urls: dict[str, str] = {}
         for node in self.static:
             if node.id in seen:
                 raise ConfigError(f"nodes.static: duplicate node id {node.id!r}")
             seen.add(node.id)
+            # one engine under two ids: its capacity counted twice, its cache split
+            if (other := urls.setdefault(node.url, node.id)) != node.id:
+                raise ConfigError(f"nodes.static: nodes {other!r} and {node.id!r} have the "
+                                  "same url")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,12 +7,13 @@ a wrong type is a :class:`ConfigError` naming ``section.key``, never a late cras
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +33,7 @@ from kvgate.gateway.config import (
     ServerConfig,
     UpstreamConfig,
 )
+from kvgate.gateway.redact import redact_url
 
 ENV_PREFIX = "KVGATE_"
 _SECTION_TYPES: dict[str, type] = {
@@ -62,13 +64,38 @@ def load_config(
     return build_config(raw)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error: YAML's "the last
+    one wins" silently dropped a section's first half (a second ``server:`` block lost
+    the port of the first and listened on 0.0.0.0:8000)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | os.PathLike[str]) -> Mapping[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start})") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        # one line, the file named: the problem and where (lines and columns from 1)
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = exc.problem or exc.context or "not valid YAML"
+        raise ConfigError(f"config file {where}: {what}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
     if data is None:
@@ -79,18 +106,26 @@ def read_yaml(path: str | os.PathLike[str]) -> Mapping[str, Any]:
 
 
 def env_overrides(env: Mapping[str, str]) -> Raw:
-    """``KVGATE_<SECTION>_<KEY>=value`` for our sections; other variables are ignored."""
+    """``KVGATE_<SECTION>_<KEY>=value`` for our sections; other variables are ignored,
+    unless their section looks like a misspelt one of ours."""
     out: Raw = {}
     for name, text in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
         section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
-        if section not in _SECTION_TYPES or not key:
+        if section not in _SECTION_TYPES:
+            # other KVGATE_ variables (a deploy script's) are not ours, but one that
+            # looks like a misspelt section is: it was silently ignored, where a
+            # misspelt key is an error
+            if hint := _did_you_mean(section, SECTIONS):
+                raise ConfigError(f"{name}: no config section {section!r}{hint}")
             continue
+        if not key:
+            raise ConfigError(f"{name}: names no key of section {section!r}")
         hints = _hints(_SECTION_TYPES[section])
         if key not in hints:
-            raise ConfigError(f"{name}: {section} has no key {key!r}; known: "
-                              f"{', '.join(sorted(hints))}")
+            raise ConfigError(f"{name}: {section} has no key {key!r}"
+                              f"{_did_you_mean(key, hints)}; known: {', '.join(sorted(hints))}")
         out.setdefault(section, {})[key] = _env_value(text, hints[key], name)
     return out
 
@@ -107,7 +142,9 @@ def _env_value(text: str, tp: Any, name: str) -> Any:
 def _merge(raw: Raw, source: Mapping[str, Any], what: str) -> None:
     for section, values in source.items():
         if section not in _SECTION_TYPES:
-            raise ConfigError(f"{what}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+            hint = _did_you_mean(str(section), SECTIONS)
+            raise ConfigError(f"{what}: unknown section {section!r}{hint}; "
+                              f"known: {', '.join(SECTIONS)}")
         if values is None:
             continue
         if not isinstance(values, Mapping):
@@ -129,12 +166,26 @@ def build_config(raw: Mapping[str, Mapping[str, Any]]) -> GatewayConfig:
 
 def _build(cls: type, values: Mapping[str, Any], section: str) -> Any:
     hints = _hints(cls)
-    unknown = set(values) - set(hints)
+    unknown = sorted(map(str, set(values) - set(hints)))
     if unknown:
-        raise ConfigError(f"{section}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
+        hint = _did_you_mean(unknown[0], hints) if len(unknown) == 1 else ""
+        raise ConfigError(f"{section}: unknown key(s) {', '.join(unknown)}{hint}; "
                           f"known: {', '.join(sorted(hints))}")
+    required = [f.name for f in fields(cls) if f.name in hints and _required(f)]
+    missing = [k for k in required if k not in values]
+    if missing:  # a dataclass field without a default: its TypeError was a traceback
+        raise ConfigError(f"{section}: missing required key(s) {', '.join(missing)}")
     kwargs = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in values.items()}
     return cls(**kwargs)
+
+
+def _required(f: Any) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING and f.init
+
+
+def _did_you_mean(word: str, known: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -223,7 +274,7 @@ def check_node_id(node_id: object, where: str = "nodes.static") -> str:
 def default_node_id(url: str) -> str:
     """A node's short name when none is given: the URL's host:port."""
     parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = parts.port if parts.port is not None else (443 if parts.scheme == "https" else 80)
     return f"{parts.hostname}:{port}"
 
 
@@ -231,22 +282,33 @@ def normalise_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if url.endswith("/v1"):
         url = url[:-3]
+    shown = redact_url(url)  # error messages never print a password
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
+        port = parts.port
     except ValueError as exc:
-        raise ConfigError(f"node url {url!r}: {exc}") from exc
+        raise ConfigError(f"node url {shown!r}: {str(exc).replace(url, shown)}") from exc
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"node url {url!r} must look like http://host:port")
+        raise ConfigError(f"node url {shown!r} must look like http://host:port")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        # the gateway appends /v1/... and /health to the url: a query or fragment
+        # would swallow them, and the node never answers
+        raise ConfigError(f"node url {shown!r} must not have a query or fragment")
+    if port == 0:
+        raise ConfigError(f"node url {shown!r}: port 0 is no port to connect to")
     return url
+
+
+_NAMED_URL = re.compile(r"([^=]*)=\s*(https?://.*)", re.IGNORECASE | re.DOTALL)
 
 
 def parse_node(spec: Any, where: str = "nodes.static") -> NodeConfig:
     """``URL``, ``NAME=URL`` or a mapping with ``url`` and optional ``id`` and knobs."""
     if isinstance(spec, str):
-        name, sep, url = spec.partition("=")
-        if not sep:
-            name, url = "", spec
+        # NAME=URL only where what follows the first '=' starts with a scheme: a URL
+        # may hold '=' itself (a password, a query)
+        named = _NAMED_URL.fullmatch(spec.strip())
+        name, url = named.groups() if named else ("", spec)
         url = normalise_url(url)
         node_id = check_node_id(name.strip() or default_node_id(url), where)
         return NodeConfig(id=node_id, url=url)

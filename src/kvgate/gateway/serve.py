@@ -20,7 +20,13 @@ import sys
 from typing import Any
 
 from kvgate.core.errors import ConfigError
-from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.config import (
+    AdmissionSection,
+    GatewayConfig,
+    NodesConfig,
+    RoutingConfig,
+    ServerConfig,
+)
 from kvgate.gateway.config_load import load_config, parse_nodes
 
 log = logging.getLogger("kvgate.gateway")
@@ -35,20 +41,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "SGLang or `kvgate engine` nodes. Precedence: flags > KVGATE_<SECTION>_<KEY> "
         "environment variables > the YAML file > defaults.",
     )
+    # the defaults shown are read from the config's own, so the help stays true
+    server, nodes = ServerConfig(), NodesConfig()
+    budget, policy = AdmissionSection().budget, RoutingConfig().policy
     p.add_argument("--config", metavar="FILE", help="YAML configuration file")
-    p.add_argument("--host", help="listen address (server.host, default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (server.port, default 8000)")
+    p.add_argument("--host", help=f"listen address (server.host, default {server.host})")
+    p.add_argument("--port", type=int, help=f"listen port (server.port, default {server.port})")
     p.add_argument("--node", action="append", metavar="[NAME=]URL",
                    help="an inference node, repeatable; replaces nodes.static")
-    p.add_argument("--policy", help="routing policy (routing.policy, default kvgate)")
-    p.add_argument("--budget", type=int, help="cluster concurrency budget (admission.budget)")
+    p.add_argument("--policy", help=f"routing policy (routing.policy, default {policy})")
+    p.add_argument("--budget", type=int,
+                   help=f"cluster concurrency budget (admission.budget, default {budget})")
     p.add_argument("--admin-token", help="bearer token of the admin API (server.admin_token)")
     p.add_argument("--route-headers", action=argparse.BooleanOptionalAction, default=None,
-                   help="add X-Kvgate-Node / X-Kvgate-Route-Reason to responses")
+                   help="add X-Kvgate-Node / X-Kvgate-Route-Reason to responses "
+                   f"(server.route_headers, default {'on' if server.route_headers else 'off'})")
     p.add_argument("--metrics-interval", type=float, metavar="SECONDS",
-                   help="node /metrics scrape interval (nodes.metrics_interval_s)")
+                   help="node /metrics scrape interval "
+                   f"(nodes.metrics_interval_s, default {nodes.metrics_interval_s:g})")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"),
-                   help="server.log_level")
+                   help=f"server.log_level (default {server.log_level})")
     return p
 
 
