@@ -75,3 +75,28 @@ def test_stdout_without_a_reader_ends_quietly() -> None:
     finally:
         os.close(write_end)
     assert proc.returncode == 141 and b"Traceback" not in proc.stderr
+
+
+def test_ctrl_c_before_a_command_handles_it_is_quiet(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C while the command is still importing was a KeyboardInterrupt traceback."""
+    import kvgate.cli
+
+    def interrupted(argv: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvgate.cli, "_run", interrupted)
+    assert main(["demo"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_serve_help_shows_the_config_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgate.gateway.config import AdmissionSection
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"(admission.budget, default {AdmissionSection().budget})" in out
+    assert "(server.route_headers, default on)" in out
+    assert "(nodes.metrics_interval_s, default 1)" in out and "(default info)" in out

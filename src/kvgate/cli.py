@@ -16,13 +16,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser(
+    # no --seed: the demo turns exploration off, so no decision is random (a seed
+    # flag changed nothing)
+    sub.add_parser(
         "demo",
         help="route a few requests through the core and explain each decision",
         description="Route a few chat requests through kvgate's core on 4 in-memory nodes "
-        "and print each decision with its reason and score parts.",
+        "and print each decision with its reason and score parts (deterministic).",
     )
-    demo.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
     from kvgate.commands.simulate import add_simulate_parser
     from kvgate.commands.up import add_up_parser
     from kvgate.engine.server import add_engine_parser
@@ -40,6 +41,9 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (e.g. imports)
+        print(file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # stdout's reader went away (`kvgate ... | head`): stop quietly, as Unix tools do
         from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
@@ -54,7 +58,7 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command == "demo":
         from kvgate.demo import run_demo
 
-        return run_demo(seed=args.seed)
+        return run_demo()
     if args.command == "simulate":
         from kvgate.commands.simulate import run_simulate
 

@@ -135,6 +135,12 @@ def test_run_engine_rejects_an_inconsistent_config(capsys: pytest.CaptureFixture
     args = _parser().parse_args(["engine", "--num-blocks", "4", "--max-model-len", "100"])
     assert run_engine(args) == 2
     assert "max_model_len" in capsys.readouterr().err
+    # ZMQ took port 99999 modulo 65536 and published where nobody subscribes; an empty
+    # host listened on every interface and printed http://:PORT
+    for argv, message in ((["--kv-events-endpoint", "tcp://*:99999"], "the port must be in"),
+                          (["--host", ""], "host must not be empty")):
+        assert run_engine(_parser().parse_args(["engine", *argv])) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_run_engine_serves_until_sigterm() -> None:

@@ -272,6 +272,10 @@ class EngineServerConfig:
             raise ValueError(f"speedup must be a finite number > 0, got {self.speedup}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.host.strip():
+            raise ValueError("host must not be empty (0.0.0.0 listens on every interface)")
+        if self.kv_events_endpoint is not None:
+            _check_tcp_port(self.kv_events_endpoint)
         if self.kv_events_layout not in ("map", "array"):
             raise ValueError(f"kv_events_layout must be 'map' or 'array', got "
                              f"{self.kv_events_layout!r}")
@@ -283,3 +287,16 @@ class EngineServerConfig:
                 raise ValueError(f"{key} must be a finite number > 0, got {value}")
         if not self.model:
             raise ValueError("model must not be empty")
+
+
+def _check_tcp_port(endpoint: str) -> None:
+    """A ``tcp://host:port`` endpoint's port must be one (or ZMQ's ``*``, any free one):
+    ZMQ took 99999 modulo 65536 and published on 34463, where no subscriber looks.
+    Raises ValueError."""
+    if not endpoint.startswith("tcp://"):
+        return
+    _, sep, port = endpoint.rpartition(":")
+    if port == "*":
+        return
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"kv events endpoint {endpoint!r}: the port must be in [1, 65535]")
