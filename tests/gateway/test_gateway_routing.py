@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -332,5 +333,26 @@ def test_single_node_503_has_nowhere_to_retry(kit: Any) -> None:
             assert c.stubs[0].attempts == 1
             assert c.gw.controller.num_requests() == 0
             assert c.gw.controller.admission.inuse_total == 0
+
+    kit.run(body())
+
+
+def test_stop_with_a_request_in_flight_takes_at_most_the_shutdown_timeout(kit: Any) -> None:
+    """aiohttp waits its timeout for handlers, then as long again for the connections it
+    closes: a stop with one request hung at its node took twice server.shutdown_timeout_s
+    (20.1 s for the default 10 s)."""
+
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "hang"},
+                               server={"shutdown_timeout_s": 2.0}) as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", _req(1)))
+            await kit.eventually(lambda: c.stubs[0].attempts == 1)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await c.gw.stop()
+            took = loop.time() - t0
+            assert took < 3.0, took  # about 2 s; it was 4
+            with contextlib.suppress(Exception):
+                await call
 
     kit.run(body())
