@@ -428,3 +428,48 @@ async def test_cache_salt_keeps_caches_apart(start_server: Any,
     assert await cached("B") == 0  # another salt: none of A's blocks
     assert await cached(None) == 0  # no salt: none either
     assert await cached(None) > 0 and await cached("B") > 0
+
+
+async def test_metrics_carry_vllms_request_histograms(
+        start_server: Any, http: aiohttp.ClientSession) -> None:
+    """vLLM's Grafana dashboard draws TTFT, inter-token latency, e2e latency, decode
+    time and request lengths from these histograms; without them its panels stayed
+    empty in front of simulated engines. Times are wall seconds (engine time / speed-up)."""
+    server = await start_server()
+    for prompt in ("a" * 400, "b" * 800):
+        async with http.post(f"{server.url}/v1/completions",
+                             json={"model": MODEL, "prompt": prompt, "max_tokens": 3,
+                                   "stream": True}) as resp:
+            assert resp.status == 200
+            await resp.read()
+    async with http.get(f"{server.url}/metrics") as resp:
+        text = await resp.text()
+    series: dict[str, list[tuple[str, float]]] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name_labels, value = line.rsplit(" ", 1)
+            series.setdefault(name_labels.split("{")[0], []).append((name_labels, float(value)))
+    for family in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                   "vllm:e2e_request_latency_seconds", "vllm:request_decode_time_seconds",
+                   "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        assert f"# TYPE {family} histogram" in text
+        buckets = [v for _, v in series[f"{family}_bucket"]]
+        assert buckets == sorted(buckets), family  # cumulative
+        assert series[f"{family}_bucket"][-1][0].endswith('le="+Inf"}')
+        count = series[f"{family}_count"][0][1]
+        assert buckets[-1] == count, family
+        assert f'model_name="{MODEL}"' in series[f"{family}_count"][0][0]
+    count = {f: series[f"{f}_count"][0][1] for f in (
+        "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds", "vllm:request_generation_tokens")}
+    # two requests of 3 tokens each: two first tokens, four gaps between tokens
+    assert count == {"vllm:time_to_first_token_seconds": 2,
+                     "vllm:inter_token_latency_seconds": 4,
+                     "vllm:e2e_request_latency_seconds": 2,
+                     "vllm:request_generation_tokens": 2}
+    assert series["vllm:request_generation_tokens_sum"][0][1] == 6
+    assert series["vllm:request_prompt_tokens_sum"][0][1] == 300  # 100 + 200 tokens
+    e2e = series["vllm:e2e_request_latency_seconds_sum"][0][1]
+    ttft = series["vllm:time_to_first_token_seconds_sum"][0][1]
+    assert 0 < ttft < e2e < 5.0
+    assert len(server.timer) == 0  # nothing held once the requests ended

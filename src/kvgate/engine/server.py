@@ -66,6 +66,7 @@ from kvgate.engine.server_events import (
     binds_endpoint,
     to_wire_events,
 )
+from kvgate.engine.server_histograms import RequestTimer
 from kvgate.engine.server_openai import (
     ResponseShape,
     models_body,
@@ -221,6 +222,8 @@ class EngineServer:
             profile,
         )
         self.max_model_len = self.engine.config.model_len_limit
+        # vLLM's per-request histograms, in wall seconds (engine time / speed-up)
+        self.timer = RequestTimer(self.max_model_len, lambda dt: dt / config.speedup)
         self.wire_faults = WireFaults()
         self.evictions = EvictionLog(block_size=config.block_size)
         self.port = 0
@@ -344,11 +347,16 @@ class EngineServer:
                         owners[res.request_id] = q
                 if out.duration_s > 0:
                     await self._sleep_until(out.end)
+                timer = self.timer
                 for rid, n in out.tokens.items():
                     queue = owners.get(rid)
                     if queue is not None:  # a handler that left reads it no more
                         queue.put_nowait(n)
+                        timer.tokens(rid, out.end)
                 for res in results:
+                    if isinstance(res, FinishedRequest) and res.request_id in owners:
+                        timer.finished(res.request_id, out.end, res.prompt_tokens,
+                                       res.output_tokens)
                     done = owners.get(res.request_id)
                     if done is not None:
                         if pending.get(res.request_id) is done:
@@ -516,6 +524,7 @@ class EngineServer:
             return _reject_response(decision.reject_kind, decision.reason, headers)
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._pending[rid] = queue
+        self.timer.arrived(rid, self.now())
         self._wake.set()
         self._notify()
         shape = ResponseShape(kind=kind, request_id=rid, model=self.config.model,
@@ -533,6 +542,8 @@ class EngineServer:
                 del self._pending[rid]
                 self.engine.abort(rid, self.now())
                 self._notify()
+            if rid not in self._pending:  # ended, one way or another: no timing left
+                self.timer.forget(rid)
 
     def _submit(self, rid: str, tokens: SimTokens, max_tokens: int,
                 priority: int) -> NodeAdmission:
@@ -631,7 +642,8 @@ class EngineServer:
             extra["kvgate:kv_event_batches"] = ("KV-event batches published.",
                                                 self._publisher.encoder.seq)
         text = render_metrics(self.engine.metrics(), model=self.config.model,
-                              extra_counters=extra, started_at=self._started_at)
+                              extra_counters=extra, started_at=self._started_at,
+                              timer=self.timer)
         return web.Response(body=text.encode("utf-8"),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from kvgate.engine.api import EngineMetrics, FinishedRequest
+from kvgate.engine.server_histograms import RequestTimer
 from kvgate.engine.server_tokens import PromptTokenizer, SimTokens
 from kvgate.protocol import (
     ChatRequest,
@@ -226,14 +227,15 @@ def _fmt(value: float) -> str:
 
 def render_metrics(
     m: EngineMetrics, *, model: str, extra_counters: Mapping[str, tuple[str, int]] = {},
-    started_at: float | None = None,
+    started_at: float | None = None, timer: RequestTimer | None = None,
 ) -> str:
     """Prometheus text for one engine (DP rank 0).
 
     ``extra_counters`` maps a ``kvgate:`` counter name (without ``_total``) to
     ``(help, value)``, for counts the shell keeps itself. ``started_at`` (Unix time)
     is written as ``process_start_time_seconds``, as prometheus_client's process
-    collector does for vLLM: a gateway tells a restarted engine by it.
+    collector does for vLLM: a gateway tells a restarted engine by it. ``timer`` adds
+    vLLM's per-request histograms (TTFT, inter-token latency, ...).
     """
     base = {"model_name": model, "engine": "0"}
     lines: list[str] = []
@@ -292,6 +294,8 @@ def render_metrics(
            m.num_evicted_blocks)
     for name, (help_, value) in extra_counters.items():
         metric(name, "counter", help_, value)
+    if timer is not None:
+        timer.render(_labels(base)[1:-1], lines.append)
     if started_at is not None:
         metric("process_start_time_seconds", "gauge",
                "Start time of the process since unix epoch in seconds.", started_at, {})

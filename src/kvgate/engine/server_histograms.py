@@ -1,0 +1,152 @@
+"""vLLM's per-request histograms for ``kvgate engine``'s ``/metrics``.
+
+vLLM's Grafana dashboard draws its TTFT, inter-token latency, end-to-end latency,
+decode time and prompt / generation length panels from these series; without them
+those panels stay empty in front of simulated engines. Names, help texts and bucket
+bounds follow vLLM v1's ``PrometheusStatLogger``.
+
+Times are wall-clock seconds, as clients and the gateway see them: the engine's time
+divided by its speed-up (an engine at ``--speedup 10`` reports a tenth of the
+simulated GPU's time). :class:`RequestTimer` is fed by the engine loop; it holds one
+small record per request in flight, dropped when the request ends.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Cumulative-on-render bucket counts, a sum and a count."""
+
+    bounds: Sequence[float]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.total += value
+        self.n += 1
+
+    def samples(self) -> list[tuple[str, float]]:
+        """(le, cumulative count) per bucket, ``+Inf`` last."""
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*self.bounds, None), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound is None else _le(bound), running))
+        return out
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))  # prometheus_client writes 1.0, 0.005, 2560.0
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+
+
+# name, help, which histogram attribute of RequestTimer
+FAMILIES: tuple[tuple[str, str, str], ...] = (
+    ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+     "ttft"),
+    ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+     "itl"),
+    ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+     "e2e"),
+    ("vllm:request_decode_time_seconds",
+     "Histogram of time spent in DECODE phase for request.", "decode"),
+    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("vllm:request_generation_tokens", "Number of generation tokens processed.",
+     "generation_tokens"),
+)
+
+
+class RequestTimer:
+    """Per-request timings from the engine loop, observed into vLLM's histograms when a
+    request finishes. ``to_wall`` turns an engine-time interval into wall seconds."""
+
+    def __init__(self, max_model_len: int, to_wall: Callable[[float], float]) -> None:
+        self._to_wall = to_wall
+        self._open: dict[str, _Timing] = {}
+        tokens = buckets_1_2_5(max(1, max_model_len))
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.decode = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = Histogram(tokens)
+        self.generation_tokens = Histogram(tokens)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def arrived(self, rid: str, now: float) -> None:
+        self._open[rid] = _Timing(arrival=now)
+
+    def tokens(self, rid: str, end: float) -> None:
+        """The step ending at ``end`` gave ``rid`` output tokens."""
+        t = self._open.get(rid)
+        if t is None:
+            return
+        if t.first is None:
+            t.first = end
+            self.ttft.observe(self._to_wall(end - t.arrival))
+        elif t.last is not None:
+            self.itl.observe(self._to_wall(end - t.last))
+        t.last = end
+
+    def finished(self, rid: str, end: float, prompt_tokens: int, output_tokens: int) -> None:
+        t = self._open.pop(rid, None)
+        if t is None:
+            return
+        self.e2e.observe(self._to_wall(end - t.arrival))
+        if t.first is not None:
+            self.decode.observe(self._to_wall((t.last or end) - t.first))
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(output_tokens)
+
+    def forget(self, rid: str) -> None:
+        """The request ended otherwise (aborted, refused, failed): vLLM observes only
+        finished requests' latencies."""
+        self._open.pop(rid, None)
+
+    def render(self, base: str, write: Callable[[str], None]) -> None:
+        """Each family as Prometheus text; ``base`` is the escaped ``k="v",...`` label
+        list every sample carries."""
+        for name, help_, attr in FAMILIES:
+            h: Histogram = getattr(self, attr)
+            write(f"# HELP {name} {help_}")
+            write(f"# TYPE {name} histogram")
+            for le, count in h.samples():
+                write(f'{name}_bucket{{{base},le="{le}"}} {float(count)!r}')
+            write(f"{name}_sum{{{base}}} {float(h.total)!r}")
+            write(f"{name}_count{{{base}}} {float(h.n)!r}")

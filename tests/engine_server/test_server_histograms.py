@@ -1,0 +1,40 @@
+"""vLLM's request histograms in ``kvgate engine`` (kvgate.engine.server_histograms)."""
+
+from __future__ import annotations
+
+from kvgate.engine.server_histograms import Histogram, RequestTimer, buckets_1_2_5
+
+
+def test_buckets_are_vllms_1_2_5_series() -> None:
+    assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert buckets_1_2_5(4096)[-3:] == (500, 1000, 2000)
+
+
+def test_a_value_on_a_bound_counts_in_that_bucket_and_buckets_are_cumulative() -> None:
+    h = Histogram((0.1, 1.0))
+    for v in (0.1, 0.5, 1.0, 3.0):
+        h.observe(v)
+    assert h.samples() == [("0.1", 1), ("1.0", 3), ("+Inf", 4)]
+    assert h.n == 4 and round(h.total, 9) == 4.6
+
+
+def test_timer_observes_finished_requests_in_wall_seconds_and_forgets_the_rest() -> None:
+    timer = RequestTimer(4096, lambda dt: dt / 10)  # an engine at speed-up 10
+    timer.arrived("a", 0.0)
+    timer.tokens("a", 2.0)  # first token: 0.2 s of wall time
+    timer.tokens("a", 3.0)
+    timer.tokens("a", 5.0)
+    timer.finished("a", 5.0, prompt_tokens=120, output_tokens=3)
+    timer.arrived("b", 1.0)
+    timer.tokens("b", 4.0)
+    timer.forget("b")  # aborted: vLLM observes finished requests only
+    timer.finished("b", 6.0, prompt_tokens=1, output_tokens=1)  # too late: ignored
+    assert (timer.ttft.n, round(timer.ttft.total, 9)) == (2, 0.5)
+    assert [round(x, 9) for x in (timer.itl.total, timer.e2e.total, timer.decode.total)] == [
+        0.3, 0.5, 0.3]
+    assert (timer.itl.n, timer.e2e.n, timer.prompt_tokens.total) == (2, 1, 120)
+    assert len(timer) == 0
+    lines: list[str] = []
+    timer.render('model_name="m"', lines.append)
+    assert 'vllm:time_to_first_token_seconds_bucket{model_name="m",le="0.25"} 1.0' in lines
+    assert 'vllm:e2e_request_latency_seconds_count{model_name="m"} 1.0' in lines
