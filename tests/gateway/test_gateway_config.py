@@ -135,7 +135,11 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
      "admission.reclaim_retry_after_s must be a finite number"),
     ({"admission": {"queue_timeout_s": float("inf")}},
      "admission.queue_timeout_s must be a finite number"),
-    ({"admission": {"queue_timeout_s": 0}}, "queue_timeout_s must be > 0, got 0"),
+    # the core's own wording, with the section it came from
+    ({"admission": {"queue_timeout_s": 0}}, "admission: P0 queue_timeout_s must be > 0, got 0"),
+    ({"admission": {"retry_budget_ratio": -1}}, "admission: retry budget ratio must be in"),
+    ({"nodes": {"static": [{"url": "http://h:1", "capacity": 0}]}},
+     "node h:1: capacity must be >= 1, got 0"),
     ({"admission": {"queue_limit": -1}}, "queue_limit must be >= 0, got -1"),
     ({"admission": {"tenant_quotas": {"acme": -2, "b": 3}}},
      "tenant quotas must be >= 0: acme = -2"),

@@ -191,8 +191,12 @@ class NodeConfig:
             )
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"node {self.id}: url must start with http:// or https://")
-        if self.capacity < 1 or (self.cache_blocks is not None and self.cache_blocks < 0):
-            raise ConfigError(f"node {self.id}: capacity >= 1 and cache_blocks >= 0")
+        if self.capacity < 1:
+            raise ConfigError(f"node {self.id}: capacity must be >= 1, got {self.capacity}",
+                              param="capacity")
+        if self.cache_blocks is not None and self.cache_blocks < 0:
+            raise ConfigError(f"node {self.id}: cache_blocks must be >= 0, got "
+                              f"{self.cache_blocks}", param="cache_blocks")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"node {self.id}: max_model_len must be >= 1")
 
@@ -443,6 +447,14 @@ class GatewayConfig:
                 "report goes stale before the next one",
                 param="metrics_interval_s",
             )
+        try:
+            self.admission.admission_config()
+        except ConfigError as exc:
+            # the core's checks name its own fields ("P0 queue_timeout_s", "slo:
+            # p2_start"): say which config section they came from
+            if exc.message.startswith("admission."):
+                raise
+            raise ConfigError(f"admission: {exc.message}", param=exc.param) from exc
         cc = self.controller_config()
         make_policy(cc.policy, cc.policy_params)
         make_hasher(cc.hasher, **dict(cc.hasher_params))
