@@ -450,7 +450,9 @@ async def test_metrics_carry_vllms_request_histograms(
             name_labels, value = line.rsplit(" ", 1)
             series.setdefault(name_labels.split("{")[0], []).append((name_labels, float(value)))
     for family in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                   "vllm:e2e_request_latency_seconds", "vllm:request_decode_time_seconds",
+                   "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                   "vllm:request_prefill_time_seconds", "vllm:request_inference_time_seconds",
+                   "vllm:request_decode_time_seconds",
                    "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
         assert f"# TYPE {family} histogram" in text
         buckets = [v for _, v in series[f"{family}_bucket"]]
@@ -472,4 +474,10 @@ async def test_metrics_carry_vllms_request_histograms(
     e2e = series["vllm:e2e_request_latency_seconds_sum"][0][1]
     ttft = series["vllm:time_to_first_token_seconds_sum"][0][1]
     assert 0 < ttft < e2e < 5.0
+    # the phases add up: queue + prefill is the time to first token, queue + inference e2e
+    queue = series["vllm:request_queue_time_seconds_sum"][0][1]
+    prefill = series["vllm:request_prefill_time_seconds_sum"][0][1]
+    inference = series["vllm:request_inference_time_seconds_sum"][0][1]
+    assert series["vllm:request_queue_time_seconds_count"][0][1] == 2
+    assert abs(queue + prefill - ttft) < 1e-6 and abs(queue + inference - e2e) < 1e-6
     assert len(server.timer) == 0  # nothing held once the requests ended

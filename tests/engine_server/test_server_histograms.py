@@ -24,7 +24,7 @@ def test_timer_observes_finished_requests_in_wall_seconds_and_forgets_the_rest()
     timer.tokens("a", 2.0)  # first token: 0.2 s of wall time
     timer.tokens("a", 3.0)
     timer.tokens("a", 5.0)
-    timer.finished("a", 5.0, prompt_tokens=120, output_tokens=3)
+    timer.finished("a", 5.0, prompt_tokens=120, output_tokens=3, scheduled_at=0.5)
     timer.arrived("b", 1.0)
     timer.tokens("b", 4.0)
     timer.forget("b")  # aborted: vLLM observes finished requests only
@@ -33,6 +33,9 @@ def test_timer_observes_finished_requests_in_wall_seconds_and_forgets_the_rest()
     assert [round(x, 9) for x in (timer.itl.total, timer.e2e.total, timer.decode.total)] == [
         0.3, 0.5, 0.3]
     assert (timer.itl.n, timer.e2e.n, timer.prompt_tokens.total) == (2, 1, 120)
+    # scheduled at 0.5: 0.05 s queued, then 0.15 s of prefill, 0.45 s running
+    assert [round(h.total, 9) for h in (timer.queue, timer.prefill, timer.inference)] == [
+        0.05, 0.15, 0.45]
     assert len(timer) == 0
     lines: list[str] = []
     timer.render('model_name="m"', lines.append)

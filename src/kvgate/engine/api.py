@@ -127,6 +127,9 @@ class FinishedRequest:
     cached_tokens: int  # prefix-cache hit at its first scheduling (usage.cached_tokens)
     output_tokens: int
     num_preemptions: int = 0
+    # engine time it was first scheduled (vLLM's scheduled_ts: its queue time ends, its
+    # prefill begins); not part of equality, a timing detail
+    scheduled_at: float = field(default=-1.0, compare=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -264,6 +264,9 @@ class SimEngine:
         return duration * self._faults.slow_factor
 
     def _update(self, plan: Plan, now: float, duration: float) -> StepOutput:
+        for chunk in plan.chunks.values():  # first scheduled: its wait in queue ends
+            if chunk.seq.scheduled_at < 0:
+                chunk.seq.scheduled_at = now
         first: list[str] = []
         tokens: dict[str, int] = {}
         finished: list[FinishedRequest] = []
@@ -294,6 +297,7 @@ class SimEngine:
                         cached_tokens=max(seq.cached_tokens, 0),
                         output_tokens=seq.num_output_tokens,
                         num_preemptions=seq.num_preemptions,
+                        scheduled_at=seq.scheduled_at,
                     )
                 )
         self._num_generation_tokens += len(tokens)  # one per sequence that sampled

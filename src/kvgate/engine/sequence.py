@@ -102,6 +102,7 @@ class SeqState:
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     cached_tokens: int = -1  # prefix hit at first scheduling; -1 = not scheduled yet
     num_preemptions: int = 0
+    scheduled_at: float = -1.0  # the start of its first scheduled step; -1 = not yet
 
     def __post_init__(self) -> None:
         self.block_hashes = list(self.request.block_hashes)

@@ -356,7 +356,7 @@ class EngineServer:
                 for res in results:
                     if isinstance(res, FinishedRequest) and res.request_id in owners:
                         timer.finished(res.request_id, out.end, res.prompt_tokens,
-                                       res.output_tokens)
+                                       res.output_tokens, res.scheduled_at)
                     done = owners.get(res.request_id)
                     if done is not None:
                         if pending.get(res.request_id) is done:

@@ -1,7 +1,8 @@
 """vLLM's per-request histograms for ``kvgate engine``'s ``/metrics``.
 
 vLLM's Grafana dashboard draws its TTFT, inter-token latency, end-to-end latency,
-decode time and prompt / generation length panels from these series; without them
+queue / prefill / decode time and prompt / generation length panels from these
+series; without them
 those panels stay empty in front of simulated engines. Names, help texts and bucket
 bounds follow vLLM v1's ``PrometheusStatLogger``.
 
@@ -83,6 +84,12 @@ FAMILIES: tuple[tuple[str, str, str], ...] = (
      "itl"),
     ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
      "e2e"),
+    ("vllm:request_queue_time_seconds",
+     "Histogram of time spent in WAITING phase for request.", "queue"),
+    ("vllm:request_prefill_time_seconds",
+     "Histogram of time spent in PREFILL phase for request.", "prefill"),
+    ("vllm:request_inference_time_seconds",
+     "Histogram of time spent in RUNNING phase for request.", "inference"),
     ("vllm:request_decode_time_seconds",
      "Histogram of time spent in DECODE phase for request.", "decode"),
     ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
@@ -102,6 +109,9 @@ class RequestTimer:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.queue = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.prefill = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.inference = Histogram(REQUEST_LATENCY_BUCKETS)
         self.decode = Histogram(REQUEST_LATENCY_BUCKETS)
         self.prompt_tokens = Histogram(tokens)
         self.generation_tokens = Histogram(tokens)
@@ -124,13 +134,24 @@ class RequestTimer:
             self.itl.observe(self._to_wall(end - t.last))
         t.last = end
 
-    def finished(self, rid: str, end: float, prompt_tokens: int, output_tokens: int) -> None:
+    def finished(self, rid: str, end: float, prompt_tokens: int, output_tokens: int,
+                 scheduled_at: float = -1.0) -> None:
+        """``scheduled_at``: the engine time the request was first scheduled (vLLM's
+        scheduled_ts), splitting its time into queue, prefill and decode; -1 unknown."""
         t = self._open.pop(rid, None)
         if t is None:
             return
-        self.e2e.observe(self._to_wall(end - t.arrival))
+        wall = self._to_wall
+        self.e2e.observe(wall(end - t.arrival))
+        last = t.last if t.last is not None else end
+        if scheduled_at >= 0:
+            # our arrival is stamped just after the engine's submit: never below 0
+            self.queue.observe(wall(max(0.0, scheduled_at - t.arrival)))
+            self.inference.observe(wall(last - scheduled_at))
+            if t.first is not None:
+                self.prefill.observe(wall(t.first - scheduled_at))
         if t.first is not None:
-            self.decode.observe(self._to_wall((t.last or end) - t.first))
+            self.decode.observe(wall(last - t.first))
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(output_tokens)
 
