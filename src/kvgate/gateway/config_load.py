@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, fields
@@ -21,6 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from kvgate.core.errors import ConfigError
+from kvgate.core.typed_values import coerce, is_optional, strip_optional
 from kvgate.gateway.config import (
     SECTIONS,
     AdmissionSection,
@@ -131,7 +131,7 @@ def env_overrides(env: Mapping[str, str]) -> Raw:
 
 
 def _env_value(text: str, tp: Any, name: str) -> Any:
-    if tp is str or (_is_optional(tp) and _strip_optional(tp) is str):
+    if tp is str or (is_optional(tp) and strip_optional(tp) is str):
         return text
     try:
         return yaml.safe_load(text)
@@ -175,7 +175,7 @@ def _build(cls: type, values: Mapping[str, Any], section: str) -> Any:
     missing = [k for k in required if k not in values]
     if missing:  # a dataclass field without a default: its TypeError was a traceback
         raise ConfigError(f"{section}: missing required key(s) {', '.join(missing)}")
-    kwargs = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in values.items()}
+    kwargs = {k: coerce(v, hints[k], f"{section}.{k}") for k, v in values.items()}
     return cls(**kwargs)
 
 
@@ -191,66 +191,6 @@ def _did_you_mean(word: str, known: typing.Iterable[str]) -> str:
 def _hints(cls: type) -> dict[str, Any]:
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
-
-
-def _is_optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (types.UnionType, typing.Union) and type(None) in (
-        typing.get_args(tp)
-    )
-
-
-def _strip_optional(tp: Any) -> Any:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if len(args) == 1 else tp
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    if _is_optional(tp):
-        return None if value is None else _coerce(value, _strip_optional(tp), where)
-    origin = typing.get_origin(tp)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where} must be a string, got {value!r}")
-    if origin is typing.Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise ConfigError(f"{where} must be one of {typing.get_args(tp)}, got {value!r}")
-    if origin is tuple:
-        if isinstance(value, tuple):  # already parsed (nodes.static)
-            return value
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
-        item_tp = typing.get_args(tp)[0]
-        return tuple(_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is Mapping or origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where} must be a mapping, got {value!r}")
-        _, val_tp = typing.get_args(tp)
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ConfigError(f"{where}: keys must be strings, got {k!r}")
-            out[k] = v if val_tp is object or isinstance(v, ApiKey) else _coerce(
-                v, val_tp, f"{where}.{k}")
-        return out
-    if isinstance(tp, type) and isinstance(value, tp):
-        return value
-    raise ConfigError(f"{where}: unsupported value {value!r}")  # pragma: no cover
 
 
 # ----------------------------------------------------------------------------- nodes
