@@ -34,6 +34,7 @@ import logging
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 from aiohttp import HttpVersion11, web
@@ -139,6 +140,14 @@ def expect_handler(
         return None
 
     return handle
+
+
+def get_route_adder(
+    router: web.UrlDispatcher, max_body_bytes: int
+) -> Callable[..., web.AbstractRoute]:
+    """``router.add_get`` whose routes answer an unknown ``Expect`` with our JSON 417
+    (:func:`expect_handler`), not aiohttp's text/plain one quoting the header."""
+    return partial(router.add_get, expect_handler=expect_handler(max_body_bytes))
 
 
 def parse_error(exc: HttpProcessingError, line_limit: int = MAX_LINE_SIZE,

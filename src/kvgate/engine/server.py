@@ -452,8 +452,7 @@ class EngineServer:
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[_http_errors])
         expect = expect_handler(self.config.max_body_bytes)  # 417 / 413 as JSON, then 100
-        plain = expect_handler(self.config.max_body_bytes)  # a GET's odd Expect: JSON 417 too
-        get = partial(app.router.add_get, expect_handler=plain)
+        get = partial(app.router.add_get, expect_handler=expect)  # GETs: the same JSON 417
         app.router.add_post("/v1/completions", self._completions, expect_handler=expect)
         app.router.add_post("/v1/chat/completions", self._chat, expect_handler=expect)
         get("/v1/models", self._models)

@@ -27,7 +27,6 @@ import hmac
 import json
 import math
 from collections.abc import Mapping
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -37,7 +36,7 @@ from kvgate.core.errors import AuthError, ClientRequestError, ConfigError, Kvgat
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeState
 from kvgate.core.stats import DecisionRecord
-from kvgate.edge import expect_handler, json_response
+from kvgate.edge import expect_handler, get_route_adder, json_response
 from kvgate.gateway.body import read_body
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.config_load import parse_node
@@ -355,8 +354,7 @@ def register_admin(app: web.Application, gw: Gateway) -> None:
     """Add the ``/admin`` routes (always registered; they answer 403 without a token)."""
     api = AdminApi(gw)
     r = app.router
-    plain = expect_handler(gw.config.server.client_max_size)  # a JSON 417, as below
-    get = partial(r.add_get, expect_handler=plain)
+    get = get_route_adder(r, gw.config.server.client_max_size)
     get("/admin/nodes", api.list_nodes)
     # 417 / 413 / 401 / 403 as JSON, and only then the 100: a caller without the token
     # is not invited to send its body
@@ -365,7 +363,8 @@ def register_admin(app: web.Application, gw: Gateway) -> None:
     )
     r.add_post("/admin/nodes", api.add_node, expect_handler=expect)
     get("/admin/nodes/{id}", api.get_node)
-    r.add_delete("/admin/nodes/{id}", api.remove_node, expect_handler=plain)
+    r.add_delete("/admin/nodes/{id}", api.remove_node,
+                 expect_handler=expect_handler(gw.config.server.client_max_size))
     r.add_post("/admin/nodes/{id}/drain", api.drain_node, expect_handler=expect)
     get("/admin/config", api.config)
     get("/admin/admission", api.admission)

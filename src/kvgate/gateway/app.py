@@ -28,7 +28,6 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -37,7 +36,7 @@ from kvgate.core.admission import AdmissionConfig, InProcessCoordinator
 from kvgate.core.controller import Controller
 from kvgate.core.errors import AuthError
 from kvgate.core.nodes import NodeTable
-from kvgate.edge import EdgeRunner, expect_handler, json_response
+from kvgate.edge import EdgeRunner, expect_handler, get_route_adder, json_response
 from kvgate.gateway.admin import register_admin
 from kvgate.gateway.config import DEFAULT_GATEWAY_ID, GatewayConfig
 from kvgate.gateway.dashboard import register_dashboard
@@ -213,9 +212,7 @@ def register_routes(app: web.Application, gw: Gateway) -> None:
     expect = expect_handler(gw.config.server.client_max_size, known_caller)
     app.router.add_post("/v1/completions", gw.handler.completions, expect_handler=expect)
     app.router.add_post("/v1/chat/completions", gw.handler.chat, expect_handler=expect)
-    # a GET's odd expectation is a JSON 417 too, not aiohttp's text/plain one
-    plain = expect_handler(gw.config.server.client_max_size)
-    get = partial(app.router.add_get, expect_handler=plain)
+    get = get_route_adder(app.router, gw.config.server.client_max_size)
     get("/v1/models", gw.models)
     get("/v1/models/{model:.+}", gw.model)  # ids may hold '/'
     get("/health", gw.health)

@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from functools import partial
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from kvgate.core.config import PREFIX_BUCKETS
-from kvgate.edge import expect_handler, json_response
+from kvgate.edge import get_route_adder, json_response
 from kvgate.gateway.admin import admission_view, decisions_view, nodes_view
 from kvgate.protocol import server_error_body
 
@@ -146,9 +145,7 @@ class Dashboard:
 def register_dashboard(app: web.Application, gw: Gateway) -> None:
     """Add ``GET /dashboard`` and ``GET /dashboard/state`` (no auth: read-only, no secrets)."""
     dash = Dashboard(gw)
-    # an odd Expect header gets a JSON 417, not aiohttp's text/plain one
-    plain = expect_handler(gw.config.server.client_max_size)
-    get = partial(app.router.add_get, expect_handler=plain)
+    get = get_route_adder(app.router, gw.config.server.client_max_size)
     get("/dashboard", dash.page)
     get("/dashboard/", dash.page)
     get("/dashboard/state", dash.state)
