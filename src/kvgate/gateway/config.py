@@ -336,6 +336,14 @@ class AdmissionSection:
             _check_redis_url(self.redis_url)
         if not self.redis_key:
             raise ConfigError("admission.redis_key must be non-empty")
+        try:
+            self.admission_config()  # the core's own checks of what this section sets
+        except ConfigError as exc:
+            # they name the core's fields ("P0 queue_timeout_s", "slo: p2_start"): say
+            # which config section they came from
+            if exc.message.startswith("admission."):
+                raise
+            raise ConfigError(f"admission: {exc.message}", param=exc.param) from exc
 
     def _class(self, c: ClassConfig) -> ClassConfig:
         return ClassConfig(
@@ -447,14 +455,6 @@ class GatewayConfig:
                 "report goes stale before the next one",
                 param="metrics_interval_s",
             )
-        try:
-            self.admission.admission_config()
-        except ConfigError as exc:
-            # the core's checks name its own fields ("P0 queue_timeout_s", "slo:
-            # p2_start"): say which config section they came from
-            if exc.message.startswith("admission."):
-                raise
-            raise ConfigError(f"admission: {exc.message}", param=exc.param) from exc
         cc = self.controller_config()
         make_policy(cc.policy, cc.policy_params)
         make_hasher(cc.hasher, **dict(cc.hasher_params))

@@ -442,7 +442,7 @@ class Relay:
                     await send(DONE_EVENT)
                 else:
                     kind = failure or FailureKind.UPSTREAM_ERROR
-                    what = (f"sent nothing for {self.upstream.config.stream_idle_timeout_s:g} s"
+                    what = (f"sent nothing for {self.write_timeout_s:g} s"
                             if kind is FailureKind.TIMEOUT else "failed during generation")
                     await send(error_event(
                         f"The inference node {flight.node} {what}.", code=kind.value,

@@ -31,6 +31,7 @@ from kvgate.commands.argtypes import (
 from kvgate.loadgen.prompts import (
     MIN_BLOCK_CHARS,
     SYNTHETIC_WORKLOADS,
+    check_block_chars,
     synthetic_workload,
     trace_workload,
 )
@@ -247,14 +248,16 @@ def check_block_size(block_tokens: int, chars_per_token: int) -> None:
     """Refuse blocks too short to give distinct ids distinct text (ValueError, exit 2),
     before a workload is built: such blocks shared text, so the server saw prefix
     sharing the workload does not have (see :mod:`kvgate.loadgen.prompts`)."""
-    chars = block_tokens * chars_per_token
-    if chars < MIN_BLOCK_CHARS:
+    try:
+        check_block_chars(block_tokens, chars_per_token)  # the rule; here in flags' words
+    except ValueError:
         least = -(-MIN_BLOCK_CHARS // chars_per_token)
         raise ValueError(
-            f"--block-tokens {block_tokens} x --chars-per-token {chars_per_token} = {chars} "
-            f"characters per block, too few to give every block id its own text (at least "
-            f"{MIN_BLOCK_CHARS}); use --block-tokens {least} or more"
-        )
+            f"--block-tokens {block_tokens} x --chars-per-token {chars_per_token} = "
+            f"{block_tokens * chars_per_token} characters per block, too few to give every "
+            f"block id its own text (at least {MIN_BLOCK_CHARS}); use --block-tokens "
+            f"{least} or more"
+        ) from None
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:

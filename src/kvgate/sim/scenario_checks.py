@@ -171,8 +171,8 @@ def _policy_checks(
                 f"not announced: {m['evicted_blocks']} of {m['node']}'s {m['pool_blocks']} "
                 "blocks were free to evict, under the bulk threshold"
             )
+        measured = a["completed"] > 0 and b["completed"] > 0
         for key, note in notes.items():
-            measured = a["completed"] > 0 and b["completed"] > 0
             checks[key] = {
                 "value": a[key],
                 "rel": "vs",
