@@ -43,12 +43,12 @@ class Histogram:
     """Cumulative-on-render bucket counts, a sum and a count."""
 
     bounds: Sequence[float]
-    counts: list[int] = field(default_factory=list)
+    counts: list[int] = field(init=False)  # per bucket, the last one +Inf
     total: float = 0.0
     n: int = 0
 
     def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.counts = [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
