@@ -10,7 +10,7 @@ from kvgate.core.hashing import TokenBlockHasher, make_hasher
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import fleet_order
 from kvgate.gateway import NodeConfig
-from kvgate.gateway.kv_watch import NodeKvWatch
+from kvgate.gateway.kv_watch import NodeKvWatch, remembered_blocks
 from kvgate.gateway.node_probe import parse_evictions, parse_load, parse_models
 
 VLLM = """\
@@ -321,9 +321,21 @@ def test_index_capacity_follows_the_node_cache_unless_configured(kit: Any) -> No
                 return -1 if state is None else int(state.spec.cache_blocks)
 
             await eventually(lambda: blocks("n0") == 2048 * 16 // tpb)
+            # a KV-event mapper's memory bound follows the cache size too (precise mode)
+            rt = c.gw.gateway.watcher.get("n0")
+            assert rt is not None
+            h = make_hasher("sim", block_size=16)
+            assert isinstance(h, TokenBlockHasher)
+            rt.kv = NodeKvWatch(NodeId("n0"), h, ["ipc:///nowhere"])
+            assert rt.kv.ingest.max_blocks == remembered_blocks(None) == 16_384
+            c.stubs[0].gpu_blocks = 64 * 1024  # restarted with a larger cache
+            big = 64 * 1024 * 16 // tpb
+            await eventually(lambda: blocks("n0") == big)
+            assert rt.kv.ingest.max_blocks == remembered_blocks(big) == max(16_384, 4 * big)
             c.stubs[0].gpu_blocks = 1024  # restarted with a smaller cache
             await eventually(lambda: blocks("n0") == 1024 * 16 // tpb)
             assert ctl.index.capacity(NodeId("n0")) == 1024 * 16 // tpb
+            assert rt.kv.ingest.max_blocks == 16_384  # the floor
             await eventually(lambda: blocks("set") == 77)
             await asyncio.sleep(0.2)  # several scrapes later: still as configured
             assert blocks("set") == 77 and ctl.index.capacity(NodeId("set")) == 77

@@ -154,6 +154,13 @@ def test_memory_is_bounded_oldest_hashes_forgotten_first() -> None:
     assert ops == [IndexRemoved((stored.keys[4],))]  # type: ignore[union-attr]
     with pytest.raises(ValueError):
         NodeKvIngest(h, max_blocks=0)
+    # a lower bound (the node came back with a smaller cache) forgets the oldest now
+    ing.max_blocks = 1  # 3 and 4 left: 3 goes
+    assert ing.remembered == 1 and ing.counts["forgotten_blocks"] == 3
+    ops = ing.feed(2, _batch(BlockRemoved(block_hashes=(3, 4))), MODEL)
+    assert ops == [IndexRemoved((stored.keys[3],))]  # type: ignore[union-attr]
+    with pytest.raises(ValueError):
+        ing.max_blocks = 0
 
 
 def test_a_block_cached_twice_leaves_with_its_last_copy() -> None:

@@ -40,7 +40,9 @@ Rules, each counted in :attr:`NodeKvIngest.counts` (the gateway's ``/metrics``):
   node when it is the node's only publisher).
 * **Memory** is bounded: at most ``max_blocks`` engine hashes are remembered per
   node (the oldest forgotten first; a removal of a forgotten block then leaves the
-  index to its LRU and TTL).
+  index to its LRU and TTL). The watcher sets it from the node's cache size
+  (``kv_watch.remembered_blocks``): a lost batch's removals are never heard, so its
+  blocks stay remembered until this bound pushes them out.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from kvgate.protocol.kv_events import (
 
 __all__ = ["IndexCleared", "IndexOp", "IndexRemoved", "IndexStored", "NodeKvIngest"]
 
-DEFAULT_MAX_BLOCKS = 1 << 20  # engine hashes remembered per node (about 150 MB at most)
+DEFAULT_MAX_BLOCKS = 1 << 20  # engine hashes remembered per node (~210 bytes each)
 UNKEYABLE = -1  # the "key" of a block its tokens do not name (our keys are unsigned)
 
 
@@ -104,6 +106,20 @@ class NodeKvIngest:
         self._holders: Counter[int] = Counter()  # our key -> ranks holding it
         self._last_seq: dict[int | None, int] = {}  # per rank: each publishes its own
         self.counts: Counter[str] = Counter()
+
+    @property
+    def max_blocks(self) -> int:
+        return self._max_blocks
+
+    @max_blocks.setter
+    def max_blocks(self, value: int) -> None:
+        """A new bound (the node's cache size changed); a lower one forgets the oldest
+        hashes now."""
+        if value < 1:
+            raise ValueError("max_blocks must be >= 1")
+        self._max_blocks = value
+        for known in list(self._keys.values()):
+            self._bound(known)
 
     @property
     def remembered(self) -> int:

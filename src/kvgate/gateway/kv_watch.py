@@ -23,7 +23,7 @@ from kvgate.gateway.kv_ingest import IndexOp, IndexRemoved, IndexStored, NodeKvI
 from kvgate.gateway.kv_subscriber import follow_kv_events
 from kvgate.gateway.node_probe import ModelInfo
 
-__all__ = ["NodeKvWatch", "base_model", "kv_event_rows"]
+__all__ = ["NodeKvWatch", "base_model", "kv_event_rows", "remembered_blocks"]
 
 log = logging.getLogger("kvgate.gateway.kv_events")
 
@@ -38,20 +38,43 @@ BLOCK_COUNTS = (("stored", "stored_blocks"), ("removed", "removed_blocks"),
 
 Rows = list[tuple[str, str, int]]
 ORPHAN_QUIET_S = 60.0  # without orphan blocks this long, routing stops teaching the index
+# Engine hashes the mapper remembers per node: the node's cache this many times over
+# (each rank's copy of a block counts once; stale entries of lost batches wait for the
+# bound), never fewer than the floor, which covers a cache size that is a guess.
+REMEMBER_CACHE_TIMES = 4
+MIN_REMEMBERED_BLOCKS = 16_384
+
+
+def remembered_blocks(cache_blocks: int | None) -> int:
+    """The mapper's bound for a node whose cache holds ``cache_blocks`` blocks (None:
+    unknown)."""
+    return max(MIN_REMEMBERED_BLOCKS, REMEMBER_CACHE_TIMES * (cache_blocks or 0))
 
 
 class NodeKvWatch:
     """One node's KV event subscriptions (precise mode)."""
 
-    def __init__(self, node_id: NodeId, hasher: TokenBlockHasher, endpoints: Sequence[str]) -> None:
+    def __init__(
+        self,
+        node_id: NodeId,
+        hasher: TokenBlockHasher,
+        endpoints: Sequence[str],
+        *,
+        cache_blocks: int | None = None,
+    ) -> None:
         self.node_id = node_id
         self.endpoints = tuple(endpoints)
-        self.ingest = NodeKvIngest(hasher)  # one for all its ranks' publishers
+        # one for all its ranks' publishers
+        self.ingest = NodeKvIngest(hasher, max_blocks=remembered_blocks(cache_blocks))
         self.connected = [asyncio.Event() for _ in self.endpoints]
         self.restarts_seen = 0  # the ingest's restarts already noted
         self.restarted_at: float | None = None  # the last restart the events reported
         self.orphans_seen = 0
         self.orphan_at: float | None = None  # the last orphan block; None: routing does not learn
+
+    def set_cache_blocks(self, cache_blocks: int) -> None:
+        """The node's cache size changed: so does the mapper's bound."""
+        self.ingest.max_blocks = remembered_blocks(cache_blocks)
 
     def note_orphans(self, controller: Controller, now: float) -> None:
         """After each batch, and on the watcher's scrape: while the node's events bring

@@ -227,7 +227,9 @@ class NodeWatcher:
             log.warning("node %s has no kv_events endpoint: precise mode sees no cache "
                         "on it", rt.node_id)
             return
-        rt.kv = NodeKvWatch(rt.node_id, hasher, rt.config.kv_events_endpoints)
+        rt.kv = NodeKvWatch(
+            rt.node_id, hasher, rt.config.kv_events_endpoints, cache_blocks=self._cache_blocks(rt)
+        )
         rt.tasks += rt.kv.start(
             self.controller,
             model=lambda: base_model(rt.config, rt.models),
@@ -330,6 +332,8 @@ class NodeWatcher:
         cache_tokens = sample.cache_tokens
         if cache_tokens is not None and cache_tokens != rt.cache_tokens:
             rt.cache_tokens = cache_tokens  # the index follows the node's real cache
+            if rt.kv is not None:  # and the KV-event mapper's memory bound
+                rt.kv.set_cache_blocks(self._cache_blocks(rt))
             state = self.controller.nodes.get(rt.node_id)
             if state is not None and rt.config.cache_blocks is None:
                 spec = self._spec(rt)
