@@ -189,3 +189,27 @@ def test_no_node_for_the_request_shows_in_the_admission_rejections(kit: Any) -> 
             assert 'kvgate_admission_rejected_total{reason="overloaded",class="P1"} 1' in text
 
     kit.run(body())
+
+
+def test_an_attempt_at_a_node_removed_meanwhile_is_not_counted(kit: Any) -> None:
+    """A decision resolved just after DELETE /admin/nodes/{id}: nothing is sent, so no
+    kvgate_upstream_attempts_total series comes back for the removed node."""
+    from kvgate.core.decisions import Dispatch, Fail
+    from kvgate.core.ids import NodeId, RequestId
+    from kvgate.core.routing.base import RouteDecision, RouteReason
+    from kvgate.gateway.relay import Flight
+
+    async def body() -> None:
+        async with kit.cluster(1) as c:
+            relay = c.gw.gateway.relay
+            flight = Flight(rid=RequestId("r-gone"), client_rid="r-gone", path="/v1/completions",
+                            body=b"{}", stream=False, wants_usage=False, headers={})
+            route = RouteDecision(node_id=NodeId("gone"), reason=RouteReason.LOAD)
+            out = await relay._attempt_once(None, flight, Dispatch(request_id=flight.rid,
+                                                                   route=route))
+            assert isinstance(out, Fail) and out.reason == "connect_error"
+            assert "gone" not in relay.metrics.attempts
+            _, _, raw = await c.get("/metrics")
+            assert 'node="gone"' not in raw.decode()
+
+    kit.run(body())

@@ -275,10 +275,11 @@ class Relay:
     ) -> web.StreamResponse | Decision:
         flight.node = dispatch.node_id
         flight.reason = dispatch.route.reason.value
-        self.metrics.attempts[dispatch.node_id] += 1
         rt = self.watcher.get(dispatch.node_id)
-        if rt is None:  # removed between the decision and now
+        if rt is None:  # removed between the decision and now: nothing is sent (nor
+            # counted, which would bring back the removed node's attempts series)
             return self._next(flight, FailureKind.CONNECT_ERROR)
+        self.metrics.attempts[dispatch.node_id] += 1
         headers = {**flight.headers, **rt.headers} if rt.headers else flight.headers
         resp: UpstreamResponse | None = None
         first = b""
