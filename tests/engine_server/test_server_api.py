@@ -453,7 +453,9 @@ async def test_metrics_carry_vllms_request_histograms(
                    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
                    "vllm:request_prefill_time_seconds", "vllm:request_inference_time_seconds",
                    "vllm:request_decode_time_seconds",
-                   "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+                   "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+                   "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
+                   "vllm:request_params_max_tokens", "vllm:iteration_tokens_total"):
         assert f"# TYPE {family} histogram" in text
         buckets = [v for _, v in series[f"{family}_bucket"]]
         assert buckets == sorted(buckets), family  # cumulative
@@ -481,3 +483,10 @@ async def test_metrics_carry_vllms_request_histograms(
     assert series["vllm:request_queue_time_seconds_count"][0][1] == 2
     assert abs(queue + prefill - ttft) < 1e-6 and abs(queue + inference - e2e) < 1e-6
     assert len(server.timer) == 0  # nothing held once the requests ended
+    # the parameters as asked (max_tokens 3, n 1), and every step's tokens: each prompt
+    # in one prefill step that also gives its first token, then two decode steps
+    assert series["vllm:request_params_max_tokens_sum"][0][1] == 6
+    assert series["vllm:request_params_n_sum"][0][1] == 2
+    assert series["vllm:request_max_num_generation_tokens_sum"][0][1] == 6
+    assert series["vllm:iteration_tokens_total_count"][0][1] == 6
+    assert series["vllm:iteration_tokens_total_sum"][0][1] == 100 + 2 + 200 + 2

@@ -348,6 +348,7 @@ class EngineServer:
                 if out.duration_s > 0:
                     await self._sleep_until(out.end)
                 timer = self.timer
+                timer.step(out.num_prefill_tokens + out.num_decode_seqs)
                 for rid, n in out.tokens.items():
                     queue = owners.get(rid)
                     if queue is not None:  # a handler that left reads it no more
@@ -523,7 +524,7 @@ class EngineServer:
             return _reject_response(decision.reject_kind, decision.reason, headers)
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._pending[rid] = queue
-        self.timer.arrived(rid, self.now())
+        self.timer.arrived(rid, self.now(), max_tokens)
         self._wake.set()
         self._notify()
         shape = ResponseShape(kind=kind, request_id=rid, model=self.config.model,

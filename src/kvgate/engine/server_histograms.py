@@ -1,10 +1,10 @@
 """vLLM's per-request histograms for ``kvgate engine``'s ``/metrics``.
 
 vLLM's Grafana dashboard draws its TTFT, inter-token latency, end-to-end latency,
-queue / prefill / decode time and prompt / generation length panels from these
-series; without them
-those panels stay empty in front of simulated engines. Names, help texts and bucket
-bounds follow vLLM v1's ``PrometheusStatLogger``.
+queue / prefill / decode time, prompt / generation length, max_tokens and tokens per
+step panels from these series; without them those panels stay empty in front of
+simulated engines. Names, help texts and bucket bounds follow vLLM v1's
+``PrometheusStatLogger`` (tokens per step: its buckets without CUDA graphs).
 
 Times are wall-clock seconds, as clients and the gateway see them: the engine's time
 divided by its speed-up (an engine at ``--speedup 10`` reports a tenth of the
@@ -22,6 +22,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -72,6 +74,7 @@ def _le(bound: float) -> str:
 @dataclass(slots=True)
 class _Timing:
     arrival: float
+    max_tokens: int
     first: float | None = None
     last: float | None = None
 
@@ -95,12 +98,20 @@ FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
     ("vllm:request_generation_tokens", "Number of generation tokens processed.",
      "generation_tokens"),
+    ("vllm:request_max_num_generation_tokens",
+     "Histogram of maximum number of requested generation tokens.", "max_generation_tokens"),
+    ("vllm:request_params_n", "Histogram of the n request parameter.", "params_n"),
+    ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+     "params_max_tokens"),
+    ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+     "iteration_tokens"),
 )
 
 
 class RequestTimer:
-    """Per-request timings from the engine loop, observed into vLLM's histograms when a
-    request finishes. ``to_wall`` turns an engine-time interval into wall seconds."""
+    """Per-request timings and parameters from the engine loop, observed into vLLM's
+    histograms when a request finishes, and each step's tokens. ``to_wall`` turns an
+    engine-time interval into wall seconds."""
 
     def __init__(self, max_model_len: int, to_wall: Callable[[float], float]) -> None:
         self._to_wall = to_wall
@@ -115,12 +126,23 @@ class RequestTimer:
         self.decode = Histogram(REQUEST_LATENCY_BUCKETS)
         self.prompt_tokens = Histogram(tokens)
         self.generation_tokens = Histogram(tokens)
+        # n is always 1 here (n > 1 is refused), so a request's largest generation is
+        # its own
+        self.max_generation_tokens = Histogram(tokens)
+        self.params_n = Histogram(PARAMS_N_BUCKETS)
+        self.params_max_tokens = Histogram(tokens)
+        self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def arrived(self, rid: str, now: float) -> None:
-        self._open[rid] = _Timing(arrival=now)
+    def arrived(self, rid: str, now: float, max_tokens: int) -> None:
+        self._open[rid] = _Timing(arrival=now, max_tokens=max_tokens)
+
+    def step(self, tokens: int) -> None:
+        """An engine step computed ``tokens`` (prefill chunks plus one per decode)."""
+        if tokens > 0:
+            self.iteration_tokens.observe(tokens)
 
     def tokens(self, rid: str, end: float) -> None:
         """The step ending at ``end`` gave ``rid`` output tokens."""
@@ -154,6 +176,9 @@ class RequestTimer:
             self.decode.observe(wall(last - t.first))
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(output_tokens)
+        self.max_generation_tokens.observe(output_tokens)
+        self.params_n.observe(1)
+        self.params_max_tokens.observe(t.max_tokens)
 
     def forget(self, rid: str) -> None:
         """The request ended otherwise (aborted, refused, failed): vLLM observes only
