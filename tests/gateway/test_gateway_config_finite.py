@@ -92,3 +92,28 @@ def test_negative_cached_tokens_never_move_the_counter_down() -> None:
         run(rid, cached)
         totals.append(sum(b.measured_hit_tokens for b in ctl.stats.hits.values()))
     assert totals == [16, 16, 116]  # clamped to [0, prompt tokens]
+
+
+def test_a_usage_without_cached_tokens_is_a_miss_once_the_node_states_them() -> None:
+    """vLLM and SGLang leave prompt_tokens_details out when nothing was cached: counted
+    only when stated, the measured hit ratio read hits alone (twice the truth in the
+    audit's repro)."""
+    ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.0)
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+
+    def run(rid: str, cached: int | None, usage: bool) -> tuple[int, int]:
+        d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), block_ids=(1, 2),
+                                          prompt_tokens=100), 0.1)
+        assert isinstance(d, Dispatch)
+        ctl.on_finished(RequestId(rid), 0.2, cached_tokens=cached, usage_reported=usage)
+        hits = ctl.stats.hits.values()
+        return (sum(b.measured_prompt_tokens for b in hits),
+                sum(b.measured_hit_tokens for b in hits))
+
+    # before the node has stated any: a usage without details says nothing
+    assert run("a", None, True) == (0, 0)
+    assert run("b", 64, True) == (100, 64)
+    assert run("c", None, True) == (200, 64)  # a miss
+    assert run("d", None, False) == (200, 64)  # no usage at all: not measured

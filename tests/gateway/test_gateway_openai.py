@@ -76,6 +76,30 @@ def test_usage_chunk_stripped_unless_asked_and_cached_tokens_measured(kit: Any) 
     kit.run(body())
 
 
+def test_an_answer_without_cached_tokens_is_a_miss_once_the_node_states_them(kit: Any) -> None:
+    """vLLM (--enable-prompt-tokens-details) and SGLang (--enable-cache-report) leave
+    prompt_tokens_details out of the usage when nothing was cached: streamed or not,
+    such an answer counts as a measured miss, not as unmeasured."""
+    async def body() -> None:
+        async with kit.cluster(1, stub={"cached": 40}) as c:
+            req = {"model": kit.MODEL, "prompt": "p" * 2000, "stream": True}
+            assert (await c.post("/v1/completions", req))[0] == 200
+            hits = c.gw.controller.stats.hits
+
+            def measured() -> tuple[int, int]:
+                return (sum(h.measured_prompt_tokens for h in hits.values()),
+                        sum(h.measured_hit_tokens for h in hits.values()))
+
+            one, cached = measured()
+            assert one > 0 and cached == 40
+            c.stubs[0].cached = None  # a miss, as vLLM answers it
+            assert (await c.post("/v1/completions", req))[0] == 200
+            assert (await c.post("/v1/completions", {**req, "stream": False}))[0] == 200
+            assert measured() == (3 * one, 40)
+
+    kit.run(body())
+
+
 def test_route_headers_can_be_turned_off_and_priority_forwarded(kit: Any) -> None:
     async def body() -> None:
         async with kit.cluster(1, server={"route_headers": False}) as c:

@@ -117,9 +117,9 @@ def test_a_preemption_landing_after_the_stream_ended_changes_nothing(
             drv = c.gw.gateway.driver
             finish = drv.finish
 
-            def finish_after_a_preemption(rid: Any, cached: Any) -> None:
+            def finish_after_a_preemption(rid: Any, cached: Any, **usage: Any) -> None:
                 drv.apply(_preempt_now(drv.controller, rid))
-                finish(rid, cached)
+                finish(rid, cached, **usage)
 
             drv.finish = finish_after_a_preemption
             status, _, raw = await c.post("/v1/completions", _body(kit, 0, True),

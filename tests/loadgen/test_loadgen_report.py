@@ -41,6 +41,19 @@ RESULTS = [
 ]
 
 
+def test_a_server_that_never_states_cached_tokens_has_no_hit_ratio() -> None:
+    """Without --enable-prompt-tokens-details no usage has the details: no ratio, where
+    counting those usages as misses would read 0."""
+    rep = build_report([_ok("a", 0.0, 0.1, 0.5, 5, 100, None),
+                        _ok("b", 0.2, 0.3, 1.3, 11, 200, None)], duration_s=2.0)
+    assert rep.cache_hit_ratio is None and rep.cached_tokens_reported == 0
+    # a usage without prompt tokens (no usage at all) is never counted
+    none = _ok("c", 0.4, 0.2, 0.2, 1, 100, None)
+    none.prompt_tokens_reported = False
+    rep = build_report([_ok("a", 0.0, 0.1, 0.5, 5, 100, 40), none], duration_s=2.0)
+    assert rep.cached_tokens_reported == 1 and rep.cache_hit_ratio == pytest.approx(0.4)
+
+
 def test_request_tpot() -> None:
     assert RESULTS[0].tpot_s == pytest.approx(0.1)
     assert RESULTS[2].tpot_s is None
@@ -64,9 +77,10 @@ def test_aggregates_on_hand_built_timings() -> None:
     assert rep.request_throughput == pytest.approx(1.5)
     assert rep.output_throughput == pytest.approx(8.5)
     assert rep.total_token_throughput == pytest.approx(208.5)
-    # cached over the requests that reported it: 50 / (100 + 200)
-    assert rep.total_cached_tokens == 50 and rep.cached_tokens_reported == 2
-    assert rep.cache_hit_ratio == pytest.approx(50 / 300)
+    # cached over the requests with a usage: "c" states no cached tokens, as vLLM and
+    # SGLang answer a miss (no prompt_tokens_details), so 50 / (100 + 200 + 100)
+    assert rep.total_cached_tokens == 50 and rep.cached_tokens_reported == 3
+    assert rep.cache_hit_ratio == pytest.approx(50 / 400)
     ttft = rep.metrics["ttft"]
     assert ttft.mean == pytest.approx(200.0) and ttft.median == pytest.approx(200.0)
     assert ttft.p90 == pytest.approx(280.0) and ttft.p99 == pytest.approx(298.0)
@@ -141,7 +155,7 @@ def test_table_is_aligned() -> None:
     assert "Serving Benchmark Result" in lines[0]
     for label, value in [("Successful requests:", "3"), ("  status 503:", "2"),
                          ("Request goodput (req/s):", "1.00"),
-                         ("Mean TTFT (ms):", "200.00"), ("Cache hit ratio (%):", "16.67")]:
+                         ("Mean TTFT (ms):", "200.00"), ("Cache hit ratio (%):", "12.50")]:
         assert f"{label:<40}{value}" in lines
     assert any(line.startswith("P99 ITL (ms):") for line in lines)
     assert all(len(line) <= 50 for line in lines)

@@ -174,13 +174,21 @@ def test_encode_event_splits_lines() -> None:
     assert encode_event(b"[DONE]") == DONE_EVENT
 
 
-def test_cached_tokens_of_body() -> None:
-    from kvgate.protocol import cached_tokens_of_body
+def test_usage_of_body() -> None:
+    from kvgate.protocol import usage_of_body
+
+    def cached(body: bytes) -> int | None:
+        usage = usage_of_body(body)
+        return None if usage is None else usage.cached_tokens
 
     body = b'{"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}}'
-    assert cached_tokens_of_body(body) == 4
-    assert cached_tokens_of_body(b'{"usage":{"prompt_tokens":9}}') is None
-    assert cached_tokens_of_body(b'{"usage":{"prompt_tokens_details":{"cached\\u005ftokens":2}}}'
-                                 ) == 2
-    assert cached_tokens_of_body(b"[1]") is None
-    assert cached_tokens_of_body(b"not json cached_tokens") is None
+    assert cached(body) == 4
+    # vLLM and SGLang leave the details out when nothing was cached: a usage all the same
+    no_details = usage_of_body(b'{"usage":{"prompt_tokens":9}}')
+    assert no_details is not None and no_details.cached_tokens is None
+    assert no_details.prompt_tokens == 9
+    assert cached(b'{"usage":{"prompt_tokens_details":{"cached\\u005ftokens":2}}}') == 2
+    assert usage_of_body(b'{"\\u0075sage":{"prompt_tokens":1}}') is not None
+    assert usage_of_body(b"[1]") is None
+    assert usage_of_body(b'{"choices":[]}') is None
+    assert usage_of_body(b"not json usage") is None

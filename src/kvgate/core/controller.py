@@ -685,16 +685,23 @@ class Controller:
             self.admission.record_ttft(record.ticket.priority, now - record.arrived_at, now)
 
     def on_finished(
-        self, request_id: RequestId, now: float, *, cached_tokens: int | None = None
+        self,
+        request_id: RequestId,
+        now: float,
+        *,
+        cached_tokens: int | None = None,
+        usage_reported: bool = False,
     ) -> list[Decision]:
-        """The request completed; returns queued requests dispatched with its credit."""
+        """The request completed; returns queued requests dispatched with its credit.
+        ``cached_tokens``: what the engine's usage said was cached (None: not said);
+        ``usage_reported``: the answer carried a usage at all."""
         record = self._requests.pop(request_id, None)
         if record is None:
             return []
         node = record.node
         if node is not None:
             node.consecutive_failures = 0
-        self._count_hits(record, cached_tokens)
+        self._count_hits(record, cached_tokens, usage_reported)
         self.stats.outcomes["completed"] += 1
         self.admission.record_outcome(True, now)
         return self._close(record, now)
@@ -790,9 +797,20 @@ class Controller:
                 self._ejected_until[node.spec.node_id] = now + self.config.eject_s
                 self.set_healthy(node.spec.node_id, False, now)
 
-    def _count_hits(self, record: _Request, cached_tokens: int | None) -> None:
+    def _count_hits(
+        self, record: _Request, cached_tokens: int | None, usage_reported: bool = False
+    ) -> None:
         if record.attempts == 0:
             return
+        node = record.node
+        if cached_tokens is not None:
+            if node is not None:
+                node.reports_cached_tokens = True
+        elif usage_reported and node is not None and node.reports_cached_tokens:
+            # vLLM and SGLang leave prompt_tokens_details out when nothing was cached: from
+            # a node that states its cached tokens, a usage without them is a miss (left
+            # out, the measured hit ratio counted only hits and read twice the truth)
+            cached_tokens = 0
         tokens = record.ctx.prompt_tokens
         bucket = self.stats.hits[bucket_of(tokens)]
         bucket.prompt_tokens += tokens

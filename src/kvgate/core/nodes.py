@@ -101,6 +101,9 @@ class NodeState:
     # where a tenant at its quota already is
     tenant_inflight: dict[str, int] = field(default_factory=dict)
     cache_weight: float = 1.0  # < 1 while the node has announced a coming eviction
+    # the node's answers have stated their cached tokens (usage.prompt_tokens_details):
+    # from then on a usage without them means none was cached
+    reports_cached_tokens: bool = False
     consecutive_failures: int = 0
 
     @property

@@ -240,8 +240,12 @@ class Driver:
     def first_byte(self, rid: RequestId) -> None:
         self.controller.on_first_byte(rid, self.clock())
 
-    def finish(self, rid: RequestId, cached_tokens: int | None) -> None:
-        self.apply(self.controller.on_finished(rid, self.clock(), cached_tokens=cached_tokens))
+    def finish(self, rid: RequestId, cached_tokens: int | None, *, usage_seen: bool = False
+               ) -> None:
+        """The answer ended; ``usage_seen``: it carried a usage (``cached_tokens`` None
+        there: its prompt_tokens_details were left out)."""
+        self.apply(self.controller.on_finished(
+            rid, self.clock(), cached_tokens=cached_tokens, usage_reported=usage_seen))
 
     def failed(
         self, rid: RequestId, kind: FailureKind, *, before_first_byte: bool

@@ -49,7 +49,8 @@ FAMILIES: dict[str, Family] = {
                "Requests of a tenant pressing its quota sent only to the nodes it held."),
         Family("kvgate_prompt_tokens_total", "counter",
                "Prompt tokens by prefix-length bucket; source=predicted counts every routed "
-               "request, source=measured those whose engine reported cached_tokens."),
+               "request, source=measured those whose engine reported cached_tokens (a "
+               "usage without them counts as 0 once the node has stated them)."),
         Family("kvgate_cached_tokens_total", "counter",
                "Prompt tokens found cached: predicted by the index, or measured by the "
                "engines (usage.prompt_tokens_details.cached_tokens)."),

@@ -73,13 +73,13 @@ from kvgate.protocol import (
     DONE_EVENT,
     ProtocolError,
     SSEParser,
-    cached_tokens,
-    cached_tokens_of_body,
     error_event,
     invalid_request_body,
     is_error_chunk,
     is_usage_only_chunk,
+    parse_usage,
     server_error_body,
+    usage_of_body,
 )
 
 log = logging.getLogger("kvgate.gateway")
@@ -113,12 +113,13 @@ class StreamFilter:
     ``started`` turns true at the first data event (the stream's first byte); comment
     blocks (``: keep-alive``) before it are dropped, after it forwarded."""
 
-    __slots__ = ("_parser", "cached", "done", "saw_error", "started", "wants_usage")
+    __slots__ = ("_parser", "cached", "done", "saw_error", "started", "usage_seen", "wants_usage")
 
     def __init__(self, wants_usage: bool) -> None:
         self._parser = SSEParser(comments=True)
         self.wants_usage = wants_usage
         self.cached: int | None = None
+        self.usage_seen = False  # a usage came, with or without its cached tokens
         self.done = False
         self.saw_error = False
         self.started = False
@@ -143,9 +144,11 @@ class StreamFilter:
                 if obj is not None:
                     if is_error_chunk(obj):
                         self.saw_error = True
-                    got = cached_tokens(obj)
-                    if got is not None:
-                        self.cached = got
+                    usage = parse_usage(obj)
+                    if usage is not None:
+                        self.usage_seen = True
+                        if usage.cached_tokens is not None:
+                            self.cached = usage.cached_tokens
                     if not self.wants_usage and is_usage_only_chunk(obj):
                         continue
             out.append(ev.raw)
@@ -381,11 +384,12 @@ class Relay:
                 raise aiohttp.ClientPayloadError("response too large")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return self._next(flight, classify_exception(exc), before_first_byte=False)
-        cached = None
-        if resp.content_type == "application/json":
-            cached = cached_tokens_of_body(body)
+        usage = usage_of_body(body) if resp.content_type == "application/json" else None
         flight.done = True
-        self.driver.finish(flight.rid, cached)
+        if usage is None:
+            self.driver.finish(flight.rid, None)
+        else:
+            self.driver.finish(flight.rid, usage.cached_tokens, usage_seen=True)
         headers = self._headers(flight)
         headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
         return web.Response(status=resp.status, body=body, headers=headers)
@@ -435,7 +439,7 @@ class Relay:
                 break
         flight.done = True
         if failure is None and not filt.saw_error:
-            self.driver.finish(flight.rid, filt.cached)
+            self.driver.finish(flight.rid, filt.cached, usage_seen=filt.usage_seen)
         else:
             self._next(flight, failure or FailureKind.UPSTREAM_ERROR, before_first_byte=False)
             if not filt.done:

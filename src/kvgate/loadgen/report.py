@@ -337,7 +337,11 @@ def build_report(
 
     n_in = sum(r.prompt_tokens for r in ok)
     n_out = sum(r.output_tokens for r in ok)
-    with_cache = [r for r in ok if r.cached_tokens is not None]
+    # vLLM and SGLang leave prompt_tokens_details out when nothing was cached: once the
+    # server states cached tokens at all, an answer whose usage lacks them is a miss
+    states = any(r.cached_tokens is not None for r in ok)
+    with_cache = [r for r in ok
+                  if r.cached_tokens is not None or (states and r.prompt_tokens_reported)]
     n_cached = sum(r.cached_tokens or 0 for r in with_cache)
     cache_den = sum(r.prompt_tokens for r in with_cache)
     cache_ratio = n_cached / cache_den if with_cache and cache_den > 0 else None

@@ -73,12 +73,12 @@ from kvgate.protocol.sse import (
     SSEParser,
     Usage,
     cached_tokens,
-    cached_tokens_of_body,
     encode_event,
     error_event,
     is_error_chunk,
     is_usage_only_chunk,
     parse_usage,
+    usage_of_body,
 )
 
 __all__ = [
@@ -118,7 +118,6 @@ __all__ = [
     "build_replay_reply",
     "build_replay_request",
     "cached_tokens",
-    "cached_tokens_of_body",
     "decode_batch",
     "decode_frames",
     "edit_body",
@@ -143,5 +142,6 @@ __all__ = [
     "replay_has_topic_frame",
     "schema_for",
     "server_error_body",
+    "usage_of_body",
     "with_fields",
 ]

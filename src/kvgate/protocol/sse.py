@@ -35,12 +35,12 @@ __all__ = [
     "SSEParser",
     "Usage",
     "cached_tokens",
-    "cached_tokens_of_body",
     "encode_event",
     "error_event",
     "is_error_chunk",
     "is_usage_only_chunk",
     "parse_usage",
+    "usage_of_body",
 ]
 
 DONE: Final = "[DONE]"
@@ -258,7 +258,8 @@ def parse_usage(obj: Mapping[str, Any]) -> Usage | None:
 
 def cached_tokens(obj: Mapping[str, Any]) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` (vLLM fills it only with
-    ``--enable-prompt-tokens-details``), or ``None``."""
+    ``--enable-prompt-tokens-details``, SGLang with ``--enable-cache-report``, and both
+    leave the details out when nothing was cached), or ``None``."""
     usage = parse_usage(obj)
     return usage.cached_tokens if usage is not None else None
 
@@ -280,10 +281,10 @@ def _json_object(data: str | bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def cached_tokens_of_body(body: bytes) -> int | None:
-    """:func:`cached_tokens` of a non-streamed JSON response body (``None`` when the body
-    is not a JSON object); skips parsing a body that cannot hold the field."""
-    if b"cached_tokens" not in body and b"\\u" not in body:  # (a key may be escaped)
+def usage_of_body(body: bytes) -> Usage | None:
+    """:func:`parse_usage` of a non-streamed JSON response body (``None`` when the body is
+    not a JSON object or has no usage); skips parsing a body that cannot hold one."""
+    if b"usage" not in body and b"\\u" not in body:  # (a key may be escaped)
         return None
     obj = _json_object(body)
-    return cached_tokens(obj) if obj is not None else None
+    return parse_usage(obj) if obj is not None else None
