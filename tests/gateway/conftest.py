@@ -63,6 +63,7 @@ class StubEngine:
     seen: list[Seen] = field(default_factory=list)
     disconnects: int = 0
     delay_s: float = 0.0  # every completion waits this long before answering
+    health_delay_s: float = 0.0  # /health answers this late (SGLang's: at least 1 s)
     inflight: int = 0  # completions being answered now
     peak_inflight: int = 0
     url: str = ""
@@ -94,6 +95,8 @@ class StubEngine:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return web.Response(status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:

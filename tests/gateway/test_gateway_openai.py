@@ -6,6 +6,9 @@ import json
 from typing import Any
 
 import openai
+import pytest
+
+from kvgate.core.errors import ConfigError
 
 
 def test_openai_sdk_completions_and_chat(kit: Any) -> None:
@@ -108,6 +111,42 @@ def test_route_headers_can_be_turned_off_and_priority_forwarded(kit: Any) -> Non
             assert status == 200
             assert "X-Kvgate-Node" not in headers and "X-Request-ID" in headers
             assert c.stubs[0].seen[-1].body["priority"] == 1
+
+    kit.run(body())
+
+
+def test_priority_is_sent_in_the_nodes_own_order(kit: Any) -> None:
+    """SGLang's --enable-priority-scheduling runs higher values first (unless
+    --schedule-low-priority-values-first): upstream.priority_order: high_first sends P0
+    as 2 and P2 as 0, so its scheduler still runs P0 first."""
+    async def body() -> None:
+        async with kit.cluster(1, upstream={"priority_order": "high_first"}) as c:
+            sent = []
+            for cls in ("0", "1", "2"):
+                status, _, _ = await c.post("/v1/completions", {"model": kit.MODEL, "prompt": "x"},
+                                            {"X-Kvgate-Priority": cls})
+                assert status == 200
+                sent.append(c.stubs[0].seen[-1].body["priority"])
+            assert sent == [2, 1, 0]
+
+    kit.run(body())
+    with pytest.raises(ConfigError, match="priority_order"):
+        from kvgate.gateway.config import UpstreamConfig
+        UpstreamConfig(priority_order="first")  # type: ignore[arg-type]
+
+
+def test_a_node_whose_health_check_takes_over_a_second_is_served(kit: Any) -> None:
+    """SGLang's /health runs a 1-token generation and answers after at least 1 s; with a
+    1 s timeout every SGLang node stayed down and every request was a 503."""
+    async def body() -> None:
+        from kvgate.gateway.config import NodesConfig
+
+        default = NodesConfig().health_timeout_s  # the tests' fast config sets 0.5
+        async with kit.cluster(1, stub={"health_delay_s": 1.2},
+                               nodes={"health_timeout_s": default}) as c:
+            status, headers, _ = await c.post("/v1/completions",
+                                              {"model": kit.MODEL, "prompt": "x"})
+            assert status == 200 and headers["X-Kvgate-Node"] == "n0"
 
     kit.run(body())
 

@@ -133,6 +133,10 @@ class UpstreamConfig:
     max_response_bytes: int = 64 * 1024 * 1024  # a non-streamed answer larger is a 502
     forward_priority: bool = True  # write the class into the body's `priority` (vLLM
     # needs --scheduling-policy priority for non-zero values)
+    # which priority values the nodes run first: "low_first" (vLLM; P0 is sent as 0,
+    # P2 as 2) or "high_first" (SGLang's --enable-priority-scheduling without
+    # --schedule-low-priority-values-first; P0 is sent as 2, P2 as 0)
+    priority_order: Literal["low_first", "high_first"] = "low_first"
     # The HTTP client of the hop to the nodes: "lean" (kvgate.gateway.lean_http, a
     # keep-alive pool on aiohttp's protocol and parser) or "aiohttp" (ClientSession).
     client: Literal["lean", "aiohttp"] = "lean"
@@ -144,6 +148,9 @@ class UpstreamConfig:
         if self.client not in ("lean", "aiohttp"):
             raise ConfigError(f"upstream.client must be 'lean' or 'aiohttp', got {self.client!r}",
                               param="client")
+        if self.priority_order not in ("low_first", "high_first"):
+            raise ConfigError("upstream.priority_order must be 'low_first' or 'high_first', "
+                              f"got {self.priority_order!r}", param="priority_order")
         _positive("upstream", connect_timeout_s=self.connect_timeout_s,
                   keepalive_s=self.keepalive_s,
                   stream_idle_timeout_s=self.stream_idle_timeout_s,
@@ -212,7 +219,8 @@ class NodeConfig:
 class NodesConfig:
     static: tuple[NodeConfig, ...] = ()
     health_interval_s: float = 1.0
-    health_timeout_s: float = 1.0
+    # SGLang's /health answers after a 1-token generation and at least 1 s
+    health_timeout_s: float = 3.0
     unhealthy_after: int = 3  # consecutive failed checks before the node is taken out
     healthy_after: int = 2  # consecutive passed checks before it is taken back
     metrics_interval_s: float = 1.0  # scrape each node's /metrics this often

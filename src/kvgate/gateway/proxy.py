@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvgate.core.admission.types import NUM_CLASSES
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
@@ -133,8 +134,13 @@ class CompletionsHandler:
             **prompt_form,
         )
         edits: dict[str, Any] = {}
-        if self.config.upstream.forward_priority and parsed.raw.get("priority") != priority:
-            edits["priority"] = priority
+        upstream = self.config.upstream
+        if upstream.forward_priority:
+            # the node's own priority value for the class (the classes run P0 first)
+            high_first = upstream.priority_order == "high_first"
+            sent = NUM_CLASSES - 1 - priority if high_first else priority
+            if parsed.raw.get("priority") != sent:
+                edits["priority"] = sent
         if parsed.stream and not parsed.include_usage:
             edits["stream_options"] = {"include_usage": True}
         headers = {
