@@ -288,6 +288,10 @@ def test_dashboard_page_and_state(admin_kit: Any) -> None:
             await s.chat("hello")
             status, html, headers = await s.call("GET", "/dashboard", token=None)
             assert status == 200 and headers["Content-Type"].startswith("text/html")
+            # not framed by another site, no base or form target to hijack
+            policy = headers["Content-Security-Policy"]
+            for rule in ("frame-ancestors 'none'", "base-uri 'none'", "form-action 'none'"):
+                assert rule in policy
             for el in ('id="requests-total"', 'id="nodes-body"', 'id="lease-state"',
                        'id="decisions-body"', 'id="hits-body"'):
                 assert el in html

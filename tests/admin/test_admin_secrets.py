@@ -17,6 +17,9 @@ def test_redact_url_hides_passwords_and_keeps_the_rest() -> None:
     assert redact_url("unix:///tmp/r.sock?db=0&password=pw") == (
         "unix:///tmp/r.sock?db=0&password=***")
     assert redact_url("unix:///tmp/r.sock") == "unix:///tmp/r.sock"
+    # redis-py decodes the query's keys: pass%77ord is its password too
+    shown = redact_url("redis://h:6379/0?pass%77ord=s3cret&db=1")
+    assert "s3cret" not in shown and shown.endswith("password=***&db=1")
 
 
 def test_redacted_config_hides_url_passwords() -> None:

@@ -44,7 +44,8 @@ class StubEngine:
     slow (a long stream / a long wait), hang (never answers), stall (a stream's
     headers, then nothing), burst (a long stream written at once, then no end),
     firehose (a stream that never ends, written as fast as it is taken), done-then-wait
-    (a stream whose body ends 50 ms after its ``[DONE]``).
+    (a stream whose body ends 50 ms after its ``[DONE]``), html (a 200 page of text/html),
+    400-html-json (a JSON error body labelled ``text/html; x=json``).
     """
 
     name: str
@@ -161,6 +162,12 @@ class StubEngine:
                 status=503,
                 headers=headers,
             )
+        if mode == "html":  # a hostile or broken node's page, as a 200
+            return web.Response(text="<html><script>alert(1)</script></html>",
+                                content_type="text/html")
+        if mode == "400-html-json":  # a JSON error labelled as a page
+            return web.Response(status=400, text='{"error": {"message": "<script>"}}',
+                                headers={"Content-Type": "text/html; x=json"})
         if mode == "redirect":  # e.g. an ingress sending plain http to https
             return web.Response(status=308, text="<html>moved</html>", content_type="text/html",
                                 headers={"Location": "https://elsewhere/v1/completions"})

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
 from kvgate.testing import raw_exchange
 
@@ -64,6 +65,13 @@ MALFORMED: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("unknown route", "POST", "/v1/nope", {"model": M}, {}, 404, None),
     ("wrong method", "GET", C, None, {}, 405, None),
     ("body too large", "POST", C, {"model": M, "prompt": "x" * 70_000}, {}, 413, None),
+    # what a web page can make a browser post cross-site without a preflight
+    ("a text/plain body", "POST", C, {"model": M, "prompt": "x"},
+     {"Content-Type": "text/plain; charset=utf-8"}, 415, None),
+    ("a form", "POST", CH, b'{"model":"stub-model","messages":[],"x":"="}',
+     {"Content-Type": "application/x-www-form-urlencoded"}, 415, None),
+    ("a multipart form", "POST", C, b"--b\r\n\r\n",
+     {"Content-Type": "multipart/form-data; boundary=b"}, 415, None),
 ]
 
 
@@ -73,7 +81,8 @@ def test_malformed_requests_get_the_right_4xx_and_the_gateway_stays_healthy(kit:
     async def body() -> None:
         async with kit.cluster(1, server={"client_max_size": 64 * 1024}) as c:
             for name, method, path, payload, headers, status, param in MALFORMED:
-                data = payload if isinstance(payload, bytes | None) else json.dumps(payload)
+                data = payload if isinstance(payload, bytes | None) else (
+                    json.dumps(payload).encode())  # (a str would go as text/plain)
                 async with c.session.request(method, c.url + path, data=data,
                                              headers=headers) as r:
                     raw = await r.read()
@@ -233,5 +242,19 @@ def test_slow_request_body_gets_408_and_nothing_hangs(kit: Any) -> None:
             assert data.startswith(b"HTTP/1.1 408"), data[:60]
             status, _, _ = await c.get("/health")
             assert status == 200
+
+    kit.run(body())
+
+
+@pytest.mark.parametrize("mode", ["html", "400-html-json"])
+def test_a_nodes_answer_is_never_served_as_a_page(kit: Any, mode: str) -> None:
+    """The node's own Content-Type was passed on: a hostile node's text/html answer (or
+    a JSON error labelled text/html) became a page of the gateway's origin."""
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": mode}) as c:
+            status, headers, _ = await c.post(C, {"model": M, "prompt": "x"})
+            assert status == (200 if mode == "html" else 400)
+            assert headers["Content-Type"].startswith("application/json")
+            assert headers["X-Content-Type-Options"] == "nosniff"
 
     kit.run(body())

@@ -38,6 +38,7 @@ from kvgate.core.errors import AuthError
 from kvgate.core.nodes import NodeTable
 from kvgate.edge import EdgeRunner, expect_handler, get_route_adder, json_response
 from kvgate.gateway.admin import register_admin
+from kvgate.gateway.body import UnsupportedMediaTypeError, check_json_body_type
 from kvgate.gateway.config import DEFAULT_GATEWAY_ID, GatewayConfig
 from kvgate.gateway.dashboard import register_dashboard
 from kvgate.gateway.driver import Driver, InProcessLeaseClient, LeaseClient, RemoteLeaseClient
@@ -208,7 +209,11 @@ def register_routes(app: web.Application, gw: Gateway) -> None:
     """Every route of the OpenAI surface and the probes, in one place."""
     # Expect: 100-continue is answered only for a caller and a size the proxy would take
     # the proxy's first check before a body is invited: a 401 for an unknown caller
-    known_caller = refusing(lambda r: gw.auth.identify(r.headers), AuthError)
+    def proxy_would_read(request: web.Request) -> None:
+        gw.auth.identify(request.headers)
+        check_json_body_type(request.headers)
+
+    known_caller = refusing(proxy_would_read, AuthError, UnsupportedMediaTypeError)
     expect = expect_handler(gw.config.server.client_max_size, known_caller)
     app.router.add_post("/v1/completions", gw.handler.completions, expect_handler=expect)
     app.router.add_post("/v1/chat/completions", gw.handler.chat, expect_handler=expect)

@@ -8,6 +8,8 @@ read bodies (the proxy and the admin API) go through :func:`read_body`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from aiohttp import web
 
 from kvgate.core.errors import ClientRequestError
@@ -20,6 +22,32 @@ class RequestTimeoutError(ClientRequestError):
 
 class MalformedBodyError(ClientRequestError):
     """The body's bytes could not be read as sent (encoding or framing): 400."""
+
+
+class UnsupportedMediaTypeError(ClientRequestError):
+    """A body declared as something other than JSON: 415."""
+
+    http_status = 415
+
+
+# The types a browser posts cross-site without asking the server first (CORS's
+# "simple" requests): an HTML form's two and text/plain.
+_SIMPLE_TYPES = frozenset(
+    {"application/x-www-form-urlencoded", "multipart/form-data", "text/plain"}
+)
+
+
+def check_json_body_type(headers: Mapping[str, str]) -> None:
+    """Refuse (415) a body declared as a form or as text/plain: a web page can make its
+    visitor's browser post those to any address without a CORS preflight, so it could
+    drive a gateway on the operator's network (when no API key is needed). vLLM and
+    SGLang refuse them too; JSON, none declared, or any other type is read as JSON."""
+    declared = headers.get("Content-Type")
+    if declared is not None and declared.split(";", 1)[0].strip().lower() in _SIMPLE_TYPES:
+        raise UnsupportedMediaTypeError(
+            "The request body must be JSON (Content-Type: application/json).",
+            code="unsupported_media_type",
+        )
 
 
 def _timed_out() -> RequestTimeoutError:

@@ -130,7 +130,8 @@ class Dashboard:
                 "Content-Type": "text/html; charset=utf-8",
                 "Cache-Control": "no-store",
                 "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
-                "style-src 'unsafe-inline'; connect-src 'self'; img-src data:",
+                "style-src 'unsafe-inline'; connect-src 'self'; img-src data:; "
+                "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
                 "X-Content-Type-Options": "nosniff",
                 "Referrer-Policy": "no-referrer",
             },

@@ -30,7 +30,7 @@ from kvgate.core.admission.types import NUM_CLASSES
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
-from kvgate.gateway.body import read_body
+from kvgate.gateway.body import check_json_body_type, read_body
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.errors import REQUEST_ID_HEADER
 from kvgate.gateway.identity import PRIORITY_HEADER, Authenticator
@@ -104,6 +104,7 @@ class CompletionsHandler:
     async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         # the key first: an unknown caller's body is never waited for nor buffered
         identity = self.auth.identify(request.headers)
+        check_json_body_type(request.headers)
         body = await read_body(request, self._body_timeout)
         parsed: ChatRequest | CompletionRequest
         if chat:

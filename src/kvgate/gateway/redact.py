@@ -14,10 +14,13 @@ def redact_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return REDACTED if "@" in url else url
-    if "password=" in parts.query:  # redis-py also reads ?password=
-        query = [(k, REDACTED if k == "password" else v)
-                 for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-        parts = parts._replace(query=urlencode(query, safe="*"))
+    if parts.query:
+        # redis-py also reads ?password=, its key percent-decoded (pass%77ord) and its
+        # case kept: every key that decodes to it is hidden
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        if any(k.lower() == "password" for k, _ in query):
+            query = [(k, REDACTED if k.lower() == "password" else v) for k, v in query]
+            parts = parts._replace(query=urlencode(query, safe="*"))
     if "@" in parts.netloc:
         userinfo, _, host = parts.netloc.rpartition("@")
         user, sep, _ = userinfo.partition(":")

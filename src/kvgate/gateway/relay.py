@@ -210,7 +210,8 @@ class Relay:
                 self.driver.take_preempted(flight.rid)
 
     def _headers(self, flight: Flight) -> dict[str, str]:
-        headers = {REQUEST_ID_HEADER: flight.client_rid}
+        # nosniff: a browser takes the answer as the JSON or event stream it is labelled
+        headers = {REQUEST_ID_HEADER: flight.client_rid, "X-Content-Type-Options": "nosniff"}
         if self.route_headers and flight.node is not None:
             headers[NODE_HEADER] = flight.node
             headers[REASON_HEADER] = flight.reason
@@ -358,9 +359,9 @@ class Relay:
             headers[SHOULD_RETRY_HEADER] = "false"
         if body and complete and _is_json_object(body):  # the engine's own, passed through
             flight.done = True
-            content_type = resp.headers.get("Content-Type", "")
-            headers["Content-Type"] = content_type if "json" in content_type else (
-                "application/json")
+            # JSON, whatever the node called it: an engine's text/html must not become a
+            # page of the gateway's origin
+            headers["Content-Type"] = "application/json"
             return web.Response(status=resp.status, body=body, headers=headers)
         if body and not complete:  # its first ERROR_BODY_LIMIT bytes would be broken JSON
             flight.done = True
@@ -391,7 +392,11 @@ class Relay:
         else:
             self.driver.finish(flight.rid, usage.cached_tokens, usage_seen=True)
         headers = self._headers(flight)
-        headers["Content-Type"] = resp.headers.get("Content-Type", "application/json")
+        # the node's own type only when it says JSON (its text/html would be a page of
+        # the gateway's origin)
+        headers["Content-Type"] = (resp.headers.get("Content-Type", "application/json")
+                                   if resp.content_type == "application/json"
+                                   else "application/json")
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def _relay_stream(
