@@ -276,6 +276,23 @@ def test_a_node_back_from_unhealthy_reads_its_notices_afresh(kit: Any) -> None:
     kit.run(body())
 
 
+def test_parse_load_counts_each_sglang_batch_once_across_parallel_ranks() -> None:
+    """--enable-metrics-for-all-schedulers: every TP (and PP) rank logs its data-parallel
+    rank's batch; summed, two TP ranks read as twice the load and the cache."""
+    labels = 'model_name="m",engine_type="unified",tp_rank="{tp}",pp_rank="0",dp_rank="{dp}"'
+    lines = []
+    for dp, running in ((0, 3), (1, 5)):
+        for tp in (0, 1):
+            lab = labels.format(tp=tp, dp=dp)
+            lines += [f"sglang:num_running_reqs{{{lab}}} {running}",
+                      f"sglang:num_queue_reqs{{{lab}}} 1",
+                      f"sglang:max_total_num_tokens{{{lab}}} 1000"]
+    sample = parse_load("\n".join(lines) + "\n")
+    assert sample is not None
+    # the two data-parallel ranks add up; their tensor-parallel copies do not
+    assert (sample.running, sample.waiting, sample.cache_tokens) == (8, 2, 2000)
+
+
 def test_parse_load_reads_the_cache_size_from_vllm_and_sglang_metrics() -> None:
     def cache_tokens(page: str) -> int | None:
         sample = parse_load("vllm:num_requests_running 1\n" + page)

@@ -81,6 +81,8 @@ def parse_load(text: str) -> LoadSample | None:
         if line.startswith(VLLM_CACHE_INFO):
             cache_tokens = max(cache_tokens, _vllm_cache_tokens(line))
             continue
+        if "_rank=" in line and line.startswith("sglang:") and _other_rank(line):
+            continue
         got = _sample(line)
         if got is None:
             continue
@@ -106,6 +108,14 @@ def parse_load(text: str) -> LoadSample | None:
         # one process serves the page: a sum of several lines would be no start time
         started_at=sums[PROCESS_START] if counts.get(PROCESS_START) == 1 else None,
     )
+
+
+def _other_rank(line: str) -> bool:
+    """An SGLang line of a tensor- or pipeline-parallel rank other than 0: with
+    ``--enable-metrics-for-all-schedulers`` every such rank logs the same batch as rank
+    0 (its data-parallel rank's), so adding its lines counted the load that many times."""
+    labels = _labels(line)
+    return labels.get("tp_rank", "0") != "0" or labels.get("pp_rank", "0") != "0"
 
 
 def _vllm_cache_tokens(line: str) -> int:

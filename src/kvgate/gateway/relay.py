@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -83,6 +84,9 @@ from kvgate.protocol import (
 )
 
 log = logging.getLogger("kvgate.gateway")
+# a chunk that may carry a usage object: older SGLang writes "usage": null into every
+# token chunk, which is not worth parsing
+_USAGE_OBJECT = re.compile(r'"usage"\s*:\s*\{')
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error body passed through
 FAST_WRITE_MAX = 16 * 1024  # a write this small to an empty send buffer never blocks
@@ -139,7 +143,7 @@ class StreamFilter:
                 out.append(ev.raw)
                 continue
             data = ev.data
-            if '"usage"' in data or '"error"' in data:
+            if ('"usage"' in data and _USAGE_OBJECT.search(data)) or '"error"' in data:
                 obj = ev.json()
                 if obj is not None:
                     if is_error_chunk(obj):
