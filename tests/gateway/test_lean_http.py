@@ -766,3 +766,140 @@ def test_gateway_paths_with_either_client(kit: Any, kind: str) -> None:
                 await kit.eventually(lambda: lean.open_connections == 0)
 
     kit.run(body())
+
+
+# ----------------------------------------------------------- audit cases (helper session)
+def test_credentials_in_the_node_url_are_sent_as_basic_auth() -> None:
+    """A node URL http://user:pw@host: aiohttp (and so the health probes) sends Basic
+    auth; the lean client dropped it, and every proxied request got the node's 401."""
+    async def body() -> None:
+        async with RawServer(ok) as srv, open_client() as c:
+            url = srv.url.replace("http://", "http://user:secret@") + "/v1/completions"
+            await fetch(c, c.target(url))
+            head = srv.requests[0][0]
+            assert b"\r\nAuthorization: Basic dXNlcjpzZWNyZXQ=\r\n" in head
+            assert b"secret" not in head and b"user:" not in head
+
+    run(body())
+
+
+@contextlib.asynccontextmanager
+async def _raw_server(handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                        Awaitable[None]]) -> AsyncIterator[str]:
+    """A server whose handler writes exact bytes; its URL. Handlers still running on the
+    way out are cancelled and their connections closed."""
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        try:
+            await handler(r, w)
+        finally:
+            w.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
+
+
+def test_a_connection_with_request_bytes_unsent_is_not_pooled() -> None:
+    """The node answered (a 413) before reading a large body and kept the connection: the
+    rest of the body was still queued, and the next request sent there queued behind it
+    (the node read body bytes as its request line, and the request failed)."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 2\r\n\r\n{}")
+        await w.drain()
+        await asyncio.sleep(1.0)  # never reads the body
+
+    async def body() -> None:
+        async with _raw_server(handler) as url, open_client() as c:
+            r = await c.request(c.target(url + "/x"), b"x" * (32 << 20), {})
+            assert r.status == 413 and await read_all(r) == b"{}"
+            r.release()
+            assert c.idle_connections == 0 and c.open_connections == 0
+
+    run(body())
+
+
+def test_a_read_timeout_still_runs_after_a_1xx() -> None:
+    """A 100 Continue or 103 Early Hints, then silence: the timer had ended with the 1xx,
+    so the answer proper was waited for without end."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(3.0)
+
+    async def body() -> None:
+        async with _raw_server(handler) as url, open_client() as c:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(aiohttp.ServerTimeoutError):
+                r = await c.request(c.target(url + "/x"), b"{}", {}, read_timeout=0.3)
+                await read_all(r)
+            assert loop.time() - t0 < 1.5
+
+    run(body())
+
+
+def test_an_answer_nobody_asked_for_is_not_taken_for_the_next_one() -> None:
+    """The node says "408, Connection: close" on an idle pooled connection and has not
+    closed it yet: the next request went out there and was handed that 408."""
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        await conn.send(answer(b"{}"))
+        if conn.requests == 1:
+            await asyncio.sleep(0.05)
+            await conn.send(b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
+                            b"Content-Length: 0\r\n\r\n")
+
+    async def body() -> None:
+        async with RawServer(handler) as srv, open_client() as c:
+            t = c.target(srv.url + "/x")
+            await fetch(c, t)
+            await asyncio.sleep(0.2)
+            r = await c.request(t, b"{}", {})
+            assert r.status == 200
+            await read_all(r)
+            r.release()
+            assert srv.connections == 2 and len(srv.requests) == 2
+
+    run(body())
+
+
+def test_a_woken_waiter_that_loses_the_connection_stays_first_in_line() -> None:
+    """limit 1: W1 then W2 wait; a request arriving just as the connection is given back
+    takes it; W1 must still go before W2 (it went to the back of the line)."""
+    async def slow(conn: RawConn, head: bytes, body: bytes) -> None:
+        await asyncio.sleep(0.05)
+        await conn.send(answer(b"{}"))
+
+    async def body() -> None:
+        async with RawServer(slow) as srv, open_client(limit=1) as c:
+            t = c.target(srv.url + "/x")
+            done: list[str] = []
+            held = await c.request(t, b"{}", {})
+
+            async def one(name: str) -> None:
+                await fetch(c, t)
+                done.append(name)
+
+            w1 = asyncio.ensure_future(one("W1"))
+            await asyncio.sleep(0.01)
+            w2 = asyncio.ensure_future(one("W2"))
+            await asyncio.sleep(0.01)
+            await read_all(held)
+            late = asyncio.ensure_future(one("late"))
+            held.release()
+            await asyncio.gather(w1, w2, late)
+            assert done == ["late", "W1", "W2"]
+
+    run(body())

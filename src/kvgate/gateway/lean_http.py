@@ -50,6 +50,7 @@ path above, so an aiohttp upgrade that changes them fails there first, and
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import ssl as ssl_mod
 from collections.abc import Mapping
@@ -108,7 +109,21 @@ class Target:
         if u.explicit_port is not None and u.explicit_port != (443 if self.ssl else 80):
             host = f"{host}:{u.explicit_port}"
         target = u.raw_path_qs or "/"
-        self.head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("ascii")
+        head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"
+        if u.user is not None:  # http://user:pw@host: Basic auth, as aiohttp sends it
+            head += f"Authorization: {_basic_auth(u.user, u.password or '')}\r\n"
+        self.head = head.encode("ascii")
+
+
+def _basic_auth(user: str, password: str) -> str:
+    """The Basic credentials of a URL's user and password (Latin-1, as aiohttp encodes
+    them, else UTF-8)."""
+    pair = f"{user}:{password}"
+    try:
+        raw = pair.encode("latin-1")
+    except UnicodeEncodeError:
+        raw = pair.encode("utf-8")
+    return "Basic " + base64.b64encode(raw).decode("ascii")
 
 
 class _Protocol(ResponseHandler):
@@ -321,6 +336,8 @@ class LeanClient:
                     message, content = await proto.read()
                     if message.code < 100 or message.code > 199 or message.code == 101:
                         break
+                    if read_timeout is not None:  # a 1xx ended the timer: the answer
+                        proto.start_timeout()  # proper must come in time too
             except (ServerDisconnectedError, ClientOSError):
                 resp.close()
                 if reused and attempt == 0 and not self._closed and proto.stale(sent_at):
@@ -361,6 +378,7 @@ class LeanClient:
         self, target: Target, deadline: float | None, *, reuse: bool = True
     ) -> tuple[_Conn, bool]:
         loop = self._loop
+        waited = False
         while True:
             if self._closed:
                 raise ClientConnectionError("the upstream client is closed")
@@ -369,13 +387,20 @@ class LeanClient:
                 now = loop.time()
                 while idle:
                     conn = idle.pop()
-                    if now - conn.idle_since < self.keepalive_s and conn.proto.is_connected():
+                    proto = conn.proto
+                    # should_close: the node said something unasked (a 408 and Connection:
+                    # close) on the idle connection, which must not read as our answer
+                    if (now - conn.idle_since < self.keepalive_s and proto.is_connected()
+                            and not proto.should_close):
                         return conn, True
                     self._discard(conn)
             if self._open < self.limit or self._evict_idle():
                 break
             fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(fut)
+            if waited:  # woken, but the slot went to another: first in line again
+                self._waiters.appendleft(fut)
+            else:
+                self._waiters.append(fut)
             try:
                 if deadline is None:
                     await fut
@@ -389,6 +414,7 @@ class LeanClient:
                     fut.cancel()
                     self._waiters.remove(fut)
                 raise
+            waited = True
         self._open += 1
         try:
             return await self._connect(target, deadline), False
@@ -423,7 +449,11 @@ class LeanClient:
         return _Conn(proto, target.key)
 
     def _put_back(self, conn: _Conn, reusable: bool) -> None:
-        if not reusable or self._closed or not conn.proto.is_connected():
+        transport = conn.proto.transport
+        # bytes of our request still unsent (a node that answered before reading the whole
+        # body, e.g. a 413): the next request would queue behind them
+        if (not reusable or self._closed or not conn.proto.is_connected()
+                or (transport is not None and transport.get_write_buffer_size() > 0)):
             self._discard(conn)
             return
         now = self._loop.time()
