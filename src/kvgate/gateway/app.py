@@ -207,8 +207,9 @@ GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("kvgate_gateway", Gateway)
 
 def register_routes(app: web.Application, gw: Gateway) -> None:
     """Every route of the OpenAI surface and the probes, in one place."""
-    # Expect: 100-continue is answered only for a caller and a size the proxy would take
-    # the proxy's first check before a body is invited: a 401 for an unknown caller
+    # Expect: 100-continue is answered only for a caller, a size and a body type the proxy
+    # would take: its first checks run before a body is invited (a 401 for an unknown
+    # caller, a 415 for a form or text/plain)
     def proxy_would_read(request: web.Request) -> None:
         gw.auth.identify(request.headers)
         check_json_body_type(request.headers)

@@ -25,7 +25,7 @@ class MalformedBodyError(ClientRequestError):
 
 
 class UnsupportedMediaTypeError(ClientRequestError):
-    """A body declared as something other than JSON: 415."""
+    """A body declared as a form or as text/plain: 415."""
 
     http_status = 415
 

@@ -15,7 +15,9 @@ Definitions (``vllm bench serve``, research/workloads.md section 4):
   A TPOT SLO is met by a request with one output token (TPOT taken as 0, as vLLM does);
   a TTFT SLO is never met without a measured TTFT (``--no-stream``).
 * Cache hit ratio: ``usage.prompt_tokens_details.cached_tokens`` summed over the
-  successful requests that report it, divided by their prompt tokens.
+  successful requests that report it, divided by their prompt tokens. vLLM and SGLang
+  leave the details out when nothing was cached: once any answer of the run states
+  cached tokens, an answer with a usage but without them counts as 0 cached.
 
 JSON keys (:meth:`LoadReport.to_dict`, ``kvgate bench --json``); times in seconds unless
 the key ends in ``_ms``; absent values are ``null``:
