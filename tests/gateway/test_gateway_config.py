@@ -183,7 +183,10 @@ def test_env_and_file_errors(tmp_path: Path) -> None:
     assert load_config(None, env={}) == GatewayConfig()
 
 
-def test_kvgate_serve_runs_until_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_kvgate_serve_runs_until_sigterm(tmp_path: Path, sig: str) -> None:
+    """SIGHUP (a closed terminal, a supervisor) drains as SIGTERM does: it used to end the
+    process at once (exit 129), cutting every stream."""
     code = ("import sys; from kvgate.gateway.serve import *; import argparse; "
             "p = argparse.ArgumentParser(); add_serve_parser(p.add_subparsers(dest='c')); "
             "sys.exit(run_serve(p.parse_args(sys.argv[1:])))")
@@ -207,7 +210,7 @@ def test_kvgate_serve_runs_until_sigterm(tmp_path: Path) -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, sig))
         assert proc.wait(timeout=10) == 0
     finally:
         if proc.poll() is None:

@@ -356,3 +356,36 @@ def test_stop_with_a_request_in_flight_takes_at_most_the_shutdown_timeout(kit: A
                 await call
 
     kit.run(body())
+
+
+def test_a_stop_drains_refusing_new_and_queued_requests_and_ends_streams_cleanly(
+        kit: Any) -> None:
+    """On stop: /ready turns 503 while the port still listens (server.drain_delay_s), new
+    and queued requests get a retryable 503 shutting_down (queued ones were left without
+    any answer, or admitted during the drain only to be cut), and a stream still running
+    at the deadline ends with an error event and [DONE] (it was cut mid-stream)."""
+
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "slow"}, admission={"budget": 1},
+                               server={"drain_delay_s": 0.5, "shutdown_timeout_s": 1.0}) as c:
+            stream = asyncio.ensure_future(c.post("/v1/completions", _req(1, stream=True)))
+            await kit.eventually(lambda: c.stubs[0].attempts == 1)
+            queued = asyncio.ensure_future(c.post("/v1/completions", _req(2)))
+            await kit.eventually(lambda: c.gw.gateway.driver.held == 1)
+            stop = asyncio.ensure_future(c.gw.stop())
+            status, headers, raw = await queued
+            assert status == 503 and json.loads(raw)["error"]["code"] == "shutting_down"
+            assert headers["Retry-After"] and "x-should-retry" not in headers
+            # still listening during the drain delay: unready, and new requests refused
+            status, _, raw = await c.get("/ready")
+            assert status == 503 and json.loads(raw)["status"] == "draining"
+            status, _, raw = await c.post("/v1/completions", _req(3))
+            assert status == 503 and json.loads(raw)["error"]["code"] == "shutting_down"
+            status, _, raw = await stream
+            events = [e for e in raw.decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
+            await stop
+            assert c.stubs[0].attempts == 1  # nothing was sent to the node after the stop
+
+    kit.run(body())

@@ -148,6 +148,20 @@ class Gateway:
             await self.redis.close()
         await self.upstream.close()
 
+    @property
+    def draining(self) -> bool:
+        return self.handler.draining
+
+    def begin_drain(self) -> None:
+        """Stopping: /ready turns 503, new requests are refused 503 shutting_down (their
+        clients may retry elsewhere at once), and so are the ones held in the queue."""
+        if self.handler.draining:
+            return
+        self.handler.draining = True
+        shed = self.driver.shed_held()
+        log.info("draining: %d request(s) in flight, %d queued one(s) refused 503",
+                 self.controller.in_flight(), shed)
+
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """Ready while the gateway can admit. Every lease state admits (ACTIVE and
         EXPIRED_REUSING from the lease, SAFE from its safe limit, NO_ASSIGNMENT P0
@@ -168,6 +182,8 @@ class Gateway:
 
     async def ready_handler(self, request: web.Request) -> web.StreamResponse:
         ok, detail = self.ready()
+        if self.draining:  # stopping: a load balancer must send nothing more here
+            return json_response(503, {"status": "draining", **detail}, {"Retry-After": "1"})
         if ok:
             return json_response(200, {"status": "ready", **detail})
         return json_response(503, {"status": "not_ready", **detail}, {"Retry-After": "1"})
@@ -203,6 +219,8 @@ class Gateway:
 
 
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("kvgate_gateway", Gateway)
+# a stop ends the streams still running this long before aiohttp cancels their handlers
+STREAM_END_MARGIN_S = 0.25
 
 
 def register_routes(app: web.Application, gw: Gateway) -> None:
@@ -267,9 +285,25 @@ class GatewayServer:
         return f"http://{host}:{self.port}"
 
     async def stop(self) -> None:
-        """Stop accepting, drain in-flight requests (bounded), stop the loops."""
+        """Drain and stop: refuse new and queued requests (503 shutting_down) and turn
+        /ready to 503, still listening for ``server.drain_delay_s``; then stop accepting
+        and let in-flight requests finish within ``server.shutdown_timeout_s``, ending
+        the streams still running just before with an error event and ``[DONE]``; then
+        stop the loops."""
+        srv = self.gateway.config.server
         try:
-            await self.runner.cleanup()
+            self.gateway.begin_drain()
+            if srv.drain_delay_s > 0:
+                await asyncio.sleep(srv.drain_delay_s)
+            cleanup = asyncio.ensure_future(self.runner.cleanup())
+            # aiohttp cancels the handlers after half the timeout (see start_gateway)
+            grace = max(0.0, srv.shutdown_timeout_s / 2 - STREAM_END_MARGIN_S)
+            done, _ = await asyncio.wait({cleanup}, timeout=grace)
+            if not done:
+                ended = self.gateway.relay.end_streams()
+                if ended:
+                    log.info("stopping: ended %d stream(s) still running", ended)
+            await cleanup
         finally:
             await self.gateway.stop()
 

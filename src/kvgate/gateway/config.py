@@ -91,6 +91,10 @@ class ServerConfig:
     # closed, after a 408 if part of a head came (slowloris)
     header_timeout_s: float = 30.0
     shutdown_timeout_s: float = 10.0  # graceful drain of in-flight requests on stop
+    # on stop, first this long still listening with /ready at 503 and new requests
+    # refused 503 shutting_down, so a load balancer (whose view lags) stops sending
+    # here before the port closes; the stop then takes up to this + shutdown_timeout_s
+    drain_delay_s: float = 0.0
     gateway_id: str = DEFAULT_GATEWAY_ID
     seed: int | None = None  # routing randomness (exploration); None = from the OS
 
@@ -117,6 +121,9 @@ class ServerConfig:
         _positive("server", client_max_size=self.client_max_size,
                   shutdown_timeout_s=self.shutdown_timeout_s, body_timeout_s=self.body_timeout_s,
                   header_timeout_s=self.header_timeout_s)
+        if self.drain_delay_s < 0:
+            raise ConfigError(f"server.drain_delay_s must be >= 0, got {self.drain_delay_s}",
+                              param="drain_delay_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -312,6 +312,21 @@ class Driver:
             fut.cancel()
         self.apply(self.controller.on_cancelled(rid, self.clock()))
 
+    def shed_held(self) -> int:
+        """Stopping: every held request is answered 503 ``shutting_down`` now, which its
+        client may retry at once elsewhere (the queue would outlive the gateway); returns
+        how many."""
+        shed = 0
+        for rid in list(self._waiters):
+            fut = self._waiters.pop(rid)
+            self.apply(self.controller.on_cancelled(rid, self.clock()))
+            if not fut.done():
+                fut.set_result(Reject(request_id=rid, rejected=make_rejection(
+                    RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry.",
+                    request_id=rid)))
+                shed += 1
+        return shed
+
     @property
     def held(self) -> int:
         return len(self._waiters)

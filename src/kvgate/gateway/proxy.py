@@ -26,13 +26,13 @@ from typing import Any
 
 from aiohttp import web
 
-from kvgate.core.admission.types import NUM_CLASSES
+from kvgate.core.admission.types import NUM_CLASSES, RejectReason, make_rejection
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
 from kvgate.gateway.body import check_json_body_type, read_body
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.errors import REQUEST_ID_HEADER
+from kvgate.gateway.errors import REQUEST_ID_HEADER, reject_response
 from kvgate.gateway.identity import PRIORITY_HEADER, Authenticator
 from kvgate.gateway.node_watcher import NodeWatcher
 from kvgate.gateway.relay import Flight, Relay
@@ -88,6 +88,7 @@ class CompletionsHandler:
         self.auth = auth
         self.watcher = watcher
         self.relay = relay
+        self.draining = False  # the gateway is stopping: every new request is refused
         self._max_body = config.server.client_max_size
         self._body_timeout = config.server.body_timeout_s
         # watcher.serves(model) per model, valid while the node table's version (which
@@ -102,6 +103,9 @@ class CompletionsHandler:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        if self.draining:  # stopping: another gateway may take it at once
+            return reject_response(make_rejection(
+                RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the request."))
         # the key first: an unknown caller's body is never waited for nor buffered
         identity = self.auth.identify(request.headers)
         check_json_body_type(request.headers)

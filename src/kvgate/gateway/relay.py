@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvgate.core.admission import FailureKind, Rejected
+from kvgate.core.admission import FailureKind, Rejected, RejectReason
 from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
 from kvgate.core.errors import InvariantViolation
 from kvgate.core.events import RequestArrived
@@ -108,6 +108,7 @@ class Flight:
     node: NodeId | None = None
     reason: str = ""
     response: web.StreamResponse | None = None  # the client's stream, once it began
+    shutting_down: bool = False  # its stream was ended because the gateway stops
 
 
 class StreamFilter:
@@ -180,6 +181,22 @@ class Relay:
         self.write_timeout_s = upstream.config.stream_idle_timeout_s
         # keep-alive comments reset the idle timer: this bounds the wait for real data
         self.first_event_timeout_s = upstream.config.first_event_timeout_s
+        # the streams being relayed, with their node's response: what end_streams() ends
+        self._streams: dict[RequestId, tuple[Flight, UpstreamResponse]] = {}
+
+    def end_streams(self) -> int:
+        """The gateway stops: every stream still relayed ends now with an error event
+        coded ``shutting_down`` and ``[DONE]`` (closing its node's response aborts the
+        node's work), instead of being cut mid-event when its handler is cancelled.
+        Returns how many."""
+        streams = list(self._streams.values())
+        for flight, resp in streams:
+            flight.shutting_down = True
+            # wake the relay waiting on the node's next chunk (closing the connection
+            # alone does not reach a reader the client detached)
+            resp.content.set_exception(aiohttp.ClientConnectionError("gateway stopping"))
+            resp.close()
+        return len(streams)
 
     async def run(
         self, request: web.Request, flight: Flight, arrived: RequestArrived
@@ -416,11 +433,14 @@ class Relay:
         headers["Content-Type"] = resp.headers.get("Content-Type", "text/event-stream")
         headers["Cache-Control"] = "no-cache"
         out = flight.response = web.StreamResponse(status=200, headers=headers)
+        self._streams[flight.rid] = (flight, resp)
         try:
             await self._pump(request, flight, content, filt, data, out)
         except ConnectionResetError:  # the client went away; run() forgets the request
             self.metrics.client_disconnects += 1
             request[CLIENT_GONE] = True  # a 499, however the disconnect was noticed
+        finally:
+            self._streams.pop(flight.rid, None)
         return out  # already prepared: aiohttp only finishes it
 
     async def _pump(self, request: web.Request, flight: Flight, content: aiohttp.StreamReader,
@@ -447,7 +467,12 @@ class Relay:
                 failure = FailureKind.UPSTREAM_ERROR
                 break
         flight.done = True
-        if failure is None and not filt.saw_error:
+        if flight.shutting_down:  # ended by end_streams(): the node did nothing wrong
+            self.driver.cancel(flight.rid)
+            if not filt.done:
+                await send(error_event("The gateway is shutting down; retry the request.",
+                                       code=RejectReason.SHUTTING_DOWN.value))
+        elif failure is None and not filt.saw_error:
             self.driver.finish(flight.rid, filt.cached, usage_seen=filt.usage_seen)
         else:
             self._next(flight, failure or FailureKind.UPSTREAM_ERROR, before_first_byte=False)

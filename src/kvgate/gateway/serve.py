@@ -1,4 +1,5 @@
-"""``kvgate serve``: run the gateway until SIGINT or SIGTERM.
+"""``kvgate serve``: run the gateway until SIGINT, SIGTERM or SIGHUP (a second one
+during the drain exits at once).
 
 The lead wires it into ``kvgate.cli``::
 
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -122,9 +124,20 @@ async def _serve(config: GatewayConfig) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+
+    def on_signal(name: str) -> None:
+        if stop.is_set():  # a second one during the drain: the operator means it
+            log.warning("%s again while draining: exiting now", name)
+            os._exit(1)
+        log.info("%s: stopping", name)
+        stop.set()
+
+    # SIGHUP too (a closed terminal, a supervisor's reload): drain as for SIGTERM, where
+    # Python's default ended the process at once, cutting every stream
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, on_signal, sig.name)
     server = await start_gateway(config)
     print(f"kvgate gateway serving on {server.url} ({len(server.nodes)} node(s))", flush=True)
     try:

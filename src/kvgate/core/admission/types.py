@@ -55,6 +55,7 @@ class RejectReason(StrEnum):
     OVERLOADED = "overloaded"
     DEGRADED = "degraded"
     PREEMPTED = "preempted"  # a P2 request ended to give P0 / P1 back what it borrowed
+    SHUTTING_DOWN = "shutting_down"  # the gateway is stopping: another one may take it
 
 
 REJECT_HTTP_STATUS: Mapping[RejectReason, int] = {
@@ -66,6 +67,7 @@ REJECT_HTTP_STATUS: Mapping[RejectReason, int] = {
     RejectReason.OVERLOADED: 503,
     RejectReason.DEGRADED: 503,
     RejectReason.PREEMPTED: 503,
+    RejectReason.SHUTTING_DOWN: 503,
 }
 
 REJECT_RETRYABLE: Mapping[RejectReason, bool] = {
@@ -77,6 +79,7 @@ REJECT_RETRYABLE: Mapping[RejectReason, bool] = {
     RejectReason.OVERLOADED: False,
     RejectReason.DEGRADED: True,
     RejectReason.PREEMPTED: True,
+    RejectReason.SHUTTING_DOWN: True,
 }
 
 
