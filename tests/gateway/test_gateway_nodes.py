@@ -358,3 +358,47 @@ def test_index_capacity_follows_the_node_cache_unless_configured(kit: Any) -> No
             assert blocks("set") == 77 and ctl.index.capacity(NodeId("set")) == 77
 
     kit.run(body())
+
+
+def test_a_node_going_down_is_logged_with_what_its_health_check_got(
+        kit: Any, caplog: Any) -> None:
+    """The line said only "node n0 is unhealthy": refused, timed out or an HTTP status
+    are told apart now (without the URL, which may hold a password)."""
+    import logging
+
+    import aiohttp
+
+    from kvgate.gateway.node_watcher import _probe_error
+    from kvgate.testing import eventually
+
+    async def body() -> None:
+        async with kit.cluster(1) as c:
+            caplog.set_level(logging.WARNING, logger="kvgate.gateway.nodes")
+            c.stubs[0].healthy = False
+            await eventually(lambda: not c.gw.controller.nodes.get(NodeId("n0")).healthy)
+            assert "node n0 is unhealthy (health check: HTTP 503)" in caplog.text
+
+    kit.run(body())
+    refused = aiohttp.ClientConnectorError(
+        aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None),
+        ConnectionRefusedError(111, "Connection refused"))
+    assert _probe_error(refused, 3.0) == "cannot connect (Connection refused)"
+    assert _probe_error(TimeoutError(), 3.0) == "no answer within 3 s"
+
+
+def test_a_node_configured_for_a_model_it_does_not_serve_is_logged(
+        kit: Any, caplog: Any) -> None:
+    """models: set for a node that serves another model: its requests all got the node's
+    404 and nothing was logged."""
+    import logging
+
+    async def body() -> None:
+        caplog.set_level(logging.WARNING, logger="kvgate.gateway.nodes")
+        async with kit.cluster(1, extra_nodes=[]) as c:
+            url = c.stubs[0].url
+            await c.gw.gateway.watcher.add(NodeConfig(id="mis", url=url, models=("other",)))
+            assert (f"node mis is configured for model(s) other but serves {kit.MODEL}"
+                    in caplog.text)
+            assert "node n0 is configured" not in caplog.text
+
+    kit.run(body())

@@ -66,6 +66,7 @@ class NodeRuntime:
     errors: Counter[str] = field(default_factory=Counter)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     kv: NodeKvWatch | None = None  # precise mode, with the node's kv_events
+    last_health: str = ""  # what its last failed health check got, for the log line
 
     @property
     def node_id(self) -> NodeId:
@@ -264,7 +265,9 @@ class NodeWatcher:
                 timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False,
             ) as resp:
                 return resp.status, await resp.read()
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            if path == "/health":
+                rt.last_health = _probe_error(exc, timeout)
             return None
 
     async def check_health(self, rt: NodeRuntime, *, first: bool = False) -> None:
@@ -279,6 +282,8 @@ class NodeWatcher:
                 await self.discover(rt)
             return
         rt.errors["health"] += 1
+        if got is not None:
+            rt.last_health = f"HTTP {got[0]}"
         rt.passes = 0
         rt.fails += 1
         if rt.watch_healthy and rt.fails >= self.config.unhealthy_after:
@@ -288,7 +293,11 @@ class NodeWatcher:
 
     def _mark(self, rt: NodeRuntime, *, healthy: bool) -> None:
         if rt.watch_healthy != healthy:
-            log.warning("node %s is %s", rt.node_id, "back" if healthy else "unhealthy")
+            if healthy:
+                log.warning("node %s is back", rt.node_id)
+            else:
+                log.warning("node %s is unhealthy (health check: %s)", rt.node_id,
+                            rt.last_health or "no answer")
             if healthy:
                 _forget_notices(rt)  # most likely a new process: its log starts afresh
         rt.watch_healthy = healthy
@@ -303,6 +312,12 @@ class NodeWatcher:
         if info is None:
             rt.errors["models"] += 1
             return
+        missing = sorted(set(rt.config.models) - set(info.ids)) if info.ids else []
+        if missing and (rt.models is None or set(rt.models.ids) != set(info.ids)):
+            # its configured models route there anyway, and every such request gets the
+            # node's 404: say so once (each time its list changes)
+            log.warning("node %s is configured for model(s) %s but serves %s",
+                        rt.node_id, ", ".join(missing), ", ".join(info.ids))
         rt.models = info
         if self._current(rt):
             spec = self._spec(rt)
@@ -456,3 +471,14 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
+
+
+def _probe_error(exc: BaseException, timeout: float) -> str:
+    """A probe's failure in a few words (no URL: it may hold a password)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g} s"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.os_error.strerror or type(exc.os_error).__name__})"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return type(exc).__name__
