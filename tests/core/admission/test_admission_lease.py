@@ -153,8 +153,23 @@ def test_coordinator_never_reachable_stays_no_assignment() -> None:
     states = _drive(gw, coord, 0.0, 20.0)
     assert states == [LeaseState.NO_ASSIGNMENT]
     assert [kind(gw.admit(req(0), 20.0)) for _ in range(7)].count("Admitted") == 6
-    assert isinstance(gw.admit(req(1), 20.0), Queued)
+    # P1 and P2 are told at once (503, retry) instead of held for their queue timeout
+    # and then refused as not retryable (a 429): no grant may come for long
+    for c in (1, 2):
+        refused = gw.admit(req(c), 20.0)
+        assert isinstance(refused, Rejected) and refused.reason is RejectReason.DEGRADED
+        assert refused.http_status == 503 and refused.retryable_by_client
     assert coord.calls == pytest.approx(40, abs=2)  # periodic retries only
+
+
+def test_requests_queued_before_a_first_refresh_fails_are_refused_then() -> None:
+    cfg = AdmissionConfig(budget=14)
+    gw = GatewayAdmission(cfg, "g")
+    assert isinstance(gw.admit(req(1, rid="early"), 0.0), Queued)  # the first grant comes
+    gw.refresh_failed(0.1)  # ... or not
+    out = gw.poll(0.1)
+    assert [(type(o).__name__, o.request_id) for o in out] == [("Rejected", "early")]
+    assert isinstance(out[0], Rejected) and out[0].reason is RejectReason.DEGRADED
 
 
 def test_grant_for_another_gateway_is_a_bug() -> None:

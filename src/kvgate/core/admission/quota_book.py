@@ -8,7 +8,8 @@ States (Envoy RLQS names)::
       (start)                  +--------------grant---------- SAFE
 
 - NO_ASSIGNMENT (start-up, no grant yet): P0 only, class capacity K / expected
-  gateways, degraded. P1 and P2 wait in their queues for the first grant. Failed
+  gateways, degraded. P1 and P2 wait in their queues for the first grant, until a
+  refresh fails: then they are rejected DEGRADED (and those queued too). Failed
   refreshes do not move it to SAFE: SAFE's bound comes from a grant (the last lease,
   the gateways it counted), and with none, K / expected_gateways is the only bound
   there is. So a fleet of N gateways must set expected_gateways = N, or, started
@@ -56,7 +57,8 @@ class LocalLimits:
     p0_reserve: int  # credits P1/P2 must leave free for P0 (minus P0's own in-flight)
     bypass: int  # bypass-lane credits
     has: Triple  # per-class lease, as reported back to the coordinator
-    p2_rejected: bool  # P2 is off: reject DEGRADED instead of queueing
+    # the classes from this one on are off: rejected DEGRADED instead of queued (3: none)
+    reject_from: int
     degraded: bool
 
 
@@ -200,7 +202,9 @@ class QuotaBook:
                 p0_reserve=0,
                 bypass=bypass,
                 has=(total, 0, 0),
-                p2_rejected=False,
+                # once a refresh failed no grant may come for long: P1 and P2 are told
+                # now (503, retry) rather than held until their queue timeout (a 429)
+                reject_from=1 if self.failures else 3,
                 degraded=True,
             )
         scale = self._scale()
@@ -220,7 +224,7 @@ class QuotaBook:
             p0_reserve=min(sc(g.p0_reserve), total),
             bypass=sc(g.bypass),
             has=(min(sc(g.grants[0]), total), g1, g2),
-            p2_rejected=p2_off,
+            reject_from=2 if p2_off else 3,
             degraded=safe,
         )
 

@@ -82,11 +82,11 @@ class Stage1Limiter:
         "_inuse_total",
         "_live",
         "_next_transition",
-        "_p2_rejected",
         "_pending",
         "_queued_total",
         "_queues",
         "_quotas",
+        "_reject_from",
         "_rejected",
         "_reported_active",
         "_reserve",
@@ -139,7 +139,7 @@ class Stage1Limiter:
         self._reserve = 0
         self._bypass_limit = 0
         self._has = (0, 0, 0)
-        self._p2_rejected = False
+        self._reject_from = 3  # the first class rejected DEGRADED, not queued (3: none)
         self._degraded = True
         self._next_transition = math.inf
         self._apply_limits()
@@ -205,12 +205,9 @@ class Stage1Limiter:
             slots[tenant] = slots.get(tenant, 0) + 1
             self._admitted[c] += 1
             return admitted(req.request_id, tenant, c, "class", serial)
-        if c == 2 and self._p2_rejected:
+        if c >= self._reject_from:
             return self._reject(
-                req,
-                RejectReason.DEGRADED,
-                "P2 is off while the gateway runs in safe mode",
-                self.config.safe_mode.retry_after_s,
+                req, RejectReason.DEGRADED, _off(c), self.config.safe_mode.retry_after_s
             )
         return self._enqueue(req, now)
 
@@ -370,22 +367,24 @@ class Stage1Limiter:
         self._reserve = lim.p0_reserve
         self._bypass_limit = lim.bypass
         self._has = lim.has
-        self._p2_rejected = lim.p2_rejected
+        self._reject_from = lim.reject_from
         self._degraded = lim.degraded
         self._next_transition = self._book.next_transition
         # zeros too: the grant names the tenants in use anywhere in the fleet, and one
         # at 0 here is not new (a first-sight allowance would put the fleet over)
         self._tenant_limits = dict(self._book.tenant_limits())
-        if lim.p2_rejected and self._queues[2].size:
-            for entry in self._queues[2].drain():
-                self._pending.append(
-                    self._forget(
-                        entry,
-                        RejectReason.DEGRADED,
-                        "P2 is off while the gateway runs in safe mode",
-                        self.config.safe_mode.retry_after_s,
-                    )
-                )
+        for c in range(lim.reject_from, len(self._queues)):
+            for entry in self._queues[c].drain() if self._queues[c].size else ():
+                self._pending.append(self._forget(
+                    entry, RejectReason.DEGRADED, _off(c), self.config.safe_mode.retry_after_s
+                ))
+
+
+def _off(c: int) -> str:
+    """Why class ``c`` is refused while the gateway runs degraded."""
+    if c == 2:
+        return "P2 is off while the gateway runs in safe mode"
+    return f"P{c} is off until the gateway reaches its coordinator"
 
 
 def _too_long(total: int, output: int, max_seq_len: int | None, estimated: bool) -> str:
