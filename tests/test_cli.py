@@ -100,3 +100,32 @@ def test_serve_help_shows_the_config_defaults(capsys: pytest.CaptureFixture[str]
     assert f"(admission.budget, default {AdmissionSection().budget})" in out
     assert "(server.route_headers, default on)" in out
     assert "(nodes.metrics_interval_s, default 1)" in out and "(default info)" in out
+
+
+def test_kvgate_up_says_when_a_crashed_engines_log_goes_away(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine that died is reported with its log file; without --log-dir that file is
+    removed when kvgate up exits, which the line now says."""
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+
+    from kvgate.commands.up import _watch_engines
+
+    dead = SimpleNamespace(node_id="node-1", pid=4242, alive=lambda: False,
+                           proc=SimpleNamespace(returncode=-9), log_path="/tmp/x/node-1.log")
+
+    async def watch(own: bool) -> None:
+        task = asyncio.ensure_future(_watch_engines(
+            SimpleNamespace(engines=[dead], own_log_dir=own)))  # type: ignore[arg-type]
+        await asyncio.sleep(1.2)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(watch(True))
+    err = capsys.readouterr().err
+    assert "engine node-1 (pid 4242) exited with code -9; see /tmp/x/node-1.log" in err
+    assert "removed when kvgate up exits; --log-dir keeps it" in err
+    asyncio.run(watch(False))
+    assert "removed" not in capsys.readouterr().err

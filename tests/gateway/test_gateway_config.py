@@ -153,6 +153,8 @@ def test_bad_config_is_a_clear_config_error(raw: dict[str, Any], message: str,
     with pytest.raises(ConfigError) as exc:
         load_config(path, env={})
     assert message in exc.value.message
+    if "section" in message:  # a file's own mistake names the file
+        assert f"config file {path}: unknown section" in exc.value.message
 
 
 def test_env_and_file_errors(tmp_path: Path) -> None:

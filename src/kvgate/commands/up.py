@@ -667,6 +667,8 @@ async def _watch_engines(cluster: Cluster) -> None:
                 reported.add(e.pid)
                 _say(
                     f"kvgate up: engine {e.node_id} (pid {e.pid}) exited with code "
-                    f"{e.proc.returncode}; see {e.log_path}",
+                    f"{e.proc.returncode}; see {e.log_path}"
+                    + (" (removed when kvgate up exits; --log-dir keeps it)"
+                       if cluster.own_log_dir else ""),
                     err=True,
                 )

@@ -57,7 +57,7 @@ def load_config(
     """YAML file (optional) + environment (default ``os.environ``) + flag overrides."""
     raw: Raw = {s: {} for s in SECTIONS}
     if path is not None:
-        _merge(raw, read_yaml(path), "config file")
+        _merge(raw, read_yaml(path), f"config file {path}")
     _merge(raw, env_overrides(os.environ if env is None else env), "environment")
     if overrides:
         _merge(raw, overrides, "flags")
