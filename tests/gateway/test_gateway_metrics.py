@@ -213,3 +213,28 @@ def test_an_attempt_at_a_node_removed_meanwhile_is_not_counted(kit: Any) -> None
             assert 'node="gone"' not in raw.decode()
 
     kit.run(body())
+
+
+def test_the_access_log_names_request_id_node_and_time_and_skips_probes(
+        kit: Any, caplog: Any) -> None:
+    """server.access_log: aiohttp's default line had no request id, node or duration, and
+    logged every health check and scrape."""
+    import logging
+
+    async def body() -> None:
+        caplog.set_level(logging.INFO, logger="kvgate.access")
+        async with kit.cluster(1, server={"access_log": True}) as c:
+            status, _, _ = await c.post("/v1/completions",
+                                        {"model": kit.MODEL, "prompt": "x"},
+                                        {"X-Request-Id": "abc-123"})
+            assert status == 200
+            for path in ("/health", "/ready", "/metrics"):
+                await c.get(path)
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.access"]
+        assert len(lines) == 1, lines
+        assert '"POST /v1/completions HTTP/1.1" 200' in lines[0]
+        assert "rid=abc-123 node=n0 reason=" in lines[0]
+        seconds = lines[0].split('" 200 ')[1].split()[1]
+        assert 0 < float(seconds) < 5
+
+    kit.run(body())

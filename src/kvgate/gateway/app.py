@@ -31,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
+from aiohttp.web_request import BaseRequest
 
 from kvgate.core.admission import AdmissionConfig, InProcessCoordinator
 from kvgate.core.controller import Controller
@@ -221,6 +223,20 @@ class Gateway:
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("kvgate_gateway", Gateway)
 # a stop ends the streams still running this long before aiohttp cancels their handlers
 STREAM_END_MARGIN_S = 0.25
+# one line per request: who, what, status, bytes, seconds, and the request id and node a
+# client's report or a node's log can be matched with
+ACCESS_LOG_FORMAT = ('%a "%r" %s %b %Tf rid=%{X-Request-Id}o node=%{X-Kvgate-Node}o '
+                     'reason=%{X-Kvgate-Route-Reason}o')
+# probes and scrapes, answered every second or so: not worth a line each
+_QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/dashboard/state"})
+
+
+class AccessLog(AccessLogger):
+    """aiohttp's access logger, without the probe and scrape paths."""
+
+    def log(self, request: BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if request.path not in _QUIET_PATHS:
+            super().log(request, response, time)
 
 
 def register_routes(app: web.Application, gw: Gateway) -> None:
@@ -328,6 +344,8 @@ async def start_gateway(
             header_timeout_s=srv.header_timeout_s,
             handler_cancellation=True,
             access_log=logging.getLogger("kvgate.access") if srv.access_log else None,
+            access_log_class=AccessLog,
+            access_log_format=ACCESS_LOG_FORMAT,
             # aiohttp waits this long for handlers, then as long again for the
             # connections it closes: half each keeps the whole stop within the setting
             # (it took 20.1 s with one request in flight and the default 10 s)
