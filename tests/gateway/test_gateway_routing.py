@@ -389,3 +389,21 @@ def test_a_stop_drains_refusing_new_and_queued_requests_and_ends_streams_cleanly
             assert c.stubs[0].attempts == 1  # nothing was sent to the node after the stop
 
     kit.run(body())
+
+
+def test_a_stop_answers_a_request_its_node_has_not_answered_yet(kit: Any) -> None:
+    """At the stop's deadline a request still waiting for its node's first byte gets a
+    retryable 503 shutting_down (its connection was closed with no answer at all)."""
+
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "hang"},
+                               server={"shutdown_timeout_s": 1.0}) as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", _req(1, stream=True)))
+            await kit.eventually(lambda: c.stubs[0].attempts == 1)
+            await c.gw.stop()
+            status, headers, raw = await call
+            assert status == 503 and json.loads(raw)["error"]["code"] == "shutting_down"
+            assert "x-should-retry" not in headers
+            assert c.gw.controller.stats.failures == {}  # the node is not blamed
+
+    kit.run(body())

@@ -318,7 +318,7 @@ class GatewayServer:
             if not done:
                 ended = self.gateway.relay.end_streams()
                 if ended:
-                    log.info("stopping: ended %d stream(s) still running", ended)
+                    log.info("stopping: ended %d request(s) still running", ended)
             await cleanup
         finally:
             await self.gateway.stop()

@@ -279,6 +279,14 @@ class Driver:
         for rid in self.controller.take_aborts():
             self._abort(rid)
 
+    def abort_all_unanswered(self) -> int:
+        """Stopping: every attempt still waiting for its node's first byte ends now (the
+        relay answers it 503 shutting_down); returns how many."""
+        rids = list(self._guards)
+        for rid in rids:
+            self._abort(rid)
+        return len(rids)
+
     def _abort(self, rid: RequestId) -> None:
         handle = self._guards.pop(rid, None)
         if handle is not None:  # None: its answer is already coming in, let it be

@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvgate.core.admission import FailureKind, Rejected, RejectReason
+from kvgate.core.admission import FailureKind, Rejected, RejectReason, make_rejection
 from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
 from kvgate.core.errors import InvariantViolation
 from kvgate.core.events import RequestArrived
@@ -183,12 +183,18 @@ class Relay:
         self.first_event_timeout_s = upstream.config.first_event_timeout_s
         # the streams being relayed, with their node's response: what end_streams() ends
         self._streams: dict[RequestId, tuple[Flight, UpstreamResponse]] = {}
+        self._stopping = False  # end_streams() ran: unanswered attempts end as refused
 
     def end_streams(self) -> int:
         """The gateway stops: every stream still relayed ends now with an error event
         coded ``shutting_down`` and ``[DONE]`` (closing its node's response aborts the
-        node's work), instead of being cut mid-event when its handler is cancelled.
-        Returns how many."""
+        node's work), instead of being cut mid-event when its handler is cancelled, and
+        every attempt still waiting for its first byte is answered 503 shutting_down
+        (it was closed without an answer). Returns how many."""
+        self._stopping = True
+        # attempts still waiting for their node's first byte: the client has seen
+        # nothing and may send the request elsewhere (answered 503 shutting_down)
+        waiting = self.driver.abort_all_unanswered()
         streams = list(self._streams.values())
         for flight, resp in streams:
             flight.shutting_down = True
@@ -196,7 +202,7 @@ class Relay:
             # alone does not reach a reader the client detached)
             resp.content.set_exception(aiohttp.ClientConnectionError("gateway stopping"))
             resp.close()
-        return len(streams)
+        return len(streams) + waiting
 
     async def run(
         self, request: web.Request, flight: Flight, arrived: RequestArrived
@@ -335,6 +341,11 @@ class Relay:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             if resp is not None:
                 resp.close()
+            if guard.expired() and self._stopping:  # ended by end_streams(), not the node
+                self.driver.cancel(flight.rid)
+                return Reject(request_id=flight.rid, rejected=make_rejection(
+                    RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the "
+                    "request.", request_id=flight.rid))
             return self._next(
                 flight, FailureKind.NODE_DOWN if guard.expired() else classify_exception(exc)
             )
