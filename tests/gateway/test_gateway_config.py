@@ -185,17 +185,22 @@ def test_env_and_file_errors(tmp_path: Path) -> None:
     assert load_config(None, env={}) == GatewayConfig()
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "nohup"])
 def test_kvgate_serve_runs_until_sigterm(tmp_path: Path, sig: str) -> None:
     """SIGHUP (a closed terminal, a supervisor) drains as SIGTERM does: it used to end the
-    process at once (exit 129), cutting every stream."""
+    process at once (exit 129), cutting every stream. Under nohup (SIGHUP ignored when
+    it starts) a SIGHUP changes nothing: the gateway serves on until SIGTERM."""
     code = ("import sys; from kvgate.gateway.serve import *; import argparse; "
             "p = argparse.ArgumentParser(); add_serve_parser(p.add_subparsers(dest='c')); "
             "sys.exit(run_serve(p.parse_args(sys.argv[1:])))")
+    def ignore_hup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "serve", "--port", "0", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "KVGATE_NODES_STATIC": "[]"},
+        preexec_fn=ignore_hup if sig == "nohup" else None,
     )
     try:
         assert proc.stdout is not None
@@ -212,6 +217,11 @@ def test_kvgate_serve_runs_until_sigterm(tmp_path: Path, sig: str) -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+        if sig == "nohup":
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(0.5)
+            assert proc.poll() is None  # still serving
+            sig = "SIGTERM"
         proc.send_signal(getattr(signal, sig))
         assert proc.wait(timeout=10) == 0
     finally:

@@ -112,8 +112,9 @@ def test_a_usage_without_cached_tokens_is_a_miss_once_the_node_states_them() -> 
         return (sum(b.measured_prompt_tokens for b in hits),
                 sum(b.measured_hit_tokens for b in hits))
 
-    # before the node has stated any: a usage without details says nothing
+    # before the node has stated any, a usage without details is kept aside: a miss, or a
+    # node that never states them (no measured ratio then)
     assert run("a", None, True) == (0, 0)
-    assert run("b", 64, True) == (100, 64)
-    assert run("c", None, True) == (200, 64)  # a miss
-    assert run("d", None, False) == (200, 64)  # no usage at all: not measured
+    assert run("b", 64, True) == (200, 64)  # stated at last: "a" was a miss
+    assert run("c", None, True) == (300, 64)  # a miss
+    assert run("d", None, False) == (300, 64)  # no usage at all: not measured

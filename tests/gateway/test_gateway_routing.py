@@ -407,3 +407,65 @@ def test_a_stop_answers_a_request_its_node_has_not_answered_yet(kit: Any) -> Non
             assert c.gw.controller.stats.failures == {}  # the node is not blamed
 
     kit.run(body())
+
+
+def test_a_request_whose_body_arrives_during_the_stop_is_refused(kit: Any) -> None:
+    """Its head came before the stop, its body after: it passed the first check and was
+    queued, then sent to the node once the stop freed a credit, and cut with no answer."""
+
+    async def body() -> None:
+        async with kit.cluster(1, stub={"mode": "slow"}, admission={"budget": 1},
+                               server={"drain_delay_s": 0.3, "shutdown_timeout_s": 1.0}) as c:
+            stream = asyncio.ensure_future(c.post("/v1/completions", _req(1, stream=True)))
+            await kit.eventually(lambda: c.stubs[0].attempts == 1)
+            host, port = c.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            payload = json.dumps(_req(2)).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n" % len(payload))
+            await writer.drain()
+            await asyncio.sleep(0.1)  # the handler waits for the body
+            stop = asyncio.ensure_future(c.gw.stop())
+            await kit.eventually(lambda: c.gw.gateway.draining)
+            writer.write(payload)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 503"), answer[:100]
+            assert b"shutting_down" in answer
+            await stream
+            await stop
+            assert c.stubs[0].attempts == 1
+
+    kit.run(body())
+
+
+def test_nothing_is_held_or_sent_once_the_stop_began() -> None:
+    """Below the proxy: an arrival the core would hold, or an attempt past the deadline
+    (a retry, a late admission), is refused shutting_down, not queued or sent."""
+    import random
+
+    from kvgate.core.admission import InProcessCoordinator, RejectReason
+    from kvgate.core.config import ControllerConfig
+    from kvgate.core.controller import Controller
+    from kvgate.core.decisions import Hold, Reject
+    from kvgate.core.events import RequestArrived
+    from kvgate.core.ids import RequestId
+    from kvgate.gateway.driver import Driver, InProcessLeaseClient
+    from kvgate.gateway.metrics_text import GatewayMetrics
+
+    async def body() -> None:
+        ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
+        drv = Driver(ctl, InProcessLeaseClient(InProcessCoordinator(ctl.config.admission)),
+                     GatewayMetrics(), clock=lambda: 0.0)
+        arrived = RequestArrived(request_id=RequestId("r1"), block_ids=(1,), prompt_tokens=10)
+        # no node and no lease yet: the core holds P1
+        assert isinstance(ctl.on_arrival(arrived, 0.0), Hold)
+        ctl.on_cancelled(RequestId("r1"), 0.0)
+        drv.shed_held()
+        late = RequestArrived(request_id=RequestId("r2"), block_ids=(1,), prompt_tokens=10)
+        out = await drv.admit(late)
+        assert isinstance(out, Reject) and out.rejected.reason is RejectReason.SHUTTING_DOWN
+        assert drv.held == 0 and ctl.num_requests() == 0
+
+    asyncio.run(body())

@@ -163,6 +163,23 @@ def test_memory_is_bounded_oldest_hashes_forgotten_first() -> None:
         ing.max_blocks = 0
 
 
+
+def test_a_lower_bound_takes_the_oldest_off_the_ranks_remembering_most() -> None:
+    """Two data-parallel ranks of 10 blocks each, the bound lowered to 5: it emptied rank 0
+    (its newest too) and counted 20 forgotten for 15."""
+    h = _hasher()
+    ing = NodeKvIngest(h, max_blocks=100)
+    for rank in (0, 1):
+        ids = _tokens(10, salt=rank)
+        hashes = list(range(100 * rank, 100 * rank + 10))
+        ing.feed(0, _batch(_stored(hashes, None, ids), rank=rank), MODEL)
+    assert ing.remembered == 20
+    ing.max_blocks = 5
+    assert ing.remembered == 5 and ing.counts["forgotten_blocks"] == 15
+    kept = {rank: list(known) for rank, known in ing._keys.items()}
+    assert kept == {0: [8, 9], 1: [107, 108, 109]}  # each rank keeps its newest
+
+
 def test_a_block_cached_twice_leaves_with_its_last_copy() -> None:
     """vLLM does not de-duplicate: two requests computing the same block in one step
     cache a copy each (a BlockStored each) and evicting one copy sends one

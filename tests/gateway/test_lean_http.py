@@ -779,6 +779,8 @@ def test_credentials_in_the_node_url_are_sent_as_basic_auth() -> None:
             head = srv.requests[0][0]
             assert b"\r\nAuthorization: Basic dXNlcjpzZWNyZXQ=\r\n" in head
             assert b"secret" not in head and b"user:" not in head
+    # a token alone (http://:token@host), as aiohttp reads it: ":token"
+    assert b"Authorization: Basic OnRva2Vu\r\n" in Target("http://:token@h:1/x").head
 
     run(body())
 

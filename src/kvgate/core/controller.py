@@ -803,16 +803,26 @@ class Controller:
         if record.attempts == 0:
             return
         node = record.node
-        if cached_tokens is not None:
-            if node is not None:
-                node.reports_cached_tokens = True
-        elif usage_reported and node is not None and node.reports_cached_tokens:
-            # vLLM and SGLang leave prompt_tokens_details out when nothing was cached: from
-            # a node that states its cached tokens, a usage without them is a miss (left
-            # out, the measured hit ratio counted only hits and read twice the truth)
-            cached_tokens = 0
         tokens = record.ctx.prompt_tokens
-        bucket = self.stats.hits[bucket_of(tokens)]
+        name = bucket_of(tokens)
+        # vLLM and SGLang leave prompt_tokens_details out when nothing was cached: from a
+        # node that states its cached tokens, a usage without them is a miss (left out,
+        # the measured hit ratio counted only hits and read twice the truth). Before its
+        # first statement such a usage may be a miss or a node that never states them:
+        # kept aside, and counted as misses once it states one.
+        if cached_tokens is not None:
+            if node is not None and not node.reports_cached_tokens:
+                node.reports_cached_tokens = True
+                for earlier, unstated in node.unstated_prompt_tokens.items():
+                    self.stats.hits[earlier].measured_prompt_tokens += unstated
+                node.unstated_prompt_tokens.clear()
+        elif usage_reported and node is not None:
+            if node.reports_cached_tokens:
+                cached_tokens = 0
+            else:
+                kept = node.unstated_prompt_tokens
+                kept[name] = kept.get(name, 0) + tokens
+        bucket = self.stats.hits[name]
         bucket.prompt_tokens += tokens
         bucket.predicted_hit_tokens += record.predicted_hit_tokens
         if cached_tokens is not None:

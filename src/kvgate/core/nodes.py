@@ -104,6 +104,9 @@ class NodeState:
     # the node's answers have stated their cached tokens (usage.prompt_tokens_details):
     # from then on a usage without them means none was cached
     reports_cached_tokens: bool = False
+    # before that: the prompt tokens, by prefix bucket, of its answers whose usage had
+    # none (misses, once it states them)
+    unstated_prompt_tokens: dict[str, int] = field(default_factory=dict)
     consecutive_failures: int = 0
 
     @property

@@ -165,6 +165,7 @@ class Driver:
         self.clock = clock
         self.tick_interval_s = tick_interval_s
         self._waiters: dict[RequestId, asyncio.Future[Decision]] = {}
+        self.draining = False  # the gateway is stopping: nothing is held any more
         self._guards: dict[RequestId, asyncio.Timeout] = {}
         # P2 attempts the core may preempt, and those it did (until the relay takes them)
         self._preemptible: dict[RequestId, asyncio.Timeout] = {}
@@ -187,6 +188,9 @@ class Driver:
                 self._schedule_flush()
             return decision
         rid = req.request_id
+        if self.draining:  # stopping: the queue would outlive the gateway
+            self.apply(self.controller.on_cancelled(rid, self.clock()))
+            return Reject(request_id=rid, rejected=_shutting_down(rid))
         fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         held_at = self.clock()
@@ -324,14 +328,13 @@ class Driver:
         """Stopping: every held request is answered 503 ``shutting_down`` now, which its
         client may retry at once elsewhere (the queue would outlive the gateway); returns
         how many."""
+        self.draining = True  # and later arrivals the core would hold are refused too
         shed = 0
         for rid in list(self._waiters):
             fut = self._waiters.pop(rid)
             self.apply(self.controller.on_cancelled(rid, self.clock()))
             if not fut.done():
-                fut.set_result(Reject(request_id=rid, rejected=make_rejection(
-                    RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry.",
-                    request_id=rid)))
+                fut.set_result(Reject(request_id=rid, rejected=_shutting_down(rid)))
                 shed += 1
         return shed
 
@@ -394,3 +397,8 @@ class Driver:
         if task is not None:
             task.cancel()
             await asyncio.wait({task})
+
+
+def _shutting_down(rid: RequestId) -> Rejected:
+    return make_rejection(RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry "
+                          "the request.", request_id=rid)

@@ -118,8 +118,9 @@ class NodeKvIngest:
         if value < 1:
             raise ValueError("max_blocks must be >= 1")
         self._max_blocks = value
-        for known in list(self._keys.values()):
-            self._bound(known)
+        # the excess comes off the ranks remembering the most, each its oldest first
+        while self.remembered > value:
+            self._bound(max(self._keys.values(), key=len), limit=1)
 
     @property
     def remembered(self) -> int:
@@ -260,12 +261,15 @@ class NodeKvIngest:
         del holders[key]
         return True
 
-    def _bound(self, known: dict[BlockHash, list[int]]) -> None:
+    def _bound(self, known: dict[BlockHash, list[int]], limit: int | None = None) -> None:
+        """Forget ``known``'s oldest hashes while the node is over its bound (at most
+        ``limit`` of them)."""
         excess = self.remembered - self._max_blocks
         if excess <= 0:
             return
-        self.counts["forgotten_blocks"] += excess
-        for _ in range(min(excess, len(known))):
+        popped = min(excess, len(known), excess if limit is None else limit)
+        self.counts["forgotten_blocks"] += popped
+        for _ in range(popped):
             key = known.pop(next(iter(known)))[0]
             if key != UNKEYABLE:
                 self._release(key)

@@ -110,8 +110,9 @@ class Target:
             host = f"{host}:{u.explicit_port}"
         target = u.raw_path_qs or "/"
         head = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"
-        if u.user is not None:  # http://user:pw@host: Basic auth, as aiohttp sends it
-            head += f"Authorization: {_basic_auth(u.user, u.password or '')}\r\n"
+        if u.raw_user is not None or u.raw_password is not None:
+            # http://user:pw@host (or http://:token@host): Basic auth, as aiohttp sends it
+            head += f"Authorization: {_basic_auth(u.user or '', u.password or '')}\r\n"
         self.head = head.encode("ascii")
 
 

@@ -96,6 +96,10 @@ class CompletionsHandler:
         self._serves: dict[str, bool] = {}
         self._serves_version = -1
 
+    def stopping(self) -> bool:
+        """Whether the gateway is stopping (read anew after each await)."""
+        return self.draining
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
 
@@ -103,13 +107,16 @@ class CompletionsHandler:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        if self.draining:  # stopping: another gateway may take it at once
+        if self.stopping():  # another gateway may take it at once
             return reject_response(make_rejection(
                 RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the request."))
         # the key first: an unknown caller's body is never waited for nor buffered
         identity = self.auth.identify(request.headers)
         check_json_body_type(request.headers)
         body = await read_body(request, self._body_timeout)
+        if self.stopping():  # the stop began while the body arrived
+            return reject_response(make_rejection(
+                RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the request."))
         parsed: ChatRequest | CompletionRequest
         if chat:
             parsed = parse_chat_request(body, max_body_bytes=self._max_body)

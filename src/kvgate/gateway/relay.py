@@ -204,6 +204,18 @@ class Relay:
             resp.close()
         return len(streams) + waiting
 
+    def stopping(self) -> bool:
+        """Whether end_streams() has run (read anew after each await)."""
+        return self._stopping
+
+    def _refused_stopping(self, flight: Flight) -> Reject:
+        """The gateway stops: the request is forgotten (its node is not blamed) and
+        answered 503 shutting_down, which the client may send elsewhere."""
+        self.driver.cancel(flight.rid)
+        return Reject(request_id=flight.rid, rejected=make_rejection(
+            RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the request.",
+            request_id=flight.rid))
+
     async def run(
         self, request: web.Request, flight: Flight, arrived: RequestArrived
     ) -> web.StreamResponse:
@@ -306,6 +318,8 @@ class Relay:
     ) -> web.StreamResponse | Decision:
         flight.node = dispatch.node_id
         flight.reason = dispatch.route.reason.value
+        if self.stopping():  # past the stop's deadline (a retry, a late admission)
+            return self._refused_stopping(flight)
         rt = self.watcher.get(dispatch.node_id)
         if rt is None:  # removed between the decision and now: nothing is sent (nor
             # counted, which would bring back the removed node's attempts series)
@@ -341,11 +355,8 @@ class Relay:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             if resp is not None:
                 resp.close()
-            if guard.expired() and self._stopping:  # ended by end_streams(), not the node
-                self.driver.cancel(flight.rid)
-                return Reject(request_id=flight.rid, rejected=make_rejection(
-                    RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the "
-                    "request.", request_id=flight.rid))
+            if guard.expired() and self.stopping():  # ended by end_streams(), not the node
+                return self._refused_stopping(flight)
             return self._next(
                 flight, FailureKind.NODE_DOWN if guard.expired() else classify_exception(exc)
             )

@@ -134,7 +134,10 @@ async def _serve(config: GatewayConfig) -> None:
 
     # SIGHUP too (a closed terminal, a supervisor's reload): drain as for SIGTERM, where
     # Python's default ended the process at once, cutting every stream
-    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is not None and signal.getsignal(hup) is signal.SIG_IGN:
+        hup = None  # started under nohup: a closed terminal must not stop it
+    for sig in (signal.SIGINT, signal.SIGTERM, hup):
         if sig is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, on_signal, sig.name)
