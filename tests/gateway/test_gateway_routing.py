@@ -462,7 +462,7 @@ def test_nothing_is_held_or_sent_once_the_stop_began() -> None:
         # no node and no lease yet: the core holds P1
         assert isinstance(ctl.on_arrival(arrived, 0.0), Hold)
         ctl.on_cancelled(RequestId("r1"), 0.0)
-        drv.shed_held()
+        drv.begin_drain()
         late = RequestArrived(request_id=RequestId("r2"), block_ids=(1,), prompt_tokens=10)
         out = await drv.admit(late)
         assert isinstance(out, Reject) and out.rejected.reason is RejectReason.SHUTTING_DOWN

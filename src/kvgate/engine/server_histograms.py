@@ -126,10 +126,6 @@ class RequestTimer:
         self.decode = Histogram(REQUEST_LATENCY_BUCKETS)
         self.prompt_tokens = Histogram(tokens)
         self.generation_tokens = Histogram(tokens)
-        # n is always 1 here (n > 1 is refused), so a request's largest generation is
-        # its own
-        self.max_generation_tokens = Histogram(tokens)
-        self.params_n = Histogram(PARAMS_N_BUCKETS)
         self.params_max_tokens = Histogram(tokens)
         self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
 
@@ -176,9 +172,20 @@ class RequestTimer:
             self.decode.observe(wall(last - t.first))
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(output_tokens)
-        self.max_generation_tokens.observe(output_tokens)
-        self.params_n.observe(1)
         self.params_max_tokens.observe(t.max_tokens)
+
+    # n is always 1 here (n > 1 is refused): a request's largest generation is its own,
+    # and every finished request observed n = 1; both read off what is already counted
+    @property
+    def max_generation_tokens(self) -> Histogram:
+        return self.generation_tokens
+
+    @property
+    def params_n(self) -> Histogram:
+        ones = Histogram(PARAMS_N_BUCKETS)
+        ones.counts[0] = ones.n = self.generation_tokens.n
+        ones.total = float(ones.n)
+        return ones
 
     def forget(self, rid: str) -> None:
         """The request ended otherwise (aborted, refused, failed): vLLM observes only

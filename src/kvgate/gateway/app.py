@@ -152,15 +152,14 @@ class Gateway:
 
     @property
     def draining(self) -> bool:
-        return self.handler.draining
+        return self.driver.draining
 
     def begin_drain(self) -> None:
         """Stopping: /ready turns 503, new requests are refused 503 shutting_down (their
         clients may retry elsewhere at once), and so are the ones held in the queue."""
-        if self.handler.draining:
+        if self.driver.draining:
             return
-        self.handler.draining = True
-        shed = self.driver.shed_held()
+        shed = self.driver.begin_drain()
         log.info("draining: %d request(s) in flight, %d queued one(s) refused 503",
                  self.controller.in_flight(), shed)
 

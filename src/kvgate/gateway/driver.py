@@ -46,6 +46,7 @@ from kvgate.core.admission import (
     Rejected,
     RejectReason,
     make_rejection,
+    shutting_down_rejection,
 )
 from kvgate.core.controller import Controller
 from kvgate.core.decisions import Decision, Dispatch, Hold, Preempt, Reject
@@ -165,7 +166,8 @@ class Driver:
         self.clock = clock
         self.tick_interval_s = tick_interval_s
         self._waiters: dict[RequestId, asyncio.Future[Decision]] = {}
-        self.draining = False  # the gateway is stopping: nothing is held any more
+        # the gateway is stopping: nothing is held any more (read by the proxy too)
+        self.draining = False
         self._guards: dict[RequestId, asyncio.Timeout] = {}
         # P2 attempts the core may preempt, and those it did (until the relay takes them)
         self._preemptible: dict[RequestId, asyncio.Timeout] = {}
@@ -190,7 +192,7 @@ class Driver:
         rid = req.request_id
         if self.draining:  # stopping: the queue would outlive the gateway
             self.apply(self.controller.on_cancelled(rid, self.clock()))
-            return Reject(request_id=rid, rejected=_shutting_down(rid))
+            return Reject(request_id=rid, rejected=shutting_down_rejection(rid))
         fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         held_at = self.clock()
@@ -324,17 +326,17 @@ class Driver:
             fut.cancel()
         self.apply(self.controller.on_cancelled(rid, self.clock()))
 
-    def shed_held(self) -> int:
-        """Stopping: every held request is answered 503 ``shutting_down`` now, which its
-        client may retry at once elsewhere (the queue would outlive the gateway); returns
-        how many."""
-        self.draining = True  # and later arrivals the core would hold are refused too
+    def begin_drain(self) -> int:
+        """Stopping: from now on nothing is held, and every held request is answered 503
+        ``shutting_down`` now, which its client may retry at once elsewhere (the queue
+        would outlive the gateway); returns how many were held."""
+        self.draining = True
         shed = 0
         for rid in list(self._waiters):
             fut = self._waiters.pop(rid)
             self.apply(self.controller.on_cancelled(rid, self.clock()))
             if not fut.done():
-                fut.set_result(Reject(request_id=rid, rejected=_shutting_down(rid)))
+                fut.set_result(Reject(request_id=rid, rejected=shutting_down_rejection(rid)))
                 shed += 1
         return shed
 
@@ -398,7 +400,3 @@ class Driver:
             task.cancel()
             await asyncio.wait({task})
 
-
-def _shutting_down(rid: RequestId) -> Rejected:
-    return make_rejection(RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry "
-                          "the request.", request_id=rid)

@@ -267,7 +267,7 @@ class NodeKvIngest:
         excess = self.remembered - self._max_blocks
         if excess <= 0:
             return
-        popped = min(excess, len(known), excess if limit is None else limit)
+        popped = min(excess, len(known), limit or excess)
         self.counts["forgotten_blocks"] += popped
         for _ in range(popped):
             key = known.pop(next(iter(known)))[0]

@@ -295,11 +295,10 @@ class NodeWatcher:
         if rt.watch_healthy != healthy:
             if healthy:
                 log.warning("node %s is back", rt.node_id)
+                _forget_notices(rt)  # most likely a new process: its log starts afresh
             else:
                 log.warning("node %s is unhealthy (health check: %s)", rt.node_id,
                             rt.last_health or "no answer")
-            if healthy:
-                _forget_notices(rt)  # most likely a new process: its log starts afresh
         rt.watch_healthy = healthy
         if self._current(rt):
             self.controller.set_healthy(rt.node_id, healthy, self.clock())

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvgate.core.admission.types import NUM_CLASSES, RejectReason, make_rejection
+from kvgate.core.admission.types import NUM_CLASSES, shutting_down_rejection
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
@@ -88,7 +88,6 @@ class CompletionsHandler:
         self.auth = auth
         self.watcher = watcher
         self.relay = relay
-        self.draining = False  # the gateway is stopping: every new request is refused
         self._max_body = config.server.client_max_size
         self._body_timeout = config.server.body_timeout_s
         # watcher.serves(model) per model, valid while the node table's version (which
@@ -98,7 +97,7 @@ class CompletionsHandler:
 
     def stopping(self) -> bool:
         """Whether the gateway is stopping (read anew after each await)."""
-        return self.draining
+        return self.relay.driver.draining
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
@@ -108,15 +107,13 @@ class CompletionsHandler:
 
     async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         if self.stopping():  # another gateway may take it at once
-            return reject_response(make_rejection(
-                RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the request."))
+            return reject_response(shutting_down_rejection())
         # the key first: an unknown caller's body is never waited for nor buffered
         identity = self.auth.identify(request.headers)
         check_json_body_type(request.headers)
         body = await read_body(request, self._body_timeout)
         if self.stopping():  # the stop began while the body arrived
-            return reject_response(make_rejection(
-                RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the request."))
+            return reject_response(shutting_down_rejection())
         parsed: ChatRequest | CompletionRequest
         if chat:
             parsed = parse_chat_request(body, max_body_bytes=self._max_body)

@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvgate.core.admission import FailureKind, Rejected, RejectReason, make_rejection
+from kvgate.core.admission import FailureKind, Rejected, shutting_down_rejection
 from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
 from kvgate.core.errors import InvariantViolation
 from kvgate.core.events import RequestArrived
@@ -212,9 +212,7 @@ class Relay:
         """The gateway stops: the request is forgotten (its node is not blamed) and
         answered 503 shutting_down, which the client may send elsewhere."""
         self.driver.cancel(flight.rid)
-        return Reject(request_id=flight.rid, rejected=make_rejection(
-            RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the request.",
-            request_id=flight.rid))
+        return Reject(request_id=flight.rid, rejected=shutting_down_rejection(flight.rid))
 
     async def run(
         self, request: web.Request, flight: Flight, arrived: RequestArrived
@@ -428,18 +426,16 @@ class Relay:
                 raise aiohttp.ClientPayloadError("response too large")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return self._next(flight, classify_exception(exc), before_first_byte=False)
-        usage = usage_of_body(body) if resp.content_type == "application/json" else None
+        is_json = resp.content_type == "application/json"
+        usage = usage_of_body(body) if is_json else None
         flight.done = True
-        if usage is None:
-            self.driver.finish(flight.rid, None)
-        else:
-            self.driver.finish(flight.rid, usage.cached_tokens, usage_seen=True)
+        self.driver.finish(flight.rid, usage.cached_tokens if usage else None,
+                           usage_seen=usage is not None)
         headers = self._headers(flight)
         # the node's own type only when it says JSON (its text/html would be a page of
         # the gateway's origin)
         headers["Content-Type"] = (resp.headers.get("Content-Type", "application/json")
-                                   if resp.content_type == "application/json"
-                                   else "application/json")
+                                   if is_json else "application/json")
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def _relay_stream(
@@ -492,8 +488,8 @@ class Relay:
         if flight.shutting_down:  # ended by end_streams(): the node did nothing wrong
             self.driver.cancel(flight.rid)
             if not filt.done:
-                await send(error_event("The gateway is shutting down; retry the request.",
-                                       code=RejectReason.SHUTTING_DOWN.value))
+                refused = shutting_down_rejection(flight.rid)
+                await send(error_event(refused.message, code=refused.reason.value))
         elif failure is None and not filt.saw_error:
             self.driver.finish(flight.rid, filt.cached, usage_seen=filt.usage_seen)
         else:

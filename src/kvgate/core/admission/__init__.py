@@ -66,6 +66,7 @@ from kvgate.core.admission.types import (
     Ticket,
     make_rejection,
     overloaded_rejection,
+    shutting_down_rejection,
 )
 
 __all__ = [
@@ -118,5 +119,6 @@ __all__ = [
     "max_min_share",
     "overloaded_rejection",
     "share_with_slack",
+    "shutting_down_rejection",
     "spread",
 ]

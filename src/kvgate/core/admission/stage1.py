@@ -373,11 +373,11 @@ class Stage1Limiter:
         # zeros too: the grant names the tenants in use anywhere in the fleet, and one
         # at 0 here is not new (a first-sight allowance would put the fleet over)
         self._tenant_limits = dict(self._book.tenant_limits())
-        for c in range(lim.reject_from, len(self._queues)):
-            for entry in self._queues[c].drain() if self._queues[c].size else ():
-                self._pending.append(self._forget(
-                    entry, RejectReason.DEGRADED, _off(c), self.config.safe_mode.retry_after_s
-                ))
+        for c in range(lim.reject_from, len(self._queues)):  # the classes now refused
+            if self._queues[c].size:
+                retry_s = self.config.safe_mode.retry_after_s
+                self._pending.extend(self._forget(e, RejectReason.DEGRADED, _off(c), retry_s)
+                                     for e in self._queues[c].drain())
 
 
 def _off(c: int) -> str:

@@ -220,6 +220,14 @@ def overloaded_rejection(
     )
 
 
+def shutting_down_rejection(request_id: str = "") -> Rejected:
+    """SHUTTING_DOWN (503, retry): the gateway stops; another one may take the request."""
+    return make_rejection(
+        RejectReason.SHUTTING_DOWN, "The gateway is shutting down; retry the request.",
+        request_id=request_id,
+    )
+
+
 # ----------------------------------------------------------------------------- leases
 
 
