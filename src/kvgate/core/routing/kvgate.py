@@ -337,6 +337,40 @@ from kvgate.core.routing.kvgate_memory import DecayedSeconds, TailLevel
 _INF = float("inf")
 
 
+class _Scan:
+    """What the score over the candidates found (:meth:`KvgatePolicy._scan`)."""
+
+    __slots__ = (
+        "best",
+        "best_bonus",
+        "best_match",
+        "best_match_tripped",
+        "holders_at_best",
+        "hot_holders",
+        "open_holders",
+        "soonest",
+        "soonest_bonus",
+        "soonest_s",
+        "w_cache",
+        "w_load",
+        "win_score",
+    )
+
+    best: Load  # the winner
+    best_bonus: float  # its bonus
+    win_score: float  # its score
+    best_match: int  # the longest match among the candidates
+    holders_at_best: int  # how many hold it
+    best_match_tripped: bool  # whether the breaker is open on all of them
+    hot_holders: int  # the holders of a hot prefix
+    open_holders: list[tuple[Load, float]]  # holders whose breaker is shut, their bonus
+    soonest: Load | None  # the soonest predicted first token (penalty less bonus)
+    soonest_bonus: float  # its bonus
+    soonest_s: float  # its penalty less bonus
+    w_cache: float  # the weights of the form
+    w_load: float
+
+
 class KvgatePolicy:
     name: ClassVar[str] = "kvgate"
     uses_cache: ClassVar[bool] = True
@@ -501,6 +535,86 @@ class KvgatePolicy:
             return None
         draw = rng.random()
         ttft = self.form == "ttft"
+        loads, cands = self._load_scores(ctx, candidates, nodes, now, ttft)
+        # the score: the winner among the holders and the best non-holder
+        scan = self._scan(ctx, loads, cands, matches, ttft)
+        best, best_bonus, win_score = scan.best, scan.best_bonus, scan.win_score
+        new_session = False
+        if ttft:
+            # the rules that look past the request itself
+            best, best_bonus, win_score, new_session = self._ttft_rules(
+                ctx, loads, cands, matches, scan, now
+            )
+        chosen = best.state
+        chosen_match = matches.get(best.node_id, 0)
+        reason = self._reason(
+            chosen_match,
+            scan.best_match,
+            scan.holders_at_best,
+            best_bonus,
+            scan.best_match_tripped,
+        )
+        prompt, tpb = ctx.prompt_tokens, ctx.tokens_per_block
+
+        # Hot-prefix replication: one more holder when the holders cannot keep up.
+        least: NodeState | None = None
+        if (
+            self.replica_rps is not None
+            and scan.hot_holders
+            and scan.hot_holders < self.max_replicas
+            and ctx.hot_rate > self.replica_rps * scan.hot_holders
+        ):
+            least = _least_loaded(candidates, matches, loads.by_id)
+        if least is not None:
+            chosen, reason, chosen_match = least, RouteReason.REPLICATION, 0
+        # Exploration: a small share of cache hits goes to an idle node that misses.
+        elif (
+            chosen_match
+            and draw < self.epsilon
+            and (loss := self._saved_s(prompt, chosen_match * tpb)) <= self.explore_max_loss_s
+        ):
+            idle = self._explore_to(
+                ctx, candidates, loads, cands, matches, best, loss, new_session, now
+            )
+            if idle is not None:
+                chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
+
+        if ttft and self.session_spread_s > 0.0:
+            # the prefill sent, and the work a new session is expected to bring
+            work = self._uncached_s(prompt, chosen_match * tpb)
+            if new_session:
+                work += self.session_work_s
+            self._recent_work.add(chosen.spec.node_id, work, now)
+        if ttft and self.blocking_cost > 0.0 and chosen is best.state and best_bonus > 0.0:
+            # what this hit saves, in prefill seconds: the node's cache value
+            saved = min(chosen_match * tpb, prompt)
+            self._cache_value.add(best.node_id, saved * (1.0 / self.prefill_tokens_per_s), now)
+
+        parts: dict[str, float] = {
+            "bonus": best_bonus,
+            "penalty": best.penalty,
+            "queue": float(best.queue),
+            "w_cache": scan.w_cache,
+            "w_load": scan.w_load,
+        }
+        return RouteDecision(
+            node_id=chosen.spec.node_id,
+            reason=reason,
+            matched_blocks=chosen_match,
+            best_matched_blocks=scan.best_match,
+            score=win_score,
+            parts=parts,
+        )
+
+    def _load_scores(
+        self,
+        ctx: RouteContext,
+        candidates: Sequence[NodeState],
+        nodes: NodeTable,
+        now: float,
+        ttft: bool,
+    ) -> tuple[LoadScores, frozenset[NodeState]]:
+        """Every node's load terms brought up to date, and the candidates as a set."""
         params = (
             self.w_load,
             self.max_queue,
@@ -525,6 +639,18 @@ class KvgatePolicy:
                 # score just these, by the same rules, without touching the cache.
                 loads = LoadScores()
                 loads.rebuild(nodes, candidates, now, params)
+        return loads, cands
+
+    def _scan(
+        self,
+        ctx: RouteContext,
+        loads: LoadScores,
+        cands: frozenset[NodeState],
+        matches: Mapping[NodeId, int],
+        ttft: bool,
+    ) -> _Scan:
+        """The score over the candidates: every holder scored, then the best non-holder
+        (the first in rank order), with what the later rules need of them."""
         by_id = loads.by_id
         tpb = ctx.tokens_per_block
         prompt = ctx.prompt_tokens
@@ -618,165 +744,163 @@ class KvgatePolicy:
                     soonest, soonest_key, soonest_bonus = load, tkey, 0.0
                 break
         assert best is not None
-        win_score = best_key[0]
+        scan = _Scan()
+        scan.best, scan.best_bonus, scan.win_score = best, best_bonus, best_key[0]
+        scan.best_match, scan.holders_at_best = best_match, holders_at_best
+        scan.best_match_tripped, scan.hot_holders = best_match_tripped, hot_holders
+        scan.open_holders = open_holders
+        scan.soonest, scan.soonest_bonus, scan.soonest_s = soonest, soonest_bonus, soonest_key[0]
+        scan.w_cache, scan.w_load = w_cache, w_load
+        return scan
+
+    def _ttft_rules(
+        self,
+        ctx: RouteContext,
+        loads: LoadScores,
+        cands: frozenset[NodeState],
+        matches: Mapping[NodeId, int],
+        scan: _Scan,
+        now: float,
+    ) -> tuple[Load, float, float, bool]:
+        """The ttft form's rules past the score, in order: the blocking cost, a new
+        session's home (in a fleet) or spread (alone), the bounded wait, the affinity
+        slack, the tail guard. The winner, its bonus, its score and whether the request
+        starts a new session."""
+        best, best_bonus, win_score = scan.best, scan.best_bonus, scan.win_score
+        best_match, open_holders, w_cache = scan.best_match, scan.open_holders, scan.w_cache
+        prompt, tpb, discount = ctx.prompt_tokens, ctx.tokens_per_block, ctx.cache_discount
         # a new session (its cache is shared, or nowhere): in a fleet, to its prefix's
         # home; alone, where sessions work least
         new_session = False
-        if ttft:
-            # each node's blocking cost, when the blocking rule rescored the request
-            costs: Mapping[NodeId, float] = {}
-            if self.blocking_cost > 0.0 and (
-                self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) >= self.blocking_min_s
-            ):
-                best, win_score, best_bonus, costs = self._rescore_blocking(
-                    loads, cands, matches, prompt, tpb, w_cache, discount, now
-                )
-            # the latest predicted first token (penalty less bonus) a request waits for
-            latest = soonest_key[0] + self.max_cache_wait_s
-            moved = False
-            home = None
-            if (
-                ctx.fleet
-                and self.fleet_home_s > 0.0
-                and not costs
-                and (best_match == 0 or holders_at_best >= 2)
-            ):
-                home = self._fleet_home(
-                    loads, cands, matches, open_holders, (best, best_bonus), best_match, ctx.chain,
-                    discount,
-                )
-            if home is not None:
+        # each node's blocking cost, when the blocking rule rescored the request
+        costs: Mapping[NodeId, float] = {}
+        if self.blocking_cost > 0.0 and (
+            self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) >= self.blocking_min_s
+        ):
+            best, win_score, best_bonus, costs = self._rescore_blocking(
+                loads, cands, matches, prompt, tpb, w_cache, discount, now
+            )
+        # the latest predicted first token (penalty less bonus) a request waits for
+        latest = scan.soonest_s + self.max_cache_wait_s
+        moved = False
+        home = None
+        if (
+            ctx.fleet
+            and self.fleet_home_s > 0.0
+            and not costs
+            and (best_match == 0 or scan.holders_at_best >= 2)
+        ):
+            home = self._fleet_home(
+                loads, cands, matches, open_holders, (best, best_bonus), best_match, ctx.chain,
+                discount,
+            )  # fmt: skip
+        if home is not None:
+            new_session = True
+            if home[0] is not best:
+                (best, best_bonus), moved = home, True
+        elif self.session_spread_s > 0.0 and not costs:
+            spread = self._spread_session(
+                loads, cands, matches, open_holders, (best, best_bonus), best_match, prompt,
+                tpb, now,
+            )  # fmt: skip
+            if spread is not None:
                 new_session = True
-                if home[0] is not best:
-                    (best, best_bonus), moved = home, True
-            elif self.session_spread_s > 0.0 and not costs:
-                spread = self._spread_session(
-                    loads, cands, matches, open_holders, (best, best_bonus), best_match, prompt,
-                    tpb, now,
-                )
-                if spread is not None:
-                    new_session = True
-                    if spread[0] is not best:
-                        (best, best_bonus), moved = spread, True
-            if soonest is not None and best.penalty - best_bonus > latest:
-                # the winner keeps it waiting too long for its cache: the soonest node
-                best, best_bonus, moved = soonest, soonest_bonus, True
-            if open_holders and (
-                kept := self._within_slack(best, best_bonus, open_holders, costs, latest)
-            ) is not None:
-                (best, best_bonus), moved = kept, True
-            full = self._uncached_s(prompt, 0)
-            level = self._tail.observe(full) if self._tail is not None else _INF
-            if 0.0 < self.ttft_target_s < level:
-                level = self.ttft_target_s
-            if 0.0 < ctx.ttft_target_s < level:  # the request's own (a P0 SLO)
-                level = ctx.ttft_target_s
-            if (
-                level < _INF
-                and best.wait + self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb)
-                > level
-            ):
-                under = self._under_tail(
-                    loads, cands, matches, open_holders, costs, w_cache, prompt, tpb, full, level
-                )
-                if under is not None:
-                    (best, best_bonus), moved = under, True
-            if moved:
-                win_score = w_cache * best_bonus - best.penalty - costs.get(best.node_id, 0.0)
+                if spread[0] is not best:
+                    (best, best_bonus), moved = spread, True
+        soonest = scan.soonest
+        if soonest is not None and best.penalty - best_bonus > latest:
+            # the winner keeps it waiting too long for its cache: the soonest node
+            best, best_bonus, moved = soonest, scan.soonest_bonus, True
+        if (
+            open_holders
+            and (kept := self._within_slack(best, best_bonus, open_holders, costs, latest))
+            is not None
+        ):
+            (best, best_bonus), moved = kept, True
+        full = self._uncached_s(prompt, 0)
+        level = self._tail.observe(full) if self._tail is not None else _INF
+        if 0.0 < self.ttft_target_s < level:
+            level = self.ttft_target_s
+        if 0.0 < ctx.ttft_target_s < level:  # the request's own (a P0 SLO)
+            level = ctx.ttft_target_s
+        if (
+            level < _INF
+            and best.wait + self._uncached_s(prompt, matches.get(best.node_id, 0) * tpb) > level
+        ):
+            under = self._under_tail(
+                loads, cands, matches, open_holders, costs, w_cache, prompt, tpb, full, level
+            )
+            if under is not None:
+                (best, best_bonus), moved = under, True
+        if moved:
+            win_score = w_cache * best_bonus - best.penalty - costs.get(best.node_id, 0.0)
+        return best, best_bonus, win_score, new_session
+
+    def _explore_to(
+        self,
+        ctx: RouteContext,
+        candidates: Sequence[NodeState],
+        loads: LoadScores,
+        cands: frozenset[NodeState],
+        matches: Mapping[NodeId, int],
+        best: Load,
+        loss: float,
+        new_session: bool,
+        now: float,
+    ) -> NodeState | None:
+        """Where exploration sends a cache hit instead of its winner ``best`` (``loss``:
+        the prefill seconds the hit would have saved), or None to keep it."""
+        by_id = loads.by_id
+        prompt, tpb = ctx.prompt_tokens, ctx.tokens_per_block
         chosen = best.state
         chosen_match = matches.get(best.node_id, 0)
-        reason = self._reason(
-            chosen_match, best_match, holders_at_best, best_bonus, best_match_tripped
+        idle = _most_idle(candidates, matches, by_id, self.idle_queue, self.idle_util)
+        # the longest match of any other candidate (only here: exploration is rare)
+        other = max(
+            (
+                m
+                for nid, m in matches.items()
+                if nid != best.node_id and (o := by_id.get(nid)) is not None and o.state in cands
+            ),
+            default=0,
         )
-
-        # Hot-prefix replication: one more holder when the holders cannot keep up.
-        least: NodeState | None = None
-        if (
-            self.replica_rps is not None
-            and hot_holders
-            and hot_holders < self.max_replicas
-            and ctx.hot_rate > self.replica_rps * hot_holders
-        ):
-            least = _least_loaded(candidates, matches, by_id)
-        if least is not None:
-            chosen, reason, chosen_match = least, RouteReason.REPLICATION, 0
-        # Exploration: a small share of cache hits goes to an idle node that misses.
-        elif (
-            chosen_match
-            and draw < self.epsilon
-            and (loss := self._saved_s(prompt, chosen_match * tpb)) <= self.explore_max_loss_s
-        ):
-            idle = _most_idle(candidates, matches, by_id, self.idle_queue, self.idle_util)
-            # the longest match of any other candidate (only here: exploration is rare)
-            other = max(
-                (
-                    m
-                    for nid, m in matches.items()
-                    if nid != best.node_id
-                    and (o := by_id.get(nid)) is not None
-                    and o.state in cands
-                ),
-                default=0,
-            )
-            shared = self._shared(prompt, tpb, chosen_match, other)
-            # The winner is idle itself, so nobody waits for its hit: only a prefix another
-            # node holds in full is copied on (a system prompt warming a third node). A
-            # first copy or a longer match waits until its holder is busy: on a quiet
-            # cluster a chat session's second turn went to an idle node, and each later
-            # turn whose new part was under the minimum gain went on again (index audit:
-            # 3 engines, 12 sessions x 5 turns, 36 of 48 later turns explored, measured
-            # hit ratio 0.18; with this rule 3-10 and 0.56-0.69 in two runs; with
-            # epsilon 0, 0.72)
-            keep = other < chosen_match and _is_idle(
-                chosen, by_id[chosen.spec.node_id], self.idle_queue, self.idle_util
-            )
-            if idle is not None and (keep or not (
+        shared = self._shared(prompt, tpb, chosen_match, other)
+        # The winner is idle itself, so nobody waits for its hit: only a prefix another
+        # node holds in full is copied on (a system prompt warming a third node). A
+        # first copy or a longer match waits until its holder is busy: on a quiet
+        # cluster a chat session's second turn went to an idle node, and each later
+        # turn whose new part was under the minimum gain went on again (index audit:
+        # 3 engines, 12 sessions x 5 turns, 36 of 48 later turns explored, measured
+        # hit ratio 0.18; with this rule 3-10 and 0.56-0.69 in two runs; with
+        # epsilon 0, 0.72)
+        keep = other < chosen_match and _is_idle(
+            chosen, by_id[chosen.spec.node_id], self.idle_queue, self.idle_util
+        )
+        ttft = self.form == "ttft"
+        if idle is not None and (
+            keep
+            or not (
                 shared
                 # a context of its own leaves only for a first token no later than there
                 or (ttft and self._no_later_at(by_id[idle.spec.node_id], best, loss, prompt, now))
-            )):
-                idle = None
-            if (
-                idle is None
-                and not keep
-                and ttft
-                and self.explore_busy
-                and other
-                and shared
-                and not new_session
-            ):
-                # no node is idle: the least loaded node that would answer no later still
-                # gets a prefix other nodes hold too
-                idle = self._underused(loads, cands, matches, discount, best, loss, prompt, now)
-            if idle is not None:
-                chosen, reason, chosen_match = idle, RouteReason.EXPLORATION, 0
-
-        if ttft and self.session_spread_s > 0.0:
-            # the prefill sent, and the work a new session is expected to bring
-            work = self._uncached_s(prompt, chosen_match * tpb)
-            if new_session:
-                work += self.session_work_s
-            self._recent_work.add(chosen.spec.node_id, work, now)
-        if ttft and self.blocking_cost > 0.0 and chosen is best.state and best_bonus > 0.0:
-            # what this hit saves, in prefill seconds: the node's cache value
-            saved = min(chosen_match * tpb, prompt)
-            self._cache_value.add(best.node_id, saved * inv_prefix, now)
-
-        parts: dict[str, float] = {
-            "bonus": best_bonus,
-            "penalty": best.penalty,
-            "queue": float(best.queue),
-            "w_cache": w_cache,
-            "w_load": w_load,
-        }
-        return RouteDecision(
-            node_id=chosen.spec.node_id,
-            reason=reason,
-            matched_blocks=chosen_match,
-            best_matched_blocks=best_match,
-            score=win_score,
-            parts=parts,
-        )
+            )
+        ):
+            idle = None
+        if (
+            idle is None
+            and not keep
+            and ttft
+            and self.explore_busy
+            and other
+            and shared
+            and (not new_session)
+        ):
+            # no node is idle: the least loaded node that would answer no later still
+            # gets a prefix other nodes hold too
+            idle = self._underused(
+                loads, cands, matches, ctx.cache_discount, best, loss, prompt, now
+            )
+        return idle
 
     def _within_slack(
         self,
