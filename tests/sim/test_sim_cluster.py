@@ -270,6 +270,34 @@ def test_an_idle_gap_longer_than_the_stall_bound_is_not_a_stall() -> None:
     assert cluster.outcomes[late.request_id].status == "completed"
 
 
+def test_idle_housekeeping_jumps_to_the_next_arrival_or_hook() -> None:
+    """A trace with one far-off timestamp (epoch milliseconds beside relative ones) ran
+    for hours: every idle tick, report and health check was an event. Idle, they jump
+    by whole periods to a minute before the next arrival or hook, which then finds
+    leases, reports and health fresh, exactly as after a short gap."""
+    w = gsp(n=10, rate=8.0)
+    gap = 1.7e9  # seconds: about 54 years
+    late = replace(w.requests[-1], arrival_s=w.requests[-1].arrival_s + gap)
+    w2 = replace(w, requests=(*w.requests[:-1], late))
+    cluster = SimCluster(small_config(nodes=2), w2, rng=SeededRng(3))
+    hooked: list[float] = []
+    cluster.hooks.append((gap / 2, lambda c: hooked.append(c.loop.now)))
+    cluster.run()
+    cluster.check_outcomes()
+    assert cluster.outcomes[late.request_id].status == "completed"
+    assert hooked == [gap / 2]
+    assert cluster.loop.events_run < 20_000  # a minute of housekeeping around each
+    # the late request is served as one 700 s after the others is
+    near = replace(w.requests[-1], arrival_s=w.requests[-1].arrival_s + 700.0)
+    w3 = replace(w, requests=(*w.requests[:-1], near))
+    c2 = SimCluster(small_config(nodes=2), w3, rng=SeededRng(3))
+    c2.run()
+    a, b = cluster.outcomes[late.request_id], c2.outcomes[near.request_id]
+    assert a.first_token_s is not None and b.first_token_s is not None
+    # (floats near 1.7e9 s are 2.4e-7 s apart)
+    assert a.first_token_s - a.arrived_s == pytest.approx(b.first_token_s - b.arrived_s, abs=1e-5)
+
+
 def test_funnel_evicted_counts_only_blocks_a_node_had_cached() -> None:
     """A block seen before only in a request that was refused never reached a cache:
     missing it is not an eviction. One that a node cached and lost is."""

@@ -133,12 +133,21 @@ def test_unsorted_file_is_sorted_stably(tmp_path: Path) -> None:
             "hash_ids",
         ),
         (_line(0, 1025, 1, [1, 2]), r"ceil.*one hash id per 512-token block"),
+        # the engine chains hash ids as 64-bit block hashes: out of range was a traceback
+        (_line(0, 600, 1, [-1, 2]), r"'hash_ids' must be in \[0, 2\*\*64\), got -1"),
+        (_line(0, 600, 1, [1, 2**64]), r"'hash_ids' must be in \[0, 2\*\*64\), got 18446"),
     ],
 )
 def test_malformed_line_names_its_line(tmp_path: Path, bad: str, msg: str) -> None:
     p = _write(tmp_path, [TINY[0], "", bad])
     with pytest.raises(ValueError, match=rf"tiny.jsonl:3: .*{msg}"):
         load_mooncake_trace(p)
+
+
+def test_output_length_zero_is_one_token(tmp_path: Path) -> None:
+    # the engine's prefill makes the first token: a request for none asks for one
+    w = load_mooncake_trace(_write(tmp_path, [_line(0, 600, 0, [1, 2])]))
+    assert w.requests[0].output_tokens == 1
 
 
 def test_epoch_timestamps_start_at_zero(tmp_path: Path) -> None:

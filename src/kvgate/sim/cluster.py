@@ -32,6 +32,9 @@ a reason, failed with a reason); :meth:`SimCluster.check_outcomes` verifies it.
 
 from __future__ import annotations
 
+import heapq
+import math
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +68,13 @@ from kvgate.sim.workload import SimRequest, Workload, leading_run
 # Virtual seconds with no arrival, no end and no engine step while requests are open:
 # one was lost (a simulator bug), and the run stops instead of ticking forever.
 STALL_S = 3600.0
+# With nothing open and nothing due for more than IDLE_SKIP_S of virtual time, the
+# housekeeping (ticks, load reports, health checks) jumps ahead by whole periods to
+# IDLE_KEEP_S before the next arrival or hook: each idle period cost wall time, and a
+# trace with one far-off timestamp ran for hours. The last IDLE_KEEP_S run as usual, so
+# leases, reports and health are fresh when the next request comes.
+IDLE_SKIP_S = 600.0
+IDLE_KEEP_S = 60.0
 # ended requests between two progress reports (SimCluster.on_progress)
 PROGRESS_EVERY = 64
 # the cache-loss funnel's kinds of prompt block, each in every report (0 when none)
@@ -224,6 +234,9 @@ class SimCluster:
         self._ideal: dict[str, int] = {}
         # closed loop: the requests waiting for each request's end, with their gateways
         self._followers: dict[str, list[tuple[SimRequest, int]]] = {}
+        # when the arrivals scheduled and not yet come are due (a heap), and the hooks
+        self._due_arrivals: list[float] = []
+        self._hook_times: list[float] = []
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
@@ -236,6 +249,7 @@ class SimCluster:
         loop.at(0.0, self._health)
         for at, fn in self.hooks:
             loop.at(at, partial(fn, self))
+        self._hook_times = sorted(at for at, _ in self.hooks)
         waits = self.workload.waits()
         for i, req in enumerate(self.workload.requests):
             g = i % len(self.gateways)
@@ -243,6 +257,8 @@ class SimCluster:
                 self._followers.setdefault(after, []).append((req, g))
             else:
                 loop.at(req.arrival_s, partial(self._arrive, req, g))
+                self._due_arrivals.append(req.arrival_s)
+        heapq.heapify(self._due_arrivals)
         loop.run()
 
     def busy(self) -> bool:
@@ -254,9 +270,25 @@ class SimCluster:
             return self._arrivals_left > 0
         return self.loop.now - self._progress_s < STALL_S
 
+    def _next_run_in(self, period: float) -> float:
+        """The delay to a housekeeping callback's next run: one ``period``, or whole
+        periods up to IDLE_KEEP_S before the next arrival or hook when nothing is open,
+        no engine has work and that is more than IDLE_SKIP_S away."""
+        if self._open or any(n.stepping or n.timer_at is not None for n in self.nodes):
+            return period
+        now = self.loop.now
+        due = self._due_arrivals[0] if self._due_arrivals else math.inf
+        hooks = self._hook_times
+        if (h := bisect_left(hooks, now)) < len(hooks):
+            due = min(due, hooks[h])
+        if due - now <= IDLE_SKIP_S or math.isinf(due):
+            return period
+        return max(1, math.floor((due - IDLE_KEEP_S - now) / period)) * period
+
     # ------------------------------------------------------------------ gateways
     def _arrive(self, req: SimRequest, g: int) -> None:
         self._arrivals_left -= 1
+        heapq.heappop(self._due_arrivals)  # the soonest due: this one (or a tie)
         out = RequestOutcome(req=req, gateway=g, arrived_s=self.loop.now)
         self.outcomes[req.request_id] = out
         seen = self._seen_blocks
@@ -318,6 +350,7 @@ class SimCluster:
                 self.on_progress(ended, total)
         for req, g in self._followers.pop(request_id, ()):  # the session's next step
             self.loop.after(req.think_s, partial(self._arrive, req, g))
+            heapq.heappush(self._due_arrivals, now + req.think_s)
 
     def _send(self, g: int, d: Dispatch) -> None:
         out = self.outcomes[d.request_id]
@@ -345,7 +378,7 @@ class SimCluster:
                 self._apply(g, ctl.on_refresh_failed(now))
         self._apply(g, ctl.tick(now))
         if self.busy():
-            self.loop.after(self.config.tick_interval_s, lambda: self._tick(g))
+            self.loop.after(self._next_run_in(self.config.tick_interval_s), lambda: self._tick(g))
 
     def _report(self) -> None:
         delay = self.config.report_delay_s
@@ -356,7 +389,7 @@ class SimCluster:
             snap = (m.num_requests_waiting, m.num_requests_running, m.kv_cache_usage_perc)
             self.loop.after(delay, partial(self._deliver_report, n, snap))
         if self.busy():
-            self.loop.after(self.config.report_interval_s, self._report)
+            self.loop.after(self._next_run_in(self.config.report_interval_s), self._report)
 
     def _deliver_report(self, n: SimNode, snap: tuple[int, int, float]) -> None:
         # the report reaches every gateway report_delay_s after it was taken
@@ -375,7 +408,7 @@ class SimCluster:
                     ctl.set_healthy(n.node_id, not n.crashed, now)
             self._apply(g, ctl.tick(now))
         if self.busy():
-            self.loop.after(self.config.health_interval_s, self._health)
+            self.loop.after(self._next_run_in(self.config.health_interval_s), self._health)
 
     # ------------------------------------------------------------------ nodes
     def _submit(self, eid: str) -> None:

@@ -2,8 +2,10 @@
 
 Format (``shared/traces/README.md``): one JSON object per line with ``timestamp`` (ms
 from the start of the trace), ``input_length`` (at least 1: an empty prompt is refused),
-``output_length`` and ``hash_ids`` (one chained id per block of the prompt,
-``len == ceil(input_length / block_tokens)``).
+``output_length`` (0 is read as 1: an engine's prefill always makes the first token, and
+vLLM refuses ``max_tokens`` 0 too) and ``hash_ids`` (one chained id per block of the
+prompt, ``len == ceil(input_length / block_tokens)``, each in [0, 2**64): the engine
+chains them as 64-bit block hashes).
 Blank lines and a UTF-8 byte-order mark are skipped; any other malformed line (bytes
 that are not UTF-8 included) raises :class:`ValueError` naming the file and line number.
 
@@ -36,6 +38,9 @@ from kvgate.core.rng import Rng
 from kvgate.sim.workload_types import SimRequest, Workload
 
 BucketMode = Literal["burst", "spread"]
+
+# hash ids are 64-bit block hashes in the engine
+_HASH_LIMIT = 1 << 64
 
 
 def _fail(path: object, lineno: int, msg: str) -> ValueError:
@@ -74,6 +79,8 @@ def _parse_line(
     raw = obj.get("hash_ids")
     if not isinstance(raw, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in raw):
         raise _fail(path, lineno, "'hash_ids' must be a list of integers")
+    if (bad := next((h for h in raw if not 0 <= h < _HASH_LIMIT), None)) is not None:
+        raise _fail(path, lineno, f"'hash_ids' must be in [0, 2**64), got {bad}")
     want = -(-inp // block_tokens)
     if strict and len(raw) != want:
         raise _fail(
@@ -82,7 +89,7 @@ def _parse_line(
             f"len(hash_ids) = {len(raw)} but ceil(input_length / {block_tokens}) = {want}"
             f" (one hash id per {block_tokens}-token block of the prompt)",
         )
-    return float(ts), inp, out, tuple(raw)
+    return float(ts), inp, max(out, 1), tuple(raw)
 
 
 def _median(xs: list[float]) -> float:
