@@ -319,6 +319,40 @@ def test_real_gateways_share_a_backlog_evenly() -> None:
     assert abs(served[0] - served[1]) <= 0.1 * sum(served)
 
 
+def test_mixed_p0_p1_overload_uses_the_whole_budget_fairly() -> None:
+    """Five gateways, each sent P0 and P1 alike, far more than the budget. A gateway
+    admits P0 on any free credit, so its P0 runs on its P1 grant too; the coordinator
+    counted those credits twice (in-use for P0, grant for P1), or its P0 in-use against
+    the P0 budget, and the leases settled at 20 of 26 credits, split 6 / 6 / 4 / 1 / 3,
+    for good. Counted where they sit, every credit is lent: max-min by class."""
+    cfg = AdmissionConfig(budget=31, lease=LeaseConfig(expected_gateways=5))
+    coord = InProcessCoordinator(cfg)
+    k = 31 - cfg.bypass_credits(31)
+    gws = [GatewayAdmission(cfg, f"g{i}") for i in range(5)]
+    live: list[list[Any]] = [[] for _ in gws]
+    n = 0
+    for step in range(400):
+        now = step * 0.05
+        for i, gw in enumerate(gws):
+            for _ in range(3):
+                n += 1
+                d = gw.admit(req(n % 2), now)
+                if isinstance(d, Admitted):
+                    live[i].append(d.ticket)
+            if live[i] and step % 2 == 0:  # one request ends every 0.1 s per gateway
+                live[i] += [a.ticket for a in gw.release(live[i].pop(0), now)]
+            live[i] += [a.ticket for a in gw.poll(now) if isinstance(a, Admitted)]
+            if gw.refresh_due(now):
+                grant = coord.refresh(gw.make_refresh(now), now)
+                live[i] += [a.ticket for a in gw.apply_grant(grant, now)]
+        totals = [gw.stats().lease_total for gw in gws]
+        assert sum(gw.inuse_total for gw in gws) <= k
+        if step >= 100:
+            assert sum(totals) == k, (step, totals)
+            assert max(totals) - min(totals) <= 2, (step, totals)
+    assert sorted(gw.inuse_total for gw in gws) == [4, 5, 5, 6, 6]
+
+
 def test_a_gateway_cut_off_alone_spends_a_lease_nobody_else_is_lent() -> None:
     """A partial partition: a loses the coordinator at 0.5 s, b keeps refreshing, and
     both have more demand than C. While a still admits on its last lease (until its

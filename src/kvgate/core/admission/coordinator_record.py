@@ -32,9 +32,29 @@ class GatewayRecord:
     ghost: bool = False  # expired; only its last in-use is held until expires_at
 
     def held(self, c: int) -> int:
+        """Class ``c``'s part of what this gateway holds, counted where the credits sit:
+        its grant for the class (or what it says it has). A gateway admits P0 (and P1)
+        on any free credit, so a class may use more than its grant: on the lease's
+        headroom, or on another class's unused grant, which already count them. Only
+        a use beyond all of those (a lease that shrank) adds to its class. Counting
+        each class's in-use on top of the grants counted a gateway whose P0 ran on its
+        P1 grant as 8 held for 6 credits; in-use counted instead of its P0 grant, the
+        early gateways' P0 filled the class budget: under mixed P0/P1 overload the
+        fleet's leases settled at 20 of 26 credits, split unevenly, for good."""
+        inuse = self.inuse
         if self.ghost:
-            return self.inuse[c]
-        return max(self.lease[c], self.has[c], self.inuse[c])
+            return inuse[c]
+        claim = [max(self.lease[k], self.has[k]) for k in range(3)]
+        excess = [max(0, inuse[k] - claim[k]) for k in range(3)]
+        spill = excess[0] + excess[1] + excess[2]
+        if spill == 0:
+            return claim[c]  # the common case: every class within its grant
+        headroom = max(0, max(self.lease_total, self.has_total) - sum(claim))
+        unused = sum(max(0, claim[k] - inuse[k]) for k in range(3))
+        unplaced = max(0, spill - headroom - unused)
+        for k in range(c):  # what is left unplaced goes to the highest classes first
+            unplaced -= min(excess[k], unplaced)
+        return claim[c] + min(excess[c], unplaced)
 
     def held_total(self) -> int:
         used = self.inuse[0] + self.inuse[1] + self.inuse[2]
