@@ -4,8 +4,9 @@ It streams ``tokens`` one-character tokens ``delay_s`` apart (then, ``tail_delay
 later, the usage chunk and ``[DONE]``), reports usage with a prefix cache of its own
 (cached tokens = longest common prefix with any earlier prompt, in 4-character tokens,
 rounded down to 64-character blocks), can fail chosen requests with an HTTP status or
-a mid-stream error, can answer ``GET /v1/models`` with HTML or not at all, and records
-what it received.
+a mid-stream error, can answer ``GET /v1/models`` with HTML or not at all, can stream
+a script of raw bytes instead (then reset the connection if asked), and records what it
+received.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Stub:
     usage: bool = True  # False: no usage anywhere (a server that reports none)
     empty_text: bool = False  # token chunks carry empty text (special tokens)
     tail_delay_s: float = 0.0  # streaming: pause after the last token, before usage/[DONE]
+    # streaming: these bytes, each written delay_s apart, instead of chunks/usage/[DONE]
+    script: tuple[bytes, ...] | None = None
+    reset: bool = False  # with script: abort the connection after it (no end of body)
     models_mode: str = "ok"  # GET /v1/models: "ok", "html" (200 text/html) or "hang"
     models_calls: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -102,6 +106,15 @@ class Stub:
                 await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
             try:
+                if self.script is not None:
+                    for part in self.script:
+                        await resp.write(part)
+                        await asyncio.sleep(self.delay_s)  # its own read on the client
+                    if self.reset and request.transport is not None:
+                        request.transport.abort()
+                    else:
+                        await resp.write_eof()
+                    return resp
                 if chat:
                     await send({"choices": [{"index": 0, "delta": {"role": "assistant",
                                                                     "content": ""}}]})

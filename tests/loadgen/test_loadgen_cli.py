@@ -7,7 +7,8 @@ import asyncio
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,9 @@ def test_flags_reach_the_config() -> None:
     assert cfg.workload.block_tokens == 256 and cfg.chars_per_token == 3 and cfg.ignore_eos
     assert len(cfg.workload.requests) == 30
     assert math.isinf(config_from_args(_parse("--rate", "inf")).rate)
+    assert cfg.burstiness == 1.0  # Poisson unless asked
+    cfg = config_from_args(_parse("--rate", "4", "--burstiness", "0.5"))
+    assert cfg.burstiness == 0.5 and cfg.settings("m")["burstiness"] == 0.5
 
 
 def test_closed_loop_flag_links_sessions() -> None:
@@ -101,6 +105,8 @@ def test_trace_sends_the_whole_limited_trace_by_default(
     ["--rate", "0"], ["--rate", "x"], ["--concurrency", "0"], ["--workload", "nope"],
     ["--workload", "gsp", "--trace", "f.jsonl"], ["--endpoint", "embeddings"],
     ["--temperature", "nan"], ["--temperature", "-1"], ["--temperature", "2.5"],
+    ["--rate", "4", "--burstiness", "0"], ["--rate", "4", "--burstiness", "inf"],
+    ["--rate", "4", "--burstiness", "nan"],
 ])
 def test_bad_flags_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
@@ -113,6 +119,9 @@ def test_bad_flags_exit(argv: list[str]) -> None:
     ["--closed-loop", "--workload", "zipf"],
     # options of the other kind of source were ignored without a word
     ["--workload", "gsp", "--limit", "3"],
+    # --burstiness shapes the gaps of a finite --rate only
+    ["--burstiness", "2"], ["--rate", "inf", "--burstiness", "2"],
+    ["--schedule", "trace", "--burstiness", "2"],
 ])
 def test_usage_errors_return_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench(_parse(*argv)) == 2
@@ -252,3 +261,39 @@ def test_bad_json_path_fails_before_any_request(
     assert stub.models_calls == 0 and stub.received == []  # nothing sent
     assert "--json" in _one_setup_error(capsys)
     assert not (tmp_path / "r.json").exists()
+
+
+@asynccontextmanager
+async def _raw_http(reply: bytes) -> AsyncIterator[str]:
+    """A server on 127.0.0.1 that answers every request with ``reply``, as bytes (for
+    answers aiohttp's server will not write); yields its base URL."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_garbled_models_answer_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """aiohttp's parser error (a ClientResponseError) has a message of several lines (a
+    caret under the bad byte), printed as its repr: ``\\n`` escapes in the line. A setup
+    error is one plain line on stderr."""
+    garbled = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+               b"Bad\x01Header: x\r\nContent-Length: 2\r\n\r\n{}")
+
+    async def go() -> int:
+        async with _raw_http(garbled) as base_url:
+            args = _parse("--base-url", base_url, "--num-requests", "2", "--no-progress")
+            return await asyncio.to_thread(run_bench, args)
+
+    assert asyncio.run(go()) == 2
+    line = _one_setup_error(capsys)
+    assert line.startswith("kvgate bench: ClientResponseError: 400, message=")
+    assert "Bad\\x01Header" in line and "\\n" not in line  # the message, not its repr

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
+import math
 import socket
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -242,6 +246,112 @@ def test_config_validation() -> None:
     wl = _workload(1)
     for bad in ({"rate": 0.0}, {"concurrency": 0}, {"endpoint": "x"}, {"schedule": "x"},
                 {"max_seconds": 0.0}, {"goodput_slos_ms": {"itl": 1.0}},
-                {"output_tokens_cap": 0}):
+                {"output_tokens_cap": 0}, {"burstiness": 0.0}, {"burstiness": -1.0},
+                {"burstiness": math.inf}, {"burstiness": math.nan}):
         with pytest.raises(ValueError):
             LoadConfig(workload=wl, **bad)
+
+
+def _sse(*objs: object, sep: bytes = b"\n") -> bytes:
+    """``data:`` lines of ``objs`` (bytes as they are), each ended by a blank line."""
+    out = b""
+    for obj in objs:
+        data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+        out += b"data: " + data + sep + sep
+    return out
+
+
+def _text(t: str) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "text": t}]}
+
+
+def _usage(n: int) -> dict[str, Any]:
+    return {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": n}}
+
+
+@pytest.mark.parametrize("script", [
+    (_sse(_usage(4), b"[DONE]"),),  # usage only
+    (_sse({"choices": []}, {"choices": []}, _usage(3), b"[DONE]"),),  # no choice ever
+])
+def test_a_stream_without_a_chunk_with_choices_fails_as_in_vllms_bench(
+        stub_server: Serve, script: tuple[bytes, ...]) -> None:
+    """vLLM's bench fails it ("Never received a valid chunk to calculate TTFT"); it was
+    a success with the usage's tokens and no TTFT."""
+    rep, _ = _run(stub_server, dict(script=script), workload=_workload(2), num_requests=2,
+                  model="m")
+    assert (rep.completed, rep.failed) == (0, 2)
+    assert rep.failed_by_status == {"200": 2} and rep.errors_by_type == {"empty_output": 2}
+    assert "no chunk with choices" in rep.results[0].error_detail
+
+
+def test_a_reset_after_the_headers_is_status_0(stub_server: Serve) -> None:
+    """A connection reset mid-stream is no complete answer, as a timeout after the
+    headers: status 0, not the headers' 200 (which read as the server's answer)."""
+    rep, _ = _run(stub_server, dict(script=(_sse(_text("a"), _text("b")),), reset=True),
+                  workload=_workload(2), num_requests=2, model="m")
+    assert rep.failed == 2 and rep.failed_by_status == {"0": 2}
+    assert rep.errors_by_type == {"connection": 2}
+    assert all("after HTTP 200 headers: " in r.error_detail for r in rep.results)
+
+
+def test_without_usage_a_stream_counts_its_text_not_only_its_chunks(stub_server: Serve) -> None:
+    """A server that bundles tokens in a chunk: two chunks of 12 characters are 6 tokens
+    at 4 characters each, not 2 (one per chunk); short tokens still count one a chunk."""
+    bundled = (_sse(_text("x" * 12), _text("y" * 12), b"[DONE]"),)
+    rep, _ = _run(stub_server, dict(script=bundled), workload=_workload(2), num_requests=2,
+                  model="m")
+    assert rep.completed == 2 and rep.total_output_tokens == 2 * 6
+    rep, _ = _run(stub_server, dict(tokens=5, usage=False), workload=_workload(2, out=5),
+                  num_requests=2, model="m")
+    assert rep.completed == 2 and rep.total_output_tokens == 2 * 5  # 1-char tokens
+
+
+def test_json_nested_too_deep_is_a_bad_response(stub_server: Serve) -> None:
+    """json.loads raises RecursionError on deep nesting: a malformed answer, under its
+    status, not an 'internal' loadgen bug."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    rep, _ = _run(stub_server, dict(script=(_sse(_text("a"), deep),)), workload=_workload(2),
+                  num_requests=2, model="m")
+    assert rep.failed_by_status == {"200": 2} and rep.errors_by_type == {"bad_response": 2}
+    assert rep.results[0].error_detail.startswith("RecursionError: ")
+
+
+@pytest.mark.parametrize("sep", [b"\n", b"\r\n", b"\r"])
+def test_sse_lines_may_end_in_cr_lf_or_both(stub_server: Serve, sep: bytes) -> None:
+    """The SSE spec's three line ends; a lone CR ran every event into one line (a
+    JSONDecodeError). The CRLF script is cut between its CR and LF."""
+    body = _sse(_text("a"), _text("b"), _usage(2), b"[DONE]", sep=sep)
+    cut = body.index(b"\n") if sep == b"\r\n" else len(body) // 2
+    rep, _ = _run(stub_server, dict(script=(body[:cut], body[cut:])), workload=_workload(2),
+                  num_requests=2, model="m")
+    assert rep.completed == 2 and rep.total_output_tokens == 4
+    assert rep.metrics["ttft"].count == 2 and rep.metrics["itl"].count == 2
+
+
+def test_poisson_gaps_are_rescaled_to_the_rate() -> None:
+    """As vLLM's get_request: the sum of the random gaps drifted from the rate with the
+    seed; now N requests span (N - 1) / rate for every seed (first at 0)."""
+    wl = _workload(200)
+    for seed in range(5):
+        for burstiness in (0.3, 1.0, 3.0):
+            cfg = LoadConfig(workload=wl, rate=20.0, seed=seed, burstiness=burstiness)
+            offsets = send_offsets(cfg, wl.requests)
+            assert offsets[0] == 0.0 and offsets == sorted(offsets)
+            assert offsets[-1] == pytest.approx(199 / 20.0, rel=1e-12)
+
+
+def test_burstiness_shapes_the_gaps_as_a_gamma() -> None:
+    """Gamma gaps of shape B have a coefficient of variation 1/sqrt(B): 2 at 0.25,
+    1 (Poisson) at 1, 0.5 at 4."""
+    wl = _workload(4000)
+
+    def cv(burstiness: float) -> float:
+        offsets = send_offsets(LoadConfig(workload=wl, rate=10.0, burstiness=burstiness),
+                               wl.requests)
+        gaps = [b - a for a, b in itertools.pairwise(offsets)]
+        return statistics.pstdev(gaps) / statistics.fmean(gaps)
+
+    assert cv(0.25) == pytest.approx(2.0, rel=0.15)
+    assert cv(1.0) == pytest.approx(1.0, rel=0.1)
+    assert cv(4.0) == pytest.approx(0.5, rel=0.1)
+    assert LoadConfig(workload=wl, burstiness=0.5).settings("m")["burstiness"] == 0.5

@@ -8,20 +8,24 @@ non-empty ``text`` (completions) or ``delta.content`` / ``delta.reasoning_conten
 (chat) is a *token chunk*. ``stream_options.include_usage`` is requested so the final
 chunk carries ``usage`` (prompt, completion and ``prompt_tokens_details.cached_tokens``;
 vLLM reports the last one only when started with ``--enable-prompt-tokens-details``).
-Without usage, output tokens = token chunks.
+A stream without any chunk with choices (say only ``{"choices": [], "usage": ...}``)
+fails with ``empty_output``, as vLLM's bench fails it (no TTFT), whatever its usage
+says. Lines may end in ``\n``, ``\r\n`` or a lone ``\r`` (the SSE spec's three).
 
-E2E latency ends, as in ``vllm bench serve``, at the last data chunk received: the
-last chunk with choices (the trailing usage chunk, ``[DONE]`` and the end of the body
-do not count; only when no chunk had choices, the last data chunk of any kind). So
+E2E latency ends, as in ``vllm bench serve``, at the last chunk with choices (the
+trailing usage chunk, ``[DONE]`` and the end of the body do not count). So
 ``E2E - TTFT`` is the sum of the ITL gaps. Without streaming the body is the one data
 chunk: E2E ends when it has been read, before it is parsed. There is no TTFT or ITL
-then, and without usage the output tokens are estimated from the text
-(``chars_per_token`` characters each, at least one), where vLLM's bench re-tokenizes
-it.
+then.
 
-A request that times out (``--request-timeout``) fails with error ``timeout`` and
-status 0, as when no response arrived: headers without the rest of the answer are no
-answer (it was counted under their 200). The detail says whether headers had come.
+Without usage the output tokens are estimated from the text (``chars_per_token``
+characters each, at least one), where vLLM's bench re-tokenizes it; a stream counts at
+least one per token chunk.
+
+A request that times out (``--request-timeout``) fails with error ``timeout``, one whose
+connection fails (refused, or reset mid-stream) with ``connection``; both have status
+0, as when no response arrived: headers without the rest of the answer are no answer
+(they were counted under their 200). The detail says whether headers had come.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def endpoint_url(base_url: str, endpoint: str) -> str:
     return v1_base(base_url) + path
 
 
-def _one_line(text: str, limit: int = 200) -> str:
+def one_line(text: str, limit: int = 200) -> str:
     """``text`` as one line of at most ``limit`` characters (for error messages)."""
     return " ".join(text.split())[:limit]
 
@@ -61,14 +65,14 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
     answer is not a 200 JSON list of models."""
     async with session.get(v1_base(base_url) + "/models") as resp:
         if resp.status != 200:
-            body = _one_line(await resp.text(errors="replace"))
+            body = one_line(await resp.text(errors="replace"))
             raise RuntimeError(f"GET /v1/models returned HTTP {resp.status}: {body}")
         raw = await resp.read()
         try:
             data = json.loads(raw)
         except ValueError:  # not JSON, or not UTF-8: a login page, a proxy's error page
             kind = resp.headers.get("Content-Type", "no Content-Type")
-            body = _one_line(raw.decode("utf-8", errors="replace"), 80)
+            body = one_line(raw.decode("utf-8", errors="replace"), 80)
             raise RuntimeError(
                 f"GET /v1/models did not return JSON ({kind}: {body!r}); "
                 "check --base-url or pass --model"
@@ -108,9 +112,10 @@ def build_payload(
 class _StreamState:
     sent: float
     last: float | None = None  # the last chunk with choices
-    last_data: float | None = None  # the last data chunk of any kind ([DONE] excluded)
+    body_read: float | None = None  # without streaming: when the whole body had come
     ttft: float | None = None
-    chunks: int = 0
+    chunks: int = 0  # token chunks
+    chars: int = 0  # characters of text in them (or in the whole body)
     itl: list[float] = field(default_factory=list)
     usage: dict[str, object] | None = None
     error: str = ""
@@ -136,7 +141,6 @@ def _on_event(st: _StreamState, data: bytes, now: float) -> bool:
     """Handle one ``data:`` payload; False at ``[DONE]``."""
     if data == b"[DONE]":
         return False
-    st.last_data = now
     obj = json.loads(data)
     if not isinstance(obj, dict):
         raise ValueError("stream chunk is not a JSON object")
@@ -153,8 +157,10 @@ def _on_event(st: _StreamState, data: bytes, now: float) -> bool:
         else:
             st.itl.append(now - st.last)
         st.last = now
-        if any(_choice_text(c) for c in choices):
+        chars = sum(len(_choice_text(c)) for c in choices)
+        if chars:
             st.chunks += 1
+            st.chars += chars
     return True
 
 
@@ -181,6 +187,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, st: _StreamState) -> None:
     buf = bytearray()
     async for data in resp.content.iter_any():
         now = time.perf_counter()
+        if b"\r" in data:  # CRLF or a lone CR ends a line too (SSE); one scan when not
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf.extend(data)
         while (nl := buf.find(b"\n")) >= 0:
             line = bytes(buf[:nl]).strip()
@@ -222,7 +230,7 @@ async def send_request(
                 await _read_stream(resp, st)
             else:
                 raw = await resp.read()
-                st.last_data = time.perf_counter()  # the whole body: its one data chunk
+                st.body_read = time.perf_counter()  # the whole body: its one data chunk
                 body = json.loads(raw)
                 if not isinstance(body, dict):
                     raise ValueError("response is not a JSON object")
@@ -234,8 +242,7 @@ async def send_request(
                 if isinstance(choices, list):
                     # one body, no chunks to count: the text's estimated tokens (it was
                     # 1 whatever the length when the server sent no usage)
-                    chars = sum(len(_choice_text(c)) for c in choices)
-                    st.chunks = math.ceil(chars / chars_per_token) if chars else 0
+                    st.chars = sum(len(_choice_text(c)) for c in choices)
     except TimeoutError as e:
         # the answer never came whole: no status, whatever the headers said (listed
         # under 200 it read as the server's fault, not as a timeout)
@@ -243,8 +250,14 @@ async def send_request(
         res.status = 0
         res.error, res.error_detail = "timeout", f"timeout{got}: {e!r}"[:300]
     except aiohttp.ClientError as e:
-        res.error, res.error_detail = "connection", f"{type(e).__name__}: {e}"[:300]
-    except (ValueError, KeyError, TypeError) as e:  # JSON and shape problems
+        # a reset after the headers is no answer either (it was filed under their 200)
+        got = f" after HTTP {res.status} headers" if res.status else ""
+        res.status = 0
+        res.error = "connection"
+        res.error_detail = f"{type(e).__name__}{got}: {e}"[:300]
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        # JSON and shape problems; RecursionError: JSON nested too deep to decode, the
+        # server's fault like any malformed body (it was reported as a loadgen bug)
         res.error, res.error_detail = "bad_response", f"{type(e).__name__}: {e}"[:300]
     end = time.perf_counter()
     res.end_s = end - t0
@@ -258,14 +271,24 @@ async def send_request(
     if reported_prompt is not None:
         res.prompt_tokens, res.prompt_tokens_reported = reported_prompt, True
     res.cached_tokens = _cached(st.usage)
-    res.output_tokens = completion if completion is not None else st.chunks
-    if st.chunks == 0 and not res.output_tokens:
+    # Without usage: the text's estimate, but at least one per token chunk. Chunks alone
+    # undercount a server that bundles tokens in a chunk; the text alone undercounts
+    # tokens shorter than chars_per_token, which a chunk each still proves.
+    estimate = max(st.chunks, math.ceil(st.chars / chars_per_token))
+    res.output_tokens = completion if completion is not None else estimate
+    if stream and st.last is None:
+        # vLLM's bench fails it too ("Never received a valid chunk to calculate TTFT"):
+        # usage alone is no answer to time, and it was a success without a TTFT
+        res.error = "empty_output"
+        res.error_detail = "the stream carried no chunk with choices (no TTFT)"
+        return res
+    if estimate == 0 and not res.output_tokens:
         res.error, res.error_detail = "empty_output", "the response carried no tokens"
         return res
     res.success = True
-    # vLLM's latency: to the last chunk with choices, else the last data chunk (success
-    # needs one); `end` came later, after [DONE] or EOF and the connection's release
-    last = st.last if st.last is not None else st.last_data
+    # vLLM's latency: to the last chunk with choices (a stream's success needs one), the
+    # body without streaming; `end` came later, after [DONE] or EOF and the release
+    last = st.last if stream else st.body_read
     res.e2e_s = (last if last is not None else end) - st.sent
     if stream:
         res.ttft_s = st.ttft

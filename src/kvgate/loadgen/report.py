@@ -24,7 +24,8 @@ the key ends in ``_ms``; absent values are ``null``:
 
 * ``settings``: the run's settings (``base_url``, ``endpoint``, ``model``, ``stream``,
   ``workload``, ``workload_requests``, ``closed_loop``, ``block_tokens``, ``schedule``, ``rate`` (a
-  number or ``"inf"``), ``concurrency``, ``speedup``, ``num_requests``,
+  number or ``"inf"``), ``burstiness`` (the gamma shape of the gaps, 1 = Poisson),
+  ``concurrency``, ``speedup``, ``num_requests``,
   ``max_seconds``, ``seed``, ``chars_per_token``, ``max_prompt_tokens``,
   ``output_tokens_cap``, ``ignore_eos``, ``temperature``; from ``kvgate bench``, also
   ``trace`` and ``limit`` for a trace, ``workload_size`` and ``arrival_rate`` for a
@@ -80,7 +81,7 @@ class RequestResult:
     the start of the benchmark.
 
     ``status`` is the HTTP status, 0 when no complete response arrived (a connection
-    failure, or a timeout even after the headers came). ``error`` is ``""`` on
+    failure or a timeout, even after the headers came). ``error`` is ``""`` on
     success, else one of ``http``, ``connection``, ``timeout``, ``stream_error``,
     ``bad_response``, ``empty_output``, ``internal`` (a loadgen bug) or ``cancelled``
     (still running at the time bound; such requests are *incomplete*, not failed).

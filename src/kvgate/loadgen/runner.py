@@ -2,9 +2,12 @@
 
 Schedules (:class:`LoadConfig`):
 
-* ``schedule="rate"``: requests in workload order at ``rate`` per second, Poisson
-  (exponential gaps from ``random.Random(seed)``, first at 0); ``rate=inf`` sends all
-  at once.
+* ``schedule="rate"``: requests in workload order at ``rate`` per second, first at 0,
+  the gaps from ``random.Random(seed)``: gamma-distributed with shape ``burstiness``
+  and scale ``1 / (rate * burstiness)`` as ``vllm bench serve --burstiness`` (1, the
+  default, is Poisson: exponential gaps; below 1 burstier, above 1 more even), then
+  rescaled, as vLLM does, so their mean is exactly ``1 / rate`` (the realised rate
+  does not depend on the seed). ``rate=inf`` sends all at once.
 * ``schedule="trace"``: at the workload's own arrival times (relative to its first
   request) divided by ``speedup``.
 * ``concurrency=N`` caps requests in flight in either schedule (a request due while N
@@ -58,6 +61,7 @@ class LoadConfig:
     stream: bool = True
     schedule: Schedule = "rate"
     rate: float = math.inf
+    burstiness: float = 1.0
     concurrency: int | None = None
     speedup: float = 1.0
     num_requests: int = 200
@@ -81,6 +85,8 @@ class LoadConfig:
             raise ValueError("schedule must be 'rate' or 'trace'")
         if math.isnan(self.rate) or self.rate <= 0:
             raise ValueError("rate must be > 0 (or inf)")
+        if not (math.isfinite(self.burstiness) and self.burstiness > 0):
+            raise ValueError("burstiness must be a finite number > 0")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         if not (math.isfinite(self.speedup) and self.speedup > 0):
@@ -114,6 +120,7 @@ class LoadConfig:
             "block_tokens": self.workload.block_tokens,
             "schedule": self.schedule,
             "rate": "inf" if math.isinf(self.rate) else self.rate,
+            "burstiness": self.burstiness,
             "concurrency": self.concurrency,
             "speedup": self.speedup,
             "num_requests": self.num_requests,
@@ -138,9 +145,18 @@ def send_offsets(config: LoadConfig, requests: Sequence[SimRequest]) -> list[flo
     if math.isinf(config.rate):
         return [0.0] * len(requests)
     rng = random.Random(config.seed)
+    shape = config.burstiness
+    scale = 1.0 / (config.rate * shape)  # mean gap 1 / rate whatever the shape
     out = [0.0]
     for _ in range(len(requests) - 1):
-        out.append(out[-1] + rng.expovariate(config.rate))
+        out.append(out[-1] + rng.gammavariate(shape, scale))
+    # vLLM's normalisation: N random gaps summed drift a few % from N / rate, so the
+    # realised rate depended on the seed. vLLM waits a gap before its first request and
+    # ends at N / rate; ours is sent at 0, so N - 1 gaps end at (N - 1) / rate: the
+    # same mean gap, 1 / rate.
+    if out[-1] > 0:  # all gaps 0 can happen only with a vanishing shape
+        factor = (len(out) - 1) / config.rate / out[-1]
+        out = [t * factor for t in out]
     return out
 
 
