@@ -56,6 +56,9 @@ clamped by what the others reported holding; a newcomer (has 0) gets nothing. It
 - after an outage (every record lapsed unrefreshed), for one TTL from the first
   refresh after it: the gateways kept running what they admitted, which the first one
   back would otherwise be lent.
+- after a rollback (a gateway reports a state serial of this epoch above the stored
+  one: a failover to a lagging replica, a restart from a snapshot), for TTL +
+  ``reuse_timeout_s``: its gateways hold leases the stored state never granted.
 
 Start-up bounds. With ``learn_on_start`` and ``expected_gateways`` >= the real count,
 in-flight never exceeds C from the first request on. Without it (the default: the first
@@ -72,11 +75,11 @@ from typing import Protocol
 from kvgate.core.admission.allocation import (
     class_budgets,
     max_min_share,
-    share_with_slack,
     spread,
 )
 from kvgate.core.admission.config import AdmissionConfig
 from kvgate.core.admission.coordinator_record import GatewayRecord
+from kvgate.core.admission.coordinator_tenants import tenant_grants, tenants_full
 from kvgate.core.admission.slo import SloController
 from kvgate.core.admission.types import LeaseGrant, RefreshRequest, Triple
 
@@ -126,6 +129,12 @@ class InProcessCoordinator:
             self.epoch_started = now if self.learn_on_start else self.epoch_started
             self.learn_on_start = False
             self.learning_until = now + self.config.lease.ttl_s
+        if req.epoch == self.epoch and (req.state_seen or 0) > self.refreshes:
+            # rolled back: its gateways may hold leases granted since, for up to a TTL
+            # and a reuse window; learn what they hold instead of lending it again
+            lc = self.config.lease
+            self.learning_until = max(self.learning_until, now + lc.ttl_s + lc.reuse_timeout_s)
+            self.refreshes = req.state_seen or 0
         self.refreshes += 1
         self._expire(now)
         if req.c_eff_seen is not None:
@@ -228,7 +237,7 @@ class InProcessCoordinator:
             p0_reserve=min(p0_reserve, rec.lease[0]),
             bypass=rec.bypass_lease,
             tenant_grants=dict(rec.tenant_lease),
-            tenant_full=self._tenants_full(rec),
+            tenant_full=tenants_full(self.config, self.records.values(), rec),
             ttl_s=self.config.lease.ttl_s,
             refresh_s=self.config.lease.refresh_s,
             safe_capacity=k // max(1, len(live)),
@@ -237,6 +246,7 @@ class InProcessCoordinator:
             epoch=self.epoch,
             gateways_live=len(live),
             learning=learning,
+            state_serial=self.refreshes,
             waiting_elsewhere=sum(
                 r.wants[c] - r.inuse[c]
                 for r in live
@@ -249,17 +259,6 @@ class InProcessCoordinator:
     def _unseen(self, live: list[GatewayRecord]) -> list[str]:
         """Placeholders for expected gateways not live: the first to report gets not all."""
         return [f"\0unseen-{i}" for i in range(self.config.lease.expected_gateways - len(live))]
-
-    def _tenants_full(self, rec: GatewayRecord) -> frozenset[str]:
-        """The tenants ``rec`` reports whose quota the requests every gateway reports
-        (in flight or queued there) already fill."""
-        recs = self.records.values()
-        return frozenset(
-            t
-            for t in rec.tenants
-            if (quota := self.config.quota_for(t)) is not None
-            and quota <= sum(r.tenants[t].inuse for r in recs if t in r.tenants)
-        )
 
     def _echo(self, rec: GatewayRecord) -> LeaseGrant:
         """Learning mode: what the gateway says it has (or uses), clamped by the others.
@@ -349,30 +348,8 @@ class InProcessCoordinator:
         bypass_fair = spread(pool, (r.gateway_id for r in live))[gid]
         bypass_free = pool - sum(o.held_bypass() for o in others)
         rec.bypass_lease = max(0, min(bypass_fair, bypass_free))
-        rec.tenant_lease = self._tenant_grants(rec, others, live)
+        rec.tenant_lease = tenant_grants(self.config, rec, others, live, self._unseen(live))
         return self._grant(rec, learning=False, p0_reserve=view.reserve_share[gid])
-
-    def _tenant_grants(
-        self, rec: GatewayRecord, others: list[GatewayRecord], live: list[GatewayRecord]
-    ) -> dict[str, int]:
-        """Each quota tenant in use anywhere (or reported here): a max-min share of its
-        quota by wants, what nobody wants spread over the fleet (live or expected), so a
-        gateway that sees the tenant next already holds a lease for it (it would
-        otherwise wait for the others' next refreshes to give some back)."""
-        out: dict[str, int] = {}
-        in_use = {t for r in live for t, u in r.tenants.items() if u.wants > 0 or u.inuse > 0}
-        unseen = dict.fromkeys(self._unseen(live), 0)  # the same for every tenant
-        for tenant in sorted(rec.tenants.keys() | in_use):
-            quota = self.config.quota_for(tenant)
-            if quota is None:
-                continue
-            wants = {
-                r.gateway_id: r.tenants[tenant].wants if tenant in r.tenants else 0 for r in live
-            } | unseen
-            fair = share_with_slack(quota, wants).get(rec.gateway_id, 0)
-            free = quota - sum(o.held_tenant(tenant) for o in others)
-            out[tenant] = max(0, min(fair, free))
-        return out
 
     def _observe_slo(self, req: RefreshRequest, now: float) -> None:
         """Count each gateway window once; close a coordinator window every window_s."""

@@ -143,6 +143,7 @@ class GatewayAdmission(Stage1Limiter):
             c_eff_seen=self._book.c_eff if self._book.c_eff_known else None,
             p0_ttft_p99_s=p99,
             p0_ttft_window=window,
+            state_seen=None if self._book.grant is None else self._book.grant.state_serial,
         )
 
     def apply_grant(self, grant: LeaseGrant, now: float) -> list[Admitted]:

@@ -260,6 +260,9 @@ class RefreshRequest:
     c_eff_seen: int | None = None  # min(budget, healthy capacity) as this gateway sees it
     p0_ttft_p99_s: float | None = None  # of the last complete window; None = no data
     p0_ttft_window: int = -1  # index of that window (so it is counted once)
+    # the state's serial in the last grant of ``epoch``: a store holding an older one
+    # was rolled back (a failover to a lagging replica, a restart from a snapshot)
+    state_seen: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -292,6 +295,7 @@ class LeaseGrant:
     # P0 and P1 requests queued at the other live gateways when granted: what P2 this
     # gateway holds beyond its grant keeps waiting (``p2_to_reclaim``)
     waiting_elsewhere: int = 0
+    state_serial: int = 0  # the coordinator state's refresh count after this grant
 
     @property
     def total(self) -> int:
