@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvgate.engine import (
@@ -159,3 +161,44 @@ def test_nothing_cached_means_nothing_to_evict(kit) -> None:
     assert engine.take_events() == []
     with pytest.raises(ValueError):
         engine.bulk_evict(0.0, 0.0)
+
+
+def test_a_forced_flush_takes_a_share_of_the_cache_and_is_announced_however_small(
+    kit: Any,
+) -> None:
+    """``flush``: ceil(share x cached blocks), least recently used first, announced even
+    below the bulk threshold (2 blocks of a 20-block pool is 10 %: a trim otherwise)."""
+    engine = warm(kit)  # 8 of 20 blocks cached, none in use
+    assert engine.bulk_evict(0.1, 10.0) == 2  # the same size as a trim: silent
+    assert engine.take_events() == [BlockRemoved(block_hashes=(104, 103))]
+    assert engine.pool.num_cached_blocks == 6
+    assert engine.flush(0.3, 20.0, "forced") == 2  # ceil(0.3 x 6) = 2
+    assert engine.take_events() == [
+        EvictionAnnounced(
+            num_blocks=2, prefixes=(101,), starts_at=22.0, done_by=22.5, reason="forced"
+        )
+    ]
+    for t in (22.0, 22.5):
+        assert engine.step(t) is None
+    assert engine.take_events() == [
+        BlockRemoved(block_hashes=(102,)),
+        BlockRemoved(block_hashes=(101,)),
+        EvictionDone(num_blocks_evicted=2),
+    ]
+    # the threshold is back for the next discretionary eviction (the window moved on)
+    assert engine.bulk_evict(0.1, 40.0) == 2
+    assert engine.take_events() == [BlockRemoved(block_hashes=(204, 203))]
+
+
+def test_a_forced_flush_leaves_blocks_in_use_and_goes_at_once_unannounced(kit: Any) -> None:
+    engine = warm(kit, announce_lead_s=None)
+    assert engine.submit(kit.req("c", 17, base=100, max_tokens=50), 1.0).accepted
+    assert engine.step(1.0) is not None  # c holds A's 4 blocks (hits) and a fifth
+    engine.take_events()
+    assert engine.pool.num_cached_blocks == 8
+    assert engine.flush(1.0, 2.0) == 4  # all 8 asked, B's 4 free to go
+    assert engine.take_events() == [BlockRemoved(block_hashes=(204, 203, 202, 201))]
+    assert sorted(engine.pool.cached_hashes()) == [101, 102, 103, 104]
+    with pytest.raises(ValueError):
+        engine.flush(0.0, 3.0)
+    assert kit.tiny_engine().flush(1.0, 0.0) == 0  # nothing cached

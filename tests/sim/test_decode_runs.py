@@ -16,7 +16,7 @@ from kvgate.sim.cluster import ClusterConfig
 from kvgate.sim.runner import SeededRng, run_policy
 from kvgate.sim.scenarios import SCENARIOS
 from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_groups
-from kvgate.sim.workload import Workload
+from kvgate.sim.workload import SimRequest, Workload
 
 WALL_KEYS = {"wall_s", "sim_requests_per_wall_s"}
 
@@ -150,3 +150,63 @@ def test_a_crash_in_the_middle_of_a_run_counts_the_steps_that_ended(crash_at: fl
 
 def _crash_node_0(cluster: Any) -> None:
     cluster.crash_node(0)
+
+
+def _request(
+    rid: str, t: float, prompt: int = 600, output: int = 400, first_block: int = 1
+) -> SimRequest:
+    blocks = (first_block, *(1000 * (ord(rid[0]) - 96) + b for b in range(1, -(-prompt // 512))))
+    return SimRequest(
+        request_id=rid, arrival_s=t, prompt_tokens=prompt, output_tokens=output, block_ids=blocks
+    )
+
+
+def _slow_node_0(cluster: Any) -> None:
+    cluster.slow_node(0, 10.0)
+
+
+def _recover_node_0(cluster: Any) -> None:
+    cluster.recover_node(0)
+
+
+def _reject_all_node_0(cluster: Any) -> None:
+    cluster.reject_all_node(0)
+
+
+# faults injected while node 0 is in the middle of a decode run (its one request has
+# decoded for a second): they apply from the next step on, with runs as without them
+FAULT_CASES: dict[str, tuple[tuple[float, Any], ...]] = {
+    "slow": ((1.0, _slow_node_0),),
+    "slow_then_recover": ((1.0, _slow_node_0), (2.0, _recover_node_0)),
+    # the refusal reaches the request arriving at 2 s, which fails (no other node)
+    "reject_all": ((1.0, _reject_all_node_0), (3.0, _recover_node_0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAULT_CASES))
+def test_a_fault_in_the_middle_of_a_decode_run_applies_from_the_next_step(case: str) -> None:
+    """A slow fault injected at t = 1 into a node decoding one 600-token prompt's 400
+    tokens used to wait for the end of the decode run: the request finished at 4.597 s
+    with runs and 35.876 s without. The cluster's fault wrappers settle the run first."""
+    reqs: tuple[SimRequest, ...] = (_request("a", 0.0),)
+    if case == "reject_all":
+        reqs += (_request("b", 2.0, prompt=1100, output=50),)
+    w = Workload(name="one", block_tokens=512, requests=reqs)
+    results = []
+    for runs in (False, True):
+        cfg = replace(_config(nodes=1), decode_runs=runs)
+        cluster, rep = run_policy(w, cfg, "kvgate", seed=1, hooks=FAULT_CASES[case])
+        ends = {rid: (o.status, o.finished_s) for rid, o in cluster.outcomes.items()}
+        results.append((ends, _without_wall(rep), cluster.nodes[0].engine.faults.active))
+    assert results[1] == results[0]  # bit for bit
+    ends = results[0][0]
+    plain = 4.4963163999999995  # request a alone, no fault (the same with runs or not)
+    status, end = ends["a"]
+    assert status == "completed" and end is not None
+    if case == "slow":
+        assert end > 30.0 and results[0][2]  # most of it at a tenth of the speed
+    elif case == "slow_then_recover":
+        assert plain + 0.5 < end < 10.0 and not results[0][2]
+    else:
+        assert end == plain and ends["b"] == ("failed", None)
+        assert results[0][1]["failures_by_reason"] == {"retry_elsewhere": 1}

@@ -364,3 +364,90 @@ def test_funnel_adds_up_when_a_request_hits_blocks_a_later_arrival_computed() ->
     assert early.status == "completed" and early.cached_tokens == 15 * 512
     assert sum(cluster.funnel.values()) == 3 * 16
     assert cluster.funnel["hit"] == 15
+
+
+def test_funnel_files_a_prefix_the_target_lost_while_the_request_queued_as_evicted() -> None:
+    """The node a request was sent to held its prefix at submit and evicted it while the
+    request waited there: an eviction, not a prefix routed away by load (one node: there
+    was nowhere else to route it)."""
+    from kvgate.engine.eviction import EvictionConfig
+    from kvgate.engine.sequence import ReqStatus
+    from kvgate.sim.workload import SimRequest, Workload
+
+    def req(rid: str, t: float, ids: tuple[int, ...]) -> SimRequest:
+        return SimRequest(
+            request_id=rid, arrival_s=t, prompt_tokens=512 * len(ids), output_tokens=1,
+            block_ids=ids,
+        )
+
+    w = Workload(
+        name="w",
+        block_tokens=512,
+        requests=(
+            req("a", 0.0, tuple(range(8))),  # computed and cached by t = 2
+            req("busy", 2.0, tuple(range(100, 116))),  # a whole step's budget of prefill
+            req("b", 2.0005, (*range(8), 50)),  # a's prefix: waits at the node behind busy
+        ),
+    )
+    seen: dict[str, object] = {}
+
+    def evict_all(c: SimCluster) -> None:  # while b waits at the node, before it runs
+        engine = c.nodes[0].engine
+        seen["b"] = engine.request_status("b#1")
+        seen["cached"] = len(engine.pool.find_prefix(tuple(range(8)), 8))
+        c.bulk_evict(0, 1.0)
+
+    cfg = small_config(nodes=1, eviction=EvictionConfig(announce_lead_s=None))
+    cluster = SimCluster(cfg, w, rng=SeededRng(1))
+    cluster.hooks.append((2.01, evict_all))
+    cluster.run()
+    cluster.check_outcomes()
+    assert seen == {"b": ReqStatus.WAITING, "cached": 8}
+    assert cluster.outcomes["b"].cached_tokens == 0
+    f = {k: v for k, v in cluster.funnel.items() if v}
+    assert f == {"never_seen": 8 + 16 + 1, "evicted": 8}
+
+
+@pytest.mark.parametrize(
+    ("own", "other", "got", "reason", "expected"),
+    [
+        # the target held 3 blocks at submit and lost 2 while the request queued there;
+        # another node held 6: 3 were routed away, 2 evicted (+ 2 no node held)
+        (3, 6, 1, "load", {"hit": 1, "evicted": 2 + 2, "routed_away_by_load": 3}),
+        # only the target held any, and lost them all: evicted, whatever the route said
+        (5, 0, 0, "exploration", {"evicted": 3 + 5}),
+        # the target held the longest prefix and got it: nothing was routed away
+        (6, 4, 6, "load", {"hit": 6, "evicted": 2}),
+        # only another node held some, and the route explored
+        (0, 4, 0, "exploration", {"evicted": 4, "exploration": 4}),
+    ],
+)
+def test_funnel_keeps_the_targets_own_prefix_apart(
+    own: int, other: int, got: int, reason: str, expected: dict[str, int]
+) -> None:
+    """Of a request's 10 blocks, 8 were seen and cached before (2 never seen)."""
+    from kvgate.sim.cluster import RequestOutcome, _Attempt
+    from kvgate.sim.workload import SimRequest, Workload
+
+    req = SimRequest(
+        request_id="r",
+        arrival_s=0.0,
+        prompt_tokens=512 * 10,
+        output_tokens=1,
+        block_ids=tuple(range(10)),
+    )
+    w = Workload(name="w", block_tokens=512, requests=(req,))
+    cluster = SimCluster(small_config(), w, rng=SeededRng(1))
+    cluster._ideal["r"] = 8
+    att = _Attempt(
+        outcome=RequestOutcome(req=req, gateway=0),
+        gateway=0,
+        node=0,
+        attempt=1,
+        reason=reason,
+        own_blocks=own,
+        best_other_blocks=other,
+        stored_blocks=8,
+    )
+    cluster._count_funnel(att, got)
+    assert {k: v for k, v in cluster.funnel.items() if v} == {"never_seen": 2, **expected}

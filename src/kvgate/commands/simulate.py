@@ -28,6 +28,7 @@ from kvgate.commands.argtypes import (
 )
 from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
 from kvgate.commands.sim_progress import SimProgress
+from kvgate.commands.simulate_args import burstiness, priority_shares, tenant_shares
 from kvgate.core.admission import AdmissionConfig, LeaseConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
@@ -39,14 +40,36 @@ from kvgate.sim.report import Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
 from kvgate.sim.scenario_checks import criteria, format_criteria, measure
 from kvgate.sim.scenarios import SCENARIOS, describe
-from kvgate.sim.synthetic import agent_loops, multi_turn_chat, shared_prefix_groups, zipf_prefixes
-from kvgate.sim.workload import Workload, load_mooncake_trace, scale_rate
+from kvgate.sim.synthetic import (
+    Arrivals,
+    agent_loops,
+    bursty,
+    multi_turn_chat,
+    poisson,
+    shared_prefix_groups,
+    zipf_prefixes,
+)
+from kvgate.sim.workload import (
+    Workload,
+    assign_classes,
+    load_mooncake_trace,
+    scale_rate,
+)
 
 SYNTHETIC = ("gsp", "chat", "agent", "zipf")
 # arrivals per second when --rate is not given: requests (gsp, zipf), sessions (chat),
 # tasks (agent)
 DEFAULT_RATES = {"gsp": 16.0, "chat": 0.5, "agent": 0.2, "zipf": 4.0}
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # formats matplotlib writes that we document
+# the seed of the tenant and class draw (--tenants, --priorities) is --seed plus this: a
+# generator of its own, so the workload's draws, and every run without those options,
+# stay as they were
+CLASS_SEED_OFFSET = 1_000_003
+# the scenarios that set a class themselves, which the option would be overwritten by
+SCENARIO_SETS = {
+    "--priorities": ("p2_flood", "coordinator_down"),
+    "--tenants": ("tenant_flood",),
+}
 
 
 def _scenarios_epilog() -> str:
@@ -106,6 +129,42 @@ def add_simulate_parser(sub: Any) -> None:
         default=None,
         help="synthetic arrivals per second: requests (gsp, zipf), sessions (chat) or "
         "tasks (agent) (default gsp 16, chat 0.5, agent 0.2, zipf 4)",
+    )
+    w.add_argument(
+        "--arrivals",
+        choices=("poisson", "bursty"),
+        default=None,
+        help="synthetic arrival process of the requests (gsp, zipf), sessions (chat) or "
+        "tasks (agent): Poisson at --rate, or bursty, on/off periods (5 s on on average) "
+        "at --burstiness times --rate with the same mean rate (default poisson; a trace "
+        "has its own timestamps)",
+    )
+    w.add_argument(
+        "--burstiness",
+        type=burstiness,
+        default=None,
+        metavar="B",
+        help="--arrivals bursty: the peak-to-mean rate ratio, > 1 (required with bursty; "
+        "default: none)",
+    )
+    w.add_argument(
+        "--tenants",
+        type=tenant_shares,
+        default=None,
+        metavar="NAME=SHARE,...",
+        help="assign each request a tenant drawn by these relative shares, e.g. "
+        "alpha=3,beta=1 (a synthetic session keeps one tenant; trace requests draw one "
+        "each); drawn from --seed by a generator of its own (default: one tenant, "
+        "'default')",
+    )
+    w.add_argument(
+        "--priorities",
+        type=priority_shares,
+        default=None,
+        metavar="P0=SHARE,P1=SHARE,P2=SHARE",
+        help="assign each request a priority class drawn by these relative shares, e.g. "
+        "P0=0.2,P1=0.5,P2=0.3 (or 0=0.2,...; a class left out gets none; a session keeps "
+        "one class, trace requests draw one each) (default: every request P1)",
     )
     w.add_argument(
         "--closed-loop",
@@ -232,20 +291,40 @@ def _load_workload(
         )
         if not trace.requests:
             raise ValueError(f"{args.trace}: the trace holds no requests")
-        return trace
+        return _with_classes(args, trace)
     kind = args.workload
-    rate = _rate(args)
+    arrivals = _arrivals(args)
     if kind == "gsp":
-        w = shared_prefix_groups(rng=rng, arrivals=rate)
+        w = shared_prefix_groups(rng=rng, arrivals=arrivals)
     elif kind == "chat":
-        w = multi_turn_chat(rng=rng, arrivals=rate, closed_loop=closed)
+        w = multi_turn_chat(rng=rng, arrivals=arrivals, closed_loop=closed)
     elif kind == "agent":
-        w = agent_loops(rng=rng, arrivals=rate, closed_loop=closed)
+        w = agent_loops(rng=rng, arrivals=arrivals, closed_loop=closed)
     else:
-        w = zipf_prefixes(rng=rng, arrivals=rate)
+        w = zipf_prefixes(rng=rng, arrivals=arrivals)
     if args.limit:
         w = replace(w, requests=w.requests[: args.limit])
-    return scale_rate(w, speedup) if speedup != 1.0 else w
+    return _with_classes(args, scale_rate(w, speedup) if speedup != 1.0 else w)
+
+
+def _arrivals(args: argparse.Namespace) -> Arrivals:
+    """The synthetic arrival process: Poisson at the rate, or bursty (--arrivals)."""
+    if args.arrivals == "bursty":
+        return bursty(_rate(args), args.burstiness)
+    return poisson(_rate(args))
+
+
+def _with_classes(args: argparse.Namespace, w: Workload) -> Workload:
+    """``w`` with tenants and priority classes drawn by --tenants and --priorities
+    shares (unchanged without them), from a generator of their own."""
+    if args.tenants is None and args.priorities is None:
+        return w
+    return assign_classes(
+        w,
+        tenants=args.tenants or {},
+        priorities=args.priorities or {},
+        rng=SeededRng(args.seed + CLASS_SEED_OFFSET),
+    )
 
 
 def parse_policy_params(items: list[str]) -> dict[str, dict[str, object]]:
@@ -294,6 +373,12 @@ def settings(args: argparse.Namespace, params: dict[str, dict[str, object]]) -> 
         "workload": None if trace else args.workload,
         "rate": None if trace else _rate(args),
         "bucket": (args.bucket or "spread") if trace else None,
+        "arrivals": None if trace else (args.arrivals or "poisson"),
+        "burstiness": args.burstiness,
+        "tenants": args.tenants,
+        "priorities": None
+        if args.priorities is None
+        else {f"P{p}": share for p, share in args.priorities.items()},
         "closed_loop": bool(args.closed_loop),
         "limit": args.limit,
         "nodes": args.nodes,
@@ -625,6 +710,7 @@ def check_saturation_args(args: argparse.Namespace) -> None:
     if args.trace is None and args.bucket is not None:
         raise ValueError("--bucket replays a trace's shared timestamps; a synthetic "
                          "workload has none")
+    check_class_args(args)
     if args.trace is not None and args.rate is not None:
         raise ValueError(
             "--rate sets a synthetic workload's arrivals; a trace has its own timestamps "
@@ -646,6 +732,34 @@ def check_saturation_args(args: argparse.Namespace) -> None:
             "--saturation needs --at-saturation (the fractions of it to run at); "
             "for one run at a speed-up, use --speedup"
         )
+
+
+def check_class_args(args: argparse.Namespace) -> None:
+    """``--arrivals`` and ``--burstiness`` draw a synthetic workload's arrivals (a trace
+    has its timestamps), ``--burstiness`` only with ``--arrivals bursty``, which needs
+    it; ``--tenants`` and ``--priorities`` cannot set what a scenario sets itself.
+    Raises ValueError."""
+    if args.trace is not None and (args.arrivals is not None or args.burstiness is not None):
+        option = "--arrivals" if args.arrivals is not None else "--burstiness"
+        raise ValueError(
+            f"{option} draws a synthetic workload's arrival times; a trace has its own "
+            "timestamps (--speedup scales them, --bucket places a shared one's requests)"
+        )
+    if args.burstiness is not None and args.arrivals != "bursty":
+        raise ValueError(
+            "--burstiness sets the bursty arrivals' peak-to-mean ratio: add --arrivals bursty"
+        )
+    if args.arrivals == "bursty" and args.burstiness is None:
+        raise ValueError(
+            "--arrivals bursty needs --burstiness B, the peak-to-mean rate ratio (> 1)"
+        )
+    for option, scenarios in SCENARIO_SETS.items():
+        if getattr(args, option[2:]) is not None and args.scenario in scenarios:
+            what = option[2:]
+            raise ValueError(
+                f"{option}: the {args.scenario} scenario assigns the {what} itself, "
+                f"and would overwrite these; leave out {option} or the scenario"
+            )
 
 
 def check_plot_args(args: argparse.Namespace) -> None:

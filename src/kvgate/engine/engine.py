@@ -33,6 +33,7 @@ api.py), and `self._seqs` holds exactly the requests that have none yet.
 
 from __future__ import annotations
 
+import math
 from itertools import chain, repeat
 
 from kvgate.engine.api import (
@@ -355,6 +356,20 @@ class SimEngine:
         """
         return self._evictor.evict(fraction, now, reason)
 
+    def flush(self, share: float, now: float, reason: str = "flush") -> int:
+        """A forced flush of ``share`` of what is cached: ceil(``share`` x cached blocks)
+        blocks, least recently used first, at most every cached block not in use (a
+        block in use cannot go). Forced, it is a bulk eviction whatever its size against
+        the bulk threshold: announced, then paced in batches, as :meth:`bulk_evict`'s
+        (evicted at once only when announcements are off). Returns the blocks chosen.
+        """
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        count = math.ceil(round(share * self.pool.num_cached_blocks, 9))
+        if count == 0:
+            return 0
+        return self._evictor.evict_blocks(count, now, reason, forced=True)
+
     def reset_prefix_cache(self) -> bool:
         """vLLM `reset_prefix_cache`: only while no block is in use."""
         if self.pool.num_used_blocks:
@@ -376,16 +391,23 @@ class SimEngine:
         self._num_failed += len(failed)
         return failed
 
+    # A decode run in progress (run_decodes) was planned under the faults in force when
+    # it began: like anything else reaching the engine mid-run, a fault is injected
+    # after settle(now), or the steps planned beyond now keep the old speed
+    # (SimCluster's slow_node / reject_all_node / recover_node do this).
     def recover(self, now: float) -> None:
-        """Heal every fault: accept submissions again at normal speed."""
+        """Heal every fault: accept submissions again at normal speed (during a decode
+        run, ``settle(now)`` first)."""
         self._faults.heal()
 
     def slow(self, factor: float) -> None:
-        """Multiply every step's duration by `factor` (1.0 restores)."""
+        """Multiply every step's duration by `factor` (1.0 restores); a step already
+        started keeps its duration (during a decode run, ``settle(now)`` first)."""
         self._faults.set_slow(factor)
 
     def reject_all(self, on: bool) -> None:
-        """Refuse (or stop refusing) every submission with RETRY_ELSEWHERE."""
+        """Refuse (or stop refusing) every submission with RETRY_ELSEWHERE (during a
+        decode run, ``settle(now)`` first)."""
         self._faults.reject_all = on
 
     @property
@@ -451,3 +473,4 @@ class SimEngine:
             num_cached_blocks=self.pool.num_cached_blocks,
             num_evicted_blocks=self.pool.num_lazy_evictions,
         )
+

@@ -103,7 +103,12 @@ class BulkEvictor:
         """
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-        limit = math.ceil(fraction * self.pool.num_blocks)
+        return self.evict_blocks(math.ceil(fraction * self.pool.num_blocks), now, reason)
+
+    def evict_blocks(self, limit: int, now: float, reason: str, *, forced: bool = False) -> int:
+        """Evict (or announce and schedule) up to `limit` cached-free blocks, least
+        recently used first. A `forced` eviction (a flush) is a bulk one whatever its
+        size against the bulk threshold: announced when announcements are on."""
         chosen = self.pool.cached_free_blocks(limit, exclude=self._planned)
         if not chosen:
             return 0
@@ -114,7 +119,8 @@ class BulkEvictor:
         self._recent.append((now, len(targets)))
         recent_total = sum(n for _, n in self._recent)
         lead = cfg.announce_lead_s
-        if lead is None or recent_total <= cfg.bulk_fraction * self.pool.num_blocks:
+        bulk = forced or recent_total > cfg.bulk_fraction * self.pool.num_blocks
+        if lead is None or not bulk:
             self.pool.evict_cached(targets)
             return len(targets)
         chosen_hashes = {h for _, h in targets}

@@ -12,10 +12,14 @@ itself or reads a clock:
   throttled or noisy-neighbour GPU);
 * reject_all: every submission is refused with RETRY_ELSEWHERE (a node that
   sheds load, or answers 503, while looking healthy);
-* mass eviction is not a state: it is `SimEngine.bulk_evict(...)`.
+* mass eviction is not a state: it is `SimEngine.flush(share)` (a forced flush
+  of a share of the cache, announced whatever its size) or
+  `SimEngine.bulk_evict(fraction)` (announced above the bulk threshold).
 
-`recover()` heals all three. Wire-level faults (mid-stream errors, connection
-resets, slow first byte) belong to the HTTP shell, not to the pure model.
+`recover()` heals all three. A driver running decode runs settles the run before
+a fault (`SimEngine.settle`; `SimCluster`'s fault wrappers do). Wire-level faults
+(mid-stream errors, connection resets, slow first byte) belong to the HTTP shell,
+not to the pure model.
 """
 
 from __future__ import annotations

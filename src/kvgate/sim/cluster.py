@@ -137,7 +137,8 @@ class _Attempt:
     node: int
     attempt: int
     reason: str = ""  # the route reason, for the cache-loss funnel
-    best_real_blocks: int = 0  # longest prefix any live node really held at submit
+    own_blocks: int = 0  # longest prefix the target node itself really held at submit
+    best_other_blocks: int = 0  # longest prefix any other live node really held at submit
     stored_blocks: int = 0  # longest prefix some node had cached at some time before submit
     first_byte: bool = False
     done: bool = False
@@ -423,8 +424,15 @@ class SimCluster:
         req = att.outcome.req
         full = req.prompt_tokens // self.block_tokens
         hashes = req.block_ids[:full]
-        att.best_real_blocks = max(
-            (len(n.engine.pool.find_prefix(hashes, full)) for n in self.nodes if not n.crashed),
+        # the target's own prefix apart: what it held and lost while the request queued
+        # there was evicted, not routed away
+        att.own_blocks = len(node.engine.pool.find_prefix(hashes, full))
+        att.best_other_blocks = max(
+            (
+                len(n.engine.pool.find_prefix(hashes, full))
+                for n in self.nodes
+                if not n.crashed and n is not node
+            ),
             default=0,
         )
         att.stored_blocks = leading_run(hashes, self._stored_blocks)
@@ -582,19 +590,25 @@ class SimCluster:
         self._apply(att.gateway, decisions)
 
     def _count_funnel(self, att: _Attempt, got: int) -> None:
+        """File each prompt block of a completed attempt that got ``got`` blocks from
+        the cache: hit, never seen, never cached, evicted (no live node held it at submit,
+        or the target held it then and lost it before the request ran there), or held by
+        another node only (routed away: by load, or the route's reason)."""
         req = att.outcome.req
         total = len(req.block_ids)
         # a hit was seen: a later arrival may have computed it first (it jumped the queue)
         ideal = max(min(self._ideal.get(req.request_id, 0), total), got)
-        best = max(min(att.best_real_blocks, ideal), got)
+        best = max(min(max(att.own_blocks, att.best_other_blocks), ideal), got)
+        own = max(min(att.own_blocks, best), got)  # got <= own <= best
         stored = max(min(att.stored_blocks, ideal), best)
         f = self.funnel
         f["hit"] += got
         f["never_seen"] += total - ideal
         # seen in an earlier request, but no node ever cached it before this one was sent
         f["never_cached"] += max(0, ideal - stored)
-        f["evicted"] += stored - best
-        away = best - got
+        # no live node held it at submit, or the target did and evicted it meanwhile
+        f["evicted"] += stored - best + own - got
+        away = best - own  # only another node held it
         if away > 0:
             if att.reason in ("breaker", "exploration", "replication"):
                 f[att.reason] += away
@@ -602,6 +616,11 @@ class SimCluster:
                 f["routed_away_by_load"] += away
 
     # ------------------------------------------------------------------ faults (scenarios)
+    # Inject faults through these wrappers, not through a node's engine: each settles
+    # the node's decode run first (the steps planned and not started by now are taken
+    # back), without which a fault reaching a node mid-run would wait for the run's
+    # end (with ClusterConfig.decode_runs, the default) and the results would differ
+    # from one step at a time.
     def crash_node(self, index: int) -> None:
         node = self.nodes[index]
         self._settle(node)
@@ -630,8 +649,42 @@ class SimCluster:
         self._kick(node)
         return chosen
 
-    def recover_node(self, index: int) -> None:
+    def flush_node(self, index: int, share: float, reason: str = "flush") -> int:
+        """Have a node flush ``share`` of what it caches now (``SimEngine.flush``: the
+        cached blocks not in use, least recently used first, announced whatever the bulk
+        threshold unless announcements are off); returns the blocks chosen. Announced and
+        kicked as :meth:`bulk_evict`."""
         node = self.nodes[index]
+        self._settle(node)
+        chosen = node.engine.flush(share, self.loop.now, reason)
+        self._drain_events(node)
+        self._kick(node)
+        return chosen
+
+    def slow_node(self, index: int, factor: float) -> None:
+        """Have a node's steps take ``factor`` times their modelled time from now on
+        (``SimEngine.slow``; 1.0 restores). The steps of a decode run that had not
+        started were planned at the old speed: they are taken back first, so the fault
+        applies from the next step on, as it does one step at a time."""
+        if not factor > 0:  # before the run is touched
+            raise ValueError(f"slow factor must be > 0, got {factor}")
+        node = self.nodes[index]
+        self._settle(node)
+        node.engine.slow(factor)
+
+    def reject_all_node(self, index: int, on: bool = True) -> None:
+        """Have a node refuse (``on``) or stop refusing every submission with "retry
+        elsewhere" (``SimEngine.reject_all``), its decode run settled first like every
+        other fault's."""
+        node = self.nodes[index]
+        self._settle(node)
+        node.engine.reject_all(on)
+
+    def recover_node(self, index: int) -> None:
+        """Heal every fault of a node (crash, slow, reject-all): a slowed node's decode
+        run was planned at the slow speed, so it is settled first."""
+        node = self.nodes[index]
+        self._settle(node)
         node.engine.recover(self.loop.now)
         node.crashed = False
         self._kick(node)
