@@ -432,7 +432,8 @@ class EngineServer:
         elif spec.action == "reject":
             self.engine.reject_all(spec.on)
         elif spec.action == "mass_evict":
-            self.engine.bulk_evict(spec.fraction, now, spec.reason)
+            # a share of the cache, not of the pool, announced whatever its size
+            self.engine.flush(spec.fraction, now, spec.reason)
         elif spec.action == "recover":
             self.engine.recover(now)
             self.wire_faults.heal()

@@ -15,7 +15,9 @@ crash               -                           every in-flight request fails (s
 slow                factor (K, default 2,       every engine step takes K times longer
                     at most 1000)
 reject              on (default true)           every submission gets 503 retry-elsewhere
-mass_evict          fraction (X, default 0.5)   ``engine.bulk_evict(X)`` (announced when bulk)
+mass_evict          fraction (X, default 0.5)   ``engine.flush(X)``: X of the cached blocks
+                                                not in use (LRU first), a forced flush:
+                                                announced, then evicted in batches
 midstream_error     after (N, default 3),       the next ``count`` streamed responses end after
                     count                       N token chunks with an error event + [DONE]
 reset_connection    count                       the next ``count`` requests get their TCP
