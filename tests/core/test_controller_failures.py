@@ -313,3 +313,55 @@ def test_a_request_excluding_every_node_is_told_so() -> None:
     assert "X-Kvgate-Exclude-Node" in d.rejected.message
     d = arrive(ctl, "r2", excluded_nodes=frozenset({NodeId("n0")}))
     assert isinstance(d, Dispatch) and d.route.node_id == "n1"
+
+
+@pytest.mark.parametrize(
+    "kind", [FailureKind.RETRY_ELSEWHERE, FailureKind.HTTP_503, FailureKind.RATE_LIMITED]
+)
+def test_a_node_that_keeps_refusing_is_left_out_a_while(kind: FailureKind) -> None:
+    """A node refusing everything with a healthy /health looked idle (nothing of ours in
+    flight) and kept drawing requests that failed; after two refusals in a row it is
+    left out, for longer at each further one, until it takes a request again."""
+    ctl = cluster(3)
+    bad = NodeId("n0")
+    sent: dict[NodeId, int] = {}
+    now = 1.0
+    for i in range(300):  # one request every 10 ms for 3 s; n0 refuses, the others answer
+        now = 1.0 + i * 0.01
+        first = ctl.on_arrival(
+            RequestArrived(request_id=RequestId(f"r{i}"), block_ids=(2 * i + 10, 2 * i + 11),
+                           prompt_tokens=100),
+            now,
+        )
+        assert isinstance(first, Dispatch)
+        d = first  # a prompt of its own: no cache draws it anywhere
+        while d.node_id == bad:
+            sent[bad] = sent.get(bad, 0) + 1
+            out = ctl.on_failed(RequestId(f"r{i}"), kind, now, before_first_byte=True)
+            if not out or not isinstance(out[0], Dispatch):
+                break  # failed for good
+            d = out[0]
+        else:
+            sent[d.node_id] = sent.get(d.node_id, 0) + 1
+            ctl.on_first_byte(RequestId(f"r{i}"), now)
+            ctl.on_finished(RequestId(f"r{i}"), now)
+    # without the back-off n0, idle-looking, drew about a third or more of 300
+    assert sent[bad] <= 8, sent
+    assert ctl.refusals.backoffs >= 2
+    assert all(s.healthy for s in ctl.nodes)  # left out, not marked down
+    # once it takes a request again, it is a candidate like any other (idle, first slot)
+    ctl.refusals.took(bad)
+    again = ctl.on_arrival(
+        RequestArrived(request_id=RequestId("again"), block_ids=(7, 8), prompt_tokens=100), now
+    )
+    assert isinstance(again, Dispatch) and again.node_id == bad
+
+
+def test_refusals_leave_no_node_out_when_none_else_is_left() -> None:
+    ctl = cluster(1)
+    for i in range(5):
+        dispatch(ctl, f"r{i}", 1.0)
+        ctl.on_failed(RequestId(f"r{i}"), FailureKind.RETRY_ELSEWHERE, 1.0,
+                      before_first_byte=True)
+    assert ctl.refusals.left_out(1.0) == {NodeId("n0")}
+    assert isinstance(arrive(ctl, "last", 1.0), Dispatch)  # its refusal is the answer

@@ -74,6 +74,7 @@ from kvgate.core.hashing import Hasher, TokenBlockHasher, chain_from_ids, make_h
 from kvgate.core.ids import BlockChain, NodeId, RequestId
 from kvgate.core.index import ClusterIndex, HotPrefixTracker
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order, rendezvous_rank
+from kvgate.core.refusals import REFUSALS, RefusalBackoff
 from kvgate.core.rng import Rng
 from kvgate.core.routing import RouteContext, RouteDecision, make_policy
 from kvgate.core.stats import ControllerStats, DecisionRecord
@@ -157,6 +158,7 @@ class Controller:
         self._requests: dict[RequestId, _Request] = {}
         self._retries_in_flight = 0
         self._ejected_until: dict[NodeId, float] = {}
+        self.refusals = RefusalBackoff()  # nodes that keep refusing, left out a while
         # announced bulk evictions not done yet, per node (absent: none): the node's
         # cache stays discounted until the last one is done
         self._evictions_pending: dict[NodeId, int] = {}
@@ -212,6 +214,7 @@ class Controller:
             self.index.remove_node(node_id)
             self.policy.on_node_removed(node_id)
         self._ejected_until.pop(node_id, None)
+        self.refusals.forget(node_id)
         self._evictions_pending.pop(node_id, None)  # a node added again starts afresh
         self.routing_learns.discard(node_id)
         self._capacity_changed(now)
@@ -475,6 +478,9 @@ class Controller:
         out = list(fits)
         if excluded:
             out = [s for s in out if s.spec.node_id not in excluded]
+        if left_out := self.refusals.left_out(now):
+            # nodes that keep refusing, unless nobody else is left to take it
+            out = [s for s in out if s.spec.node_id not in left_out] or out
         if self.admission.degraded:
             # Safe mode: the global view is gone, so only nodes that say they have room.
             out = self.nodes.with_room(out, now, self.config.safe_mode_max_queue)
@@ -676,6 +682,7 @@ class Controller:
             return
         record.first_byte = True
         if record.node is not None:
+            self.refusals.took(record.node.spec.node_id)
             self.nodes.on_prefilled(record.node, record.request_id, now=now)
             if self._is_current(record.node):
                 self.policy.on_first_token(record.node.spec.node_id, now, record.request_id)
@@ -740,6 +747,8 @@ class Controller:
             if self._is_current(node):
                 self.policy.on_finished(node.spec.node_id, now, record.request_id)
                 self._note_node_failure(node, failure, now)
+                if failure in REFUSALS:
+                    self.refusals.refused(node.spec.node_id, now)
                 if record.learned is not None and before_first_byte and failure in _NEVER_RAN:
                     # the node computed nothing of the prompt: unlearn what it was taught
                     self._unlearn(node, record)

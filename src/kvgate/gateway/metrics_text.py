@@ -47,6 +47,8 @@ FAMILIES: dict[str, Family] = {
                "Index blocks dropped when an announced eviction was done (approximate mode)."),
         Family("kvgate_tenant_confined_dispatches_total", "counter",
                "Requests of a tenant pressing its quota sent only to the nodes it held."),
+        Family("kvgate_node_refusal_backoffs_total", "counter",
+               "Times a node that kept refusing requests was left out of routing a while."),
         Family("kvgate_prompt_tokens_total", "counter",
                "Prompt tokens by prefix-length bucket; source=predicted counts every routed "
                "request, source=measured those whose engine reported cached_tokens (a "
@@ -220,6 +222,7 @@ def render(controller: Controller, watcher: NodeWatcher, own: GatewayMetrics, no
     page.add("kvgate_eviction_warnings_total", st.eviction_warnings)
     page.add("kvgate_eviction_blocks_forgotten_total", st.eviction_blocks_forgotten)
     page.add("kvgate_tenant_confined_dispatches_total", st.confined_dispatches)
+    page.add("kvgate_node_refusal_backoffs_total", controller.refusals.backoffs)
     for bucket, hc in st.hits.items():
         page.add("kvgate_prompt_tokens_total", hc.prompt_tokens, bucket=bucket, source="predicted")
         page.add("kvgate_prompt_tokens_total", hc.measured_prompt_tokens, bucket=bucket,
