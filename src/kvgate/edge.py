@@ -33,6 +33,7 @@ import json
 import logging
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
@@ -54,6 +55,39 @@ from aiohttp.web_protocol import RequestHandler
 from kvgate.protocol import error_body, invalid_request_body, server_error_body
 
 log = logging.getLogger("kvgate.gateway")
+
+
+class LogEvery:
+    """One log line per ``every_s`` at most, the next one saying how many were left out:
+    the lines a client can cause (a connection with no complete head, a request the
+    parser refuses) must not let it fill the log (100 such connections wrote 100 lines
+    in one millisecond)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self._at = -float("inf")
+        self._left_out = 0
+
+    def info(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._at < self.every_s:
+            self._left_out += 1
+            return
+        if self._left_out:
+            msg += f" (and {self._left_out} more like it since the last one)"
+        self._at, self._left_out = now, 0
+        self.logger.info(msg, *args)
+
+
+
+
+class EdgeLogs:
+    """One server's lines a client can cause, each kind limited on its own."""
+
+    def __init__(self) -> None:
+        self.head_timeouts = LogEvery(log)
+        self.parse_errors = LogEvery(log)
 
 # Distinct limits so a LineTooLong says which was exceeded: the request line (URL,
 # 414) or a header field (431). 8190 is aiohttp's default for both.
@@ -187,9 +221,19 @@ TIMEOUT_408 = _timeout_408()
 class EdgeRequestHandler(RequestHandler):
     """One client connection (see the module docstring)."""
 
-    def __init__(self, manager: web.Server, *, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        header_timeout_s: float,
+        on_answer: Callable[[int], None] | None = None,
+        logs: EdgeLogs | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._head_timeout_s = header_timeout_s
+        self._on_answer = on_answer  # told the status of each answer of its own
+        self._logs = logs or EdgeLogs()  # its server's, shared by its connections
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = False  # part of a request head came since the timer started
         self._busy = False  # a request is being handled (from its head to its response)
@@ -230,9 +274,12 @@ class EdgeRequestHandler(RequestHandler):
             return
         peer = self.transport.get_extra_info("peername")
         if self._head_bytes:
-            log.info("closing a connection from %s: no complete request head in %g s",
-                     peer, self._head_timeout_s)
+            self._logs.head_timeouts.info(
+                "closing a connection from %s: no complete request head in %g s",
+                peer, self._head_timeout_s,
+            )
             self.transport.write(TIMEOUT_408)
+            self._answered(408)
         self.force_close()  # transport.close() still flushes the 408
 
     # --------------------------------------------------------- body parse errors
@@ -281,18 +328,32 @@ class EdgeRequestHandler(RequestHandler):
             if request.writer.output_size > 0:  # as aiohttp: too late for an answer
                 raise ConnectionError("response already started")
             status, text, code = parse_error(exc, self.max_line_size, self.max_field_size)
-            log.info("rejected a request from %s: %d %s (%s)", request.remote, status,
-                     code, type(exc).__name__)
+            self._logs.parse_errors.info(
+                "rejected a request from %s: %d %s (%s)", request.remote, status, code,
+                type(exc).__name__,
+            )
             body = invalid_request_body(text, code=code)
         resp = json_response(status, body)
         resp.force_close()
+        self._answered(status)
         return resp
+
+    def _answered(self, status: int) -> None:
+        """An answer of the connection's own, which no middleware sees: counted."""
+        if self._on_answer is not None:
+            self._on_answer(status)
 
 
 class EdgeServer(web.Server):
     """aiohttp's ``Server`` as the app runner built it, making our connections."""
 
-    def __init__(self, base: web.Server, *, header_timeout_s: float) -> None:
+    def __init__(
+        self,
+        base: web.Server,
+        *,
+        header_timeout_s: float,
+        on_answer: Callable[[int], None] | None = None,
+    ) -> None:
         self._inner_factory = base.request_factory
         super().__init__(
             base.request_handler,
@@ -302,6 +363,8 @@ class EdgeServer(web.Server):
             **base._kwargs,
         )
         self._header_timeout_s = header_timeout_s
+        self._on_answer = on_answer
+        self._logs = EdgeLogs()
 
     def _make_edge_request(
         self,
@@ -316,19 +379,33 @@ class EdgeServer(web.Server):
         return self._inner_factory(message, payload, protocol, writer, task)
 
     def __call__(self) -> RequestHandler:
-        return EdgeRequestHandler(self, loop=self._loop,
-                                  header_timeout_s=self._header_timeout_s, **self._kwargs)
+        return EdgeRequestHandler(
+            self, loop=self._loop, header_timeout_s=self._header_timeout_s,
+            on_answer=self._on_answer, logs=self._logs, **self._kwargs,
+        )
 
 
 class EdgeRunner(web.AppRunner):
-    """``web.AppRunner`` serving through :class:`EdgeServer`."""
+    """``web.AppRunner`` serving through :class:`EdgeServer`; ``on_answer`` is told the
+    status of every answer the connection gives itself (a 408 for a request head that
+    never completed, a 400/414/415/431 for one the parser refused), which the app's
+    middleware never sees."""
 
-    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        header_timeout_s: float,
+        on_answer: Callable[[int], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("max_line_size", MAX_LINE_SIZE)
         kwargs.setdefault("max_field_size", MAX_FIELD_SIZE)
         super().__init__(app, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._on_answer = on_answer
 
     async def _make_server(self) -> web.Server:
         base = await super()._make_server()
-        return EdgeServer(base, header_timeout_s=self._header_timeout_s)
+        return EdgeServer(base, header_timeout_s=self._header_timeout_s,
+                          on_answer=self._on_answer)

@@ -146,10 +146,21 @@ def test_idle_and_slow_head_connections_are_closed(kit: Any,
             assert took < 2
             status, _, _ = await c.get("/health")
             assert status == 200
+            # the connection's own answers, which no middleware sees, are counted too
+            for _ in range(3):
+                await exchange(c.url, b"GET /health HTTP/1.1\r\n", timeout=3)
+            await exchange(c.url, b"GET /\x01 HTTP/1.1\r\nHost: x\r\n\r\n", timeout=3)
+            _, _, page = await c.get("/metrics")
+            text = page.decode()
+            assert 'kvgate_http_responses_total{endpoint="connection",code="408"} 4' in text
+            assert 'kvgate_http_responses_total{endpoint="connection",code="400"} 1' in text
 
     caplog.set_level(logging.INFO)
     kit.run(body())
     no_traceback(caplog)
+    # four head timeouts in a row: one line, the client cannot fill the log
+    lines = [r for r in caplog.records if "no complete request head" in r.getMessage()]
+    assert len(lines) == 1
 
 
 def test_keep_alive_and_long_streams_outlive_the_header_timeout(kit: Any) -> None:
@@ -265,3 +276,19 @@ def test_expect_is_answered_only_for_a_body_the_gateway_would_take(kit: Any) -> 
                 assert err["code"] == "expectation_failed" and "the-moon" not in err["message"]
 
     kit.run(body())
+
+
+def test_log_every_says_how_many_lines_it_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    from kvgate.edge import LogEvery
+
+    logger = logging.getLogger("kvgate.test.log_every")
+    lines = LogEvery(logger, every_s=0.05)
+    caplog.set_level(logging.INFO, logger=logger.name)
+    for i in range(5):
+        lines.info("closing %d", i)
+    time.sleep(0.06)
+    lines.info("closing %d", 5)
+    assert [r.getMessage() for r in caplog.records] == [
+        "closing 0",
+        "closing 5 (and 4 more like it since the last one)",
+    ]

@@ -719,6 +719,41 @@ def test_gateway_does_not_resend_a_request_the_node_dropped_after_work(
     kit.run(body())
 
 
+def test_gateway_counts_the_requests_it_resent_on_a_new_connection(
+        kit: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keep-alive race (the node closes a reused connection as the request arrives,
+    without reading it) is resent once transparently; /metrics says how often (the
+    client counted it, and nothing showed it)."""
+    monkeypatch.setattr(lean_http, "STALE_WINDOW_S", 0.5)
+    posts_on: dict[int, int] = {}
+
+    async def handler(conn: RawConn, head: bytes, body: bytes) -> None:
+        if await _probe_answers(conn, head):
+            return
+        posts_on[conn.index] = posts_on.get(conn.index, 0) + 1
+        if posts_on[conn.index] == 2:  # closed as soon as read: never processed
+            conn.writer.close()
+            return
+        await conn.send(answer(json.dumps({
+            "id": "x", "object": "text_completion", "model": kit.MODEL,
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}},
+        ).encode()))
+
+    async def body() -> None:
+        async with RawServer(handler) as srv, kit.cluster(
+                0, extra_nodes=[{"id": "raw", "url": srv.url}],
+                upstream={"client": "lean"}, nodes={"health_interval_s": 30.0}) as c:
+            for prompt in ("first", "second"):
+                status, _, _ = await c.post("/v1/completions", {"model": kit.MODEL,
+                                                                "prompt": prompt})
+                assert status == 200
+            _, _, page = await c.get("/metrics")
+            assert "kvgate_upstream_resends_total 1\n" in page.decode()
+
+    kit.run(body())
+
+
 @pytest.mark.parametrize("kind", ["lean", "aiohttp"])
 def test_gateway_paths_with_either_client(kit: Any, kind: str) -> None:
     """Unary, stream, 503 retry, connect refused and a client disconnect, per client."""

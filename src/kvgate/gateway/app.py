@@ -113,6 +113,8 @@ class Gateway:
             self.metrics.coordinator_conflicts = lambda: redis.conflicts
         self.auth = Authenticator(config.auth)
         self.upstream = Upstream(config.upstream, config.nodes)
+        upstream = self.upstream
+        self.metrics.upstream_resends = lambda: upstream.lean.resends if upstream.lean else 0
         self.driver = Driver(
             self.controller, self.lease, self.metrics,
             tick_interval_s=config.admission.tick_interval_s, clock=clock,
@@ -338,9 +340,16 @@ async def start_gateway(
         if setup is not None:
             setup(app)
         srv = config.server
+        responses = gw.metrics.responses
+
+        def count_own_answer(status: int) -> None:
+            # the connection's own answers (a head timeout, a request line it refused)
+            responses[("connection", status)] += 1
+
         runner = EdgeRunner(
             app,
             header_timeout_s=srv.header_timeout_s,
+            on_answer=count_own_answer,
             handler_cancellation=True,
             access_log=logging.getLogger("kvgate.access") if srv.access_log else None,
             access_log_class=AccessLog,

@@ -47,6 +47,9 @@ FAMILIES: dict[str, Family] = {
                "Index blocks dropped when an announced eviction was done (approximate mode)."),
         Family("kvgate_tenant_confined_dispatches_total", "counter",
                "Requests of a tenant pressing its quota sent only to the nodes it held."),
+        Family("kvgate_upstream_resends_total", "counter",
+               "Requests sent once more, on a new connection, after a pooled keep-alive "
+               "connection to the node turned out closed before any answer."),
         Family("kvgate_node_refusal_backoffs_total", "counter",
                "Times a node that kept refusing requests was left out of routing a while."),
         Family("kvgate_prompt_tokens_total", "counter",
@@ -151,6 +154,8 @@ class GatewayMetrics:
         # refresh), and a shared coordinator's optimistic retries (set by the gateway)
         self.lease_loop_errors = 0
         self.coordinator_conflicts: Callable[[], int] = lambda: 0
+        # requests the lean client sent again after a pooled connection turned out dead
+        self.upstream_resends: Callable[[], int] = lambda: 0
 
 
 def _fmt(value: float) -> str:
@@ -223,6 +228,7 @@ def render(controller: Controller, watcher: NodeWatcher, own: GatewayMetrics, no
     page.add("kvgate_eviction_blocks_forgotten_total", st.eviction_blocks_forgotten)
     page.add("kvgate_tenant_confined_dispatches_total", st.confined_dispatches)
     page.add("kvgate_node_refusal_backoffs_total", controller.refusals.backoffs)
+    page.add("kvgate_upstream_resends_total", own.upstream_resends())
     for bucket, hc in st.hits.items():
         page.add("kvgate_prompt_tokens_total", hc.prompt_tokens, bucket=bucket, source="predicted")
         page.add("kvgate_prompt_tokens_total", hc.measured_prompt_tokens, bucket=bucket,

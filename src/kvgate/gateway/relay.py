@@ -50,7 +50,7 @@ from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
 from kvgate.core.errors import InvariantViolation
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
-from kvgate.edge import json_response, reset_transport
+from kvgate.edge import LogEvery, json_response, reset_transport
 from kvgate.gateway.driver import Driver
 from kvgate.gateway.errors import (
     ANSWERED,
@@ -184,6 +184,8 @@ class Relay:
         # the streams being relayed, with their node's response: what end_streams() ends
         self._streams: dict[RequestId, tuple[Flight, UpstreamResponse]] = {}
         self._stopping = False  # end_streams() ran: unanswered attempts end as refused
+        # clients that stop reading their stream: a client can cause these lines
+        self._stalled_log = LogEvery(log)
 
     def end_streams(self) -> int:
         """The gateway stops: every stream still relayed ends now with an error event
@@ -302,7 +304,7 @@ class Relay:
         out = flight.response
         if out is None or not out.prepared:
             return reject_response(rejected, self._headers(flight))
-        send = _ClientWriter(request, out, self.write_timeout_s)
+        send = _ClientWriter(request, out, self.write_timeout_s, self._stalled_log)
         try:
             await send(error_event(rejected.message, code=rejected.reason.value))
             await send(None)
@@ -464,7 +466,7 @@ class Relay:
     async def _pump(self, request: web.Request, flight: Flight, content: aiohttp.StreamReader,
                     filt: StreamFilter, data: bytes, out: web.StreamResponse) -> None:
         await out.prepare(request)
-        send = _ClientWriter(request, out, self.write_timeout_s)
+        send = _ClientWriter(request, out, self.write_timeout_s, self._stalled_log)
         failure: FailureKind | None = None
         while True:
             if data:
@@ -562,9 +564,12 @@ class _ClientWriter:
     byte for ``timeout_s`` is dropped (its connection aborted) and reported as gone
     with ``ConnectionResetError``, as one that closed its connection."""
 
-    __slots__ = ("_out", "_request", "_timeout_s")
+    __slots__ = ("_out", "_request", "_stalled", "_timeout_s")
 
-    def __init__(self, request: web.Request, out: web.StreamResponse, timeout_s: float) -> None:
+    def __init__(
+        self, request: web.Request, out: web.StreamResponse, timeout_s: float, stalled: LogEvery
+    ) -> None:
+        self._stalled = stalled
         self._request = request
         self._out = out
         self._timeout_s = timeout_s
@@ -589,8 +594,8 @@ class _ClientWriter:
                 # close() would wait for the client to read the buffer, then send a FIN
                 # that reads as the end of a complete (truncated) answer
                 reset_transport(transport)
-            log.info("dropped a client that took no byte of its stream for %g s (%s)",
-                     self._timeout_s, self._request.remote)
+            self._stalled.info("dropped a client that took no byte of its stream for "
+                                  "%g s (%s)", self._timeout_s, self._request.remote)
             raise ConnectionResetError("the client stopped reading the stream") from None
 
 
