@@ -619,6 +619,15 @@ def test_upstream_picks_the_client_by_config() -> None:
 
 
 # --------------------------------------------------------------------------- via the gateway
+def _completion(model: str) -> bytes:
+    """A whole HTTP answer: a one-token completion."""
+    return answer(json.dumps({
+        "id": "x", "object": "text_completion", "model": model,
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}},
+    ).encode())
+
+
 async def _probe_answers(conn: RawConn, head: bytes) -> bool:
     """The node watcher's GETs (health, models, metrics); True if ``head`` was one."""
     if not head.startswith(b"GET "):
@@ -693,11 +702,7 @@ def test_gateway_does_not_resend_a_request_the_node_dropped_after_work(
             await asyncio.sleep(0.2)  # the generation runs, then the connection drops
             conn.writer.transport.abort()
             return
-        await conn.send(answer(json.dumps({
-            "id": "x", "object": "text_completion", "model": kit.MODEL,
-            "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}},
-        ).encode()))
+        await conn.send(_completion(kit.MODEL))
 
     async def body() -> None:
         async with RawServer(handler) as srv, kit.cluster(
@@ -734,11 +739,7 @@ def test_gateway_counts_the_requests_it_resent_on_a_new_connection(
         if posts_on[conn.index] == 2:  # closed as soon as read: never processed
             conn.writer.close()
             return
-        await conn.send(answer(json.dumps({
-            "id": "x", "object": "text_completion", "model": kit.MODEL,
-            "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}},
-        ).encode()))
+        await conn.send(_completion(kit.MODEL))
 
     async def body() -> None:
         async with RawServer(handler) as srv, kit.cluster(
