@@ -747,7 +747,9 @@ class Controller:
             if self._is_current(node):
                 self.policy.on_finished(node.spec.node_id, now, record.request_id)
                 self._note_node_failure(node, failure, now)
-                if failure in REFUSALS:
+                if failure in REFUSALS and node.reported_waiting == 0:
+                    # refusing while it says nothing waits there: not busy, broken (a
+                    # busy node's refusal is backpressure, which the load score reads)
                     self.refusals.refused(node.spec.node_id, now)
                 if record.learned is not None and before_first_byte and failure in _NEVER_RAN:
                     # the node computed nothing of the prompt: unlearn what it was taught

@@ -1,16 +1,21 @@
 """Nodes that keep refusing requests, left out of routing for a while.
 
 A node's second-stage admission answers "retry elsewhere" (a plain vLLM, a bare 503;
-a node shedding load, a 429) when its queue is full: working, and busy. A node that
-refuses *everything* while its health check passes is worse than busy, and it looks
+a node shedding load, a 429) when its queue is full: working, and busy, and its load
+reports say so (requests waiting), which the load score reads. A node that refuses
+while it reports nothing waiting is not busy but broken, refusing *everything* while
+its health check passes, and it looks
 idle: a refusal comes back at once, so the node has nothing of ours in flight, and the
 load-based score keeps choosing it (a soak audit: one node of three refusing for 10 s
 drew 63 % of the traffic, and 716 requests failed where two idle nodes had room; the
 retry budget caps the fall-back at a few a second). Ejection is for faults (a reset,
 a timeout), and a refusal is no fault: the node is not marked down.
 
-:class:`RefusalBackoff` instead leaves a node out of the candidates after
-``after`` refusals in a row with no request taken in between, for ``first_s``,
+:class:`RefusalBackoff` instead leaves such a node (the controller counts only the
+refusals of a node reporting nothing waiting: a busy one's are left to the load score;
+counted, round robin's saturation point on the conversation trace moved from x1.044 to
+x1.079) out of the candidates after ``after`` refusals in a row with no request taken
+in between, for ``first_s``,
 doubled at each further refusal up to ``max_s``; the first request it takes (a first
 byte) clears it. A node backing off is still routed to when no other candidate is
 left: its refusal is then the answer, not the gateway's.
