@@ -22,7 +22,10 @@ code on state it loads and stores per refresh: ``gateway/redis_coordinator.py``)
    gateways and the expected ones not seen yet). Then the clamps, with **held =
    max(lease granted, lease the gateway reports it holds, inuse)** for every other:
 
-   - grant[c] <= B[c] - sum of the others' held[c];
+   - grant[c] <= B[c] - sum of the others' held[c], where a class's part of a
+     gateway's held is its grant (or what it has), plus only the in-use that neither
+     the headroom nor another class's unused grant holds (P0 runs on any free credit:
+     counted where it sits, not twice; ``GatewayRecord.held``);
    - sum(grant) + headroom <= K - sum of the others' held totals (headroom is cut
      first, then P2, P1, P0);
    - bypass grant <= R - the others' held bypass; tenant t's grant <= quota(t) - the
