@@ -385,3 +385,17 @@ def test_a_busy_node_refusing_is_left_to_the_load_score() -> None:
         ctl.on_failed(RequestId(f"r{i}"), FailureKind.RETRY_ELSEWHERE, 1.0,
                       before_first_byte=True)
     assert ctl.refusals.left_out(1.0) == {NodeId("n0")}
+
+
+def test_a_node_refusing_for_good_neither_overflows_nor_over_counts() -> None:
+    from kvgate.core.refusals import RefusalBackoff
+
+    backoff = RefusalBackoff()
+    node = NodeId("n0")
+    for i in range(3000):  # 2.0 ** 1024 overflowed at the 1 026th refusal in a row
+        backoff.refused(node, 1.0 + i * 1e-3)
+    assert backoff.left_out(2.0) == {node}
+    assert not backoff.left_out(1.0 + 2999e-3 + 5.0)  # at most max_s
+    # refusals while it is left out are not new back-offs: 3 s at 1 ms each, the
+    # waits 0.25, 0.5, 1, 2, 4 s: left out at the second refusal and never let back
+    assert backoff.backoffs == 1

@@ -137,6 +137,8 @@ def test_the_report_records_the_options_and_shows_the_classes(tmp_path: Path) ->
         (["--tenants", "a=x"], "argument --tenants: 'a=x': the share 'x' is not a number"),
         (["--tenants", "a=-1"], "a share must be a finite number >= 0"),
         (["--tenants", "a=0,b=0"], "the shares are all 0"),
+        # each finite, their sum not: every request went to one tenant
+        (["--tenants", "a=1e308,b=1e308"], "the shares add up past a float"),
         (["--tenants", ","], "argument --tenants: expected NAME=SHARE,..."),
         (["--priorities", "P3=1"], "'P3' is not a priority class: use P0, P1, P2 (or 0, 1, 2)"),
         (["--priorities", "P0=1,0=1"], "P0 is given twice"),

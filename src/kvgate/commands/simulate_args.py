@@ -33,8 +33,11 @@ def _shares(text: str, option: str) -> list[tuple[str, float]]:
         if key in (k for k, _ in out):
             raise argparse.ArgumentTypeError(f"{key!r} is given twice")
         out.append((key, share))
-    if not sum(share for _, share in out) > 0:
+    total = sum(share for _, share in out)
+    if not total > 0:
         raise argparse.ArgumentTypeError(f"the shares are all 0 in {text!r}")
+    if not math.isfinite(total):  # each is finite, but the draw needs their sum
+        raise argparse.ArgumentTypeError(f"the shares add up past a float in {text!r}")
     return out
 
 

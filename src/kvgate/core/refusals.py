@@ -46,8 +46,12 @@ class RefusalBackoff:
         n = self._refusals.get(node_id, 0) + 1
         self._refusals[node_id] = n
         if n >= self.after:
-            self._until[node_id] = now + min(self.max_s, self.first_s * 2.0 ** (n - self.after))
-            self.backoffs += 1
+            # the exponent capped: a node refusing for good refuses thousands in a row
+            # (2.0 ** 1024 overflowed), and max_s caps the wait long before
+            wait = min(self.max_s, self.first_s * 2.0 ** min(n - self.after, 64))
+            if self._until.get(node_id, -1.0) <= now:
+                self.backoffs += 1  # left out anew (not a refusal while left out)
+            self._until[node_id] = now + wait
 
     def took(self, node_id: NodeId) -> None:
         """``node_id`` took a request (its first byte came): it is serving again."""

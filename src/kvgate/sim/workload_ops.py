@@ -26,8 +26,9 @@ def _categorical(shares: Mapping[K, float], what: str) -> tuple[list[K], Categor
         return None
     keys = list(shares)
     weights = [float(shares[k]) for k in keys]
-    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"{what} shares must be finite, >= 0 and not all zero")
+    total = sum(weights)
+    if any(not math.isfinite(w) or w < 0 for w in weights) or not 0 < total < math.inf:
+        raise ValueError(f"{what} shares must be finite, >= 0, not all zero, with a finite sum")
     return keys, Categorical(weights)
 
 

@@ -544,3 +544,30 @@ def test_an_idle_quota_tenant_lets_its_lease_go() -> None:
     if not isinstance(later, Admitted):
         refresh(t + 1.05)
     assert "alice" in refresh(t + 1.1).tenants
+
+
+def test_a_rollback_is_noticed_whichever_gateway_reports_first() -> None:
+    """The copy lost only g1's last grant; g0 reports first and the fleet's refresh
+    count passes g1's lost serial again. Each record keeps the serial of its last grant,
+    so g1's report is still seen as newer than the state."""
+    cfg = AdmissionConfig(budget=22, lease=LeaseConfig(expected_gateways=2))
+    coord = InProcessCoordinator(cfg)
+    gws = [GatewayAdmission(cfg, f"g{i}") for i in range(2)]
+    now = 0.0
+    for _ in range(5):  # a few rounds of refreshes
+        now += 0.5
+        for gw in gws:
+            gw.apply_grant(coord.refresh(gw.make_refresh(now), now), now)
+    copy = dump_state(coord)
+    now += 0.5
+    gws[1].apply_grant(coord.refresh(gws[1].make_refresh(now), now), now)  # the lost grant
+    restored = load_state(cfg, copy)
+    now += 0.1
+    first = restored.refresh(gws[0].make_refresh(now), now)
+    assert not first.learning  # g0 lost nothing, and its serial says so
+    second = restored.refresh(gws[1].make_refresh(now), now)
+    assert second.learning  # g1 saw a grant the state never made
+    # without a rollback the same order learns nothing
+    plain = load_state(cfg, dump_state(coord))
+    assert not plain.refresh(gws[0].make_refresh(now), now).learning
+    assert not plain.refresh(gws[1].make_refresh(now), now).learning

@@ -132,12 +132,12 @@ class InProcessCoordinator:
             self.epoch_started = now if self.learn_on_start else self.epoch_started
             self.learn_on_start = False
             self.learning_until = now + self.config.lease.ttl_s
-        if req.epoch == self.epoch and (req.state_seen or 0) > self.refreshes:
-            # rolled back: its gateways may hold leases granted since, for up to a TTL
-            # and a reuse window; learn what they hold instead of lending it again
+        if self._rolled_back(req):
+            # its gateways may hold leases granted since, for up to a TTL and a reuse
+            # window; learn what they hold instead of lending it again
             lc = self.config.lease
             self.learning_until = max(self.learning_until, now + lc.ttl_s + lc.reuse_timeout_s)
-            self.refreshes = req.state_seen or 0
+            self.refreshes = max(self.refreshes, req.state_seen or 0)  # serials only grow
         self.refreshes += 1
         self._expire(now)
         if req.c_eff_seen is not None:
@@ -147,6 +147,20 @@ class InProcessCoordinator:
         if now < max(self.learning_until, rec.learning_until):
             return self._echo(rec)
         return self._allocate(rec)
+
+    def _rolled_back(self, req: RefreshRequest) -> bool:
+        """Whether the state is older than a grant ``req``'s gateway got in this epoch:
+        its record's last grant is older than the one it saw (or its record is gone),
+        so the store went back to an older copy (a failover to a lagging replica, a
+        restart from a snapshot). Per gateway: the fleet's refresh count alone passes
+        the lost serial again once the other gateways have refreshed."""
+        seen = req.state_seen
+        if req.epoch != self.epoch or not seen:
+            return False
+        if seen > self.refreshes:
+            return True
+        rec = self.records.get(req.gateway_id)
+        return rec is None or (rec.serial is not None and seen > rec.serial)
 
     def release_gateway(self, gateway_id: str) -> None:
         self.records.pop(gateway_id, None)
@@ -231,6 +245,7 @@ class InProcessCoordinator:
         return rec
 
     def _grant(self, rec: GatewayRecord, *, learning: bool, p0_reserve: int) -> LeaseGrant:
+        rec.serial = self.refreshes
         live = self.live()
         k = self.capacity - self.config.bypass_credits(self.capacity)
         return LeaseGrant(

@@ -30,6 +30,8 @@ class GatewayRecord:
     # reuse_timeout_s), and that lease must not be lent to anyone else meanwhile
     reusing: bool = False
     ghost: bool = False  # expired; only its last in-use is held until expires_at
+    # the state's refresh count in its last grant (None: written by an older version)
+    serial: int | None = None
 
     def held(self, c: int) -> int:
         """Class ``c``'s part of what this gateway holds, counted where the credits sit:

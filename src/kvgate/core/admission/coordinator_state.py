@@ -112,6 +112,7 @@ def _dump_record(rec: GatewayRecord) -> dict[str, Any]:
         "learning_until": rec.learning_until,
         "reusing": rec.reusing,
         "ghost": rec.ghost,
+        "serial": rec.serial,
     }
 
 
@@ -141,4 +142,5 @@ def _load_record(gid: str, d: Mapping[str, Any]) -> GatewayRecord:
         learning_until=float(d["learning_until"]),
         reusing=bool(d.get("reusing", False)),  # absent in state an older version wrote
         ghost=bool(d["ghost"]),
+        serial=None if d.get("serial") is None else int(d["serial"]),  # absent: older
     )
