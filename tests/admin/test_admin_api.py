@@ -307,6 +307,33 @@ def test_dashboard_page_and_state(admin_kit: Any) -> None:
                                                                   "ge16k"]
             assert state["admission"]["lease_state"] == "active"
             assert len(state["decisions"]) == 1
+            # the admin API's node URLs are not for anonymous eyes
+            assert all("url" not in n for n in state["nodes"])
+            assert state["admission"]["tenants_active"] == 0  # nothing in flight now
+
+    admin_kit.run(body())
+
+
+def test_the_dashboard_shows_only_the_busiest_tenants() -> None:
+    from kvgate.gateway.dashboard import busiest_tenants
+
+    tenants = {f"t{i}": {"inflight": i % 7, "queued": i % 3, "limit": 8} for i in range(500)}
+    shown, active = busiest_tenants(tenants, 50)
+    assert active == sum(1 for v in tenants.values() if v["inflight"] or v["queued"])
+    assert len(shown) == 50
+    loads = [v["inflight"] + v["queued"] for v in shown.values()]
+    assert loads == sorted(loads, reverse=True) and loads[0] == 8
+    assert busiest_tenants({"idle": {"inflight": 0, "queued": 0, "limit": 8}}, 50) == ({}, 0)
+
+
+def test_the_dashboard_can_be_turned_off(admin_kit: Any) -> None:
+    async def body() -> None:
+        async with admin_kit.stack(1, server={"dashboard": False}) as s:
+            for path in ("/dashboard", "/dashboard/state"):
+                status, _, _ = await s.call("GET", path, token=None)
+                assert status == 404
+            status, _, _ = await s.call("GET", "/admin/nodes")
+            assert status == 200
 
     admin_kit.run(body())
 

@@ -260,7 +260,8 @@ def register_routes(app: web.Application, gw: Gateway) -> None:
     get("/ready", gw.ready_handler)
     get("/metrics", gw.metrics_handler)
     register_admin(app, gw)  # /admin/... (bearer admin token; 403 when none is set)
-    register_dashboard(app, gw)  # /dashboard, /dashboard/state (read-only, no secrets)
+    if gw.config.server.dashboard:
+        register_dashboard(app, gw)  # /dashboard, /dashboard/state (read-only, no secrets)
 
 
 def build_app(gw: Gateway) -> web.Application:

@@ -84,6 +84,8 @@ class ServerConfig:
     admin_token: str | None = None  # bearer token of the admin API
     log_level: str = "info"
     access_log: bool = False
+    # /dashboard and /dashboard/state, served without auth (off: both 404)
+    dashboard: bool = True
     client_max_size: int = 16 * 1024 * 1024  # request bodies above it get 413
     body_timeout_s: float = 30.0  # a request body not read in this time gets 408
     # a connection must deliver a complete request head within this time of opening
