@@ -55,9 +55,8 @@ class RefusalBackoff:
 
     def took(self, node_id: NodeId) -> None:
         """``node_id`` took a request (its first byte came): it is serving again."""
-        if self._refusals:
-            self._refusals.pop(node_id, None)
-            self._until.pop(node_id, None)
+        if self._refusals:  # usually empty: one check per first byte
+            self.forget(node_id)
 
     def forget(self, node_id: NodeId) -> None:
         """``node_id`` left the table (added again, it starts afresh)."""

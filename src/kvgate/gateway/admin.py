@@ -71,16 +71,20 @@ def _class(p: int) -> str:
     return f"P{p}"
 
 
-def node_view(gw: Gateway, state: NodeState, now: float) -> dict[str, Any]:
-    """One node as the admin API and the dashboard show it (no secrets)."""
+def node_view(
+    gw: Gateway, state: NodeState, now: float, *, with_url: bool = True
+) -> dict[str, Any]:
+    """One node as the admin API and the dashboard show it (no secrets; the dashboard,
+    served without auth, without its URL)."""
     table = gw.controller.nodes
     node_id = state.spec.node_id
     rt = gw.watcher.get(node_id)
     spec = state.spec
     age = None if state.report_time is None else round(max(0.0, now - state.report_time), 3)
-    return {
-        "id": node_id,
-        "url": redact_url(rt.url) if rt is not None else None,
+    view: dict[str, Any] = {"id": node_id}
+    if with_url:
+        view["url"] = redact_url(rt.url) if rt is not None else None
+    return view | {
         "healthy": state.healthy,
         "draining": state.draining,
         "eligible": state.healthy and not state.draining,
@@ -112,9 +116,9 @@ def node_view(gw: Gateway, state: NodeState, now: float) -> dict[str, Any]:
     }
 
 
-def nodes_view(gw: Gateway, now: float) -> list[dict[str, Any]]:
+def nodes_view(gw: Gateway, now: float, *, with_url: bool = True) -> list[dict[str, Any]]:
     states = sorted(gw.controller.nodes, key=lambda s: s.spec.node_id)
-    return [node_view(gw, s, now) for s in states]
+    return [node_view(gw, s, now, with_url=with_url) for s in states]
 
 
 def admission_view(a: AdmissionStats) -> dict[str, Any]:

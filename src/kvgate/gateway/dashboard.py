@@ -63,9 +63,6 @@ def dashboard_state(gw: Gateway) -> dict[str, Any]:
     finished = sum(st.outcomes.values())
     adm = admission_view(ctl.admission.stats())
     adm["tenants"], adm["tenants_active"] = busiest_tenants(adm["tenants"], TENANTS_SHOWN)
-    nodes = nodes_view(gw, now)
-    for node in nodes:
-        del node["url"]  # the admin API's (an internal address, a user name)
     hit_ratio: list[dict[str, Any]] = []
     for name, _ in PREFIX_BUCKETS:
         hc = st.hits[name]
@@ -108,7 +105,8 @@ def dashboard_state(gw: Gateway) -> dict[str, Any]:
             "measured": round(sum(h["measured_hit_tokens"] for h in hit_ratio) / total_measured,
                               4) if total_measured else 0.0,
         },
-        "nodes": nodes,
+        # node URLs are the admin API's (an internal address, a user name)
+        "nodes": nodes_view(gw, now, with_url=False),
         "admission": adm,
         "decisions": decisions_view(gw, now, DECISIONS_SHOWN),
     }

@@ -639,24 +639,22 @@ class SimCluster:
 
     def bulk_evict(self, index: int, fraction: float, reason: str = "flush") -> int:
         """Have a node evict ``fraction`` of its pool now, at most every cached block not
-        in use (``SimEngine.bulk_evict``); returns the blocks chosen. The announcement
-        (or the blocks removed at once) goes out now and the node is kicked, so an idle
-        node runs its batches on time instead of at its next request."""
-        node = self.nodes[index]
-        self._settle(node)
-        chosen = node.engine.bulk_evict(fraction, self.loop.now, reason)
-        self._drain_events(node)
-        self._kick(node)
-        return chosen
+        in use (``SimEngine.bulk_evict``); returns the blocks chosen."""
+        return self._evict_now(index, lambda e, now: e.bulk_evict(fraction, now, reason))
 
     def flush_node(self, index: int, share: float, reason: str = "flush") -> int:
         """Have a node flush ``share`` of what it caches now (``SimEngine.flush``: the
         cached blocks not in use, least recently used first, announced whatever the bulk
-        threshold unless announcements are off); returns the blocks chosen. Announced and
-        kicked as :meth:`bulk_evict`."""
+        threshold unless announcements are off); returns the blocks chosen."""
+        return self._evict_now(index, lambda e, now: e.flush(share, now, reason))
+
+    def _evict_now(self, index: int, evict: Callable[[SimEngine, float], int]) -> int:
+        """``evict`` on a node's settled engine; the announcement (or the blocks removed
+        at once) goes out now and the node is kicked, so an idle node runs its batches
+        on time instead of at its next request."""
         node = self.nodes[index]
         self._settle(node)
-        chosen = node.engine.flush(share, self.loop.now, reason)
+        chosen = evict(node.engine, self.loop.now)
         self._drain_events(node)
         self._kick(node)
         return chosen

@@ -157,10 +157,11 @@ class InProcessCoordinator:
         seen = req.state_seen
         if req.epoch != self.epoch or not seen:
             return False
-        if seen > self.refreshes:
-            return True
         rec = self.records.get(req.gateway_id)
-        return rec is None or (rec.serial is not None and seen > rec.serial)
+        if rec is None:
+            return True
+        # a record an older version wrote has no serial: the state's count bounds it
+        return seen > (self.refreshes if rec.serial is None else rec.serial)
 
     def release_gateway(self, gateway_id: str) -> None:
         self.records.pop(gateway_id, None)
