@@ -117,6 +117,19 @@ request itself:
   TTFT mean: 1.417 s with 20 s against 1.360 s with 10 s (dynamo_cost 1.396 s), for a
   hit ratio of 0.1800 against 0.1762.
 
+  Tried and left out: a slack in proportion to what the wait buys (a holder kept only
+  within 20 or 40 s of wait per second of extra prefill saved), aimed at the short
+  turns the slack keeps 12-16 s behind a busy holder for one block more (0.04 s).
+  Over eight replays (even spread, jitter seeds 1-7) at 0.8 / 0.95 of saturation, 20
+  took TTFT mean from 1.520 / 1.636 s to 1.440 / 1.553 s and goodput from 2.582 / 2.960
+  to 2.601 / 2.981, but the hit ratio from 0.1745 / 0.1711 to 0.1735 / 0.1687
+  (sglang_cache_aware 0.1728 / 0.1701): each turn it moves copies its context onto a
+  second node, where it evicts other sessions' caches (stale routing was not the
+  cause: of the blocks the index predicted, 4 % were gone at submit). On two of four
+  agent seeds at 0.95 of saturation it put TTFT p99 up by 0.37 and 1.02 s. A minimum
+  gain of 0.05 s (past one block) gave TTFT mean 1.499 / 1.611 s at a hit ratio of
+  0.1741 / 0.1690.
+
 * **Tail guard.** The cache's pull (``cache_gain``, the slack, the bounded wait) trades
   a request's seconds for prefill its hit saves; it must not make the request one of
   the slowest. The tail level is the ``tail_quantile`` (0.99) of the predicted full
@@ -142,7 +155,12 @@ request itself:
   requests and held 6, a window of 400 or 3 000 held 3 and 5, a level from the 200th
   request on 6, a slack and bound of 25 s 4; a ``cache_gain`` of 6 held 8 there but 3
   of seeds 4-7's 8 (5 held 4). On the synthetic workloads (about 1 000 requests each)
-  the guard has barely begun when the run ends.
+  the guard has barely begun when the run ends. The level reads full prefills, so on
+  that trace it sits near 22 s while TTFT p99 is 17 s (the slowest prompts often hit),
+  and turns predicted at 17-18 s pass under it; a level over the chosen nodes'
+  predicted first tokens instead (the delivered TTFT) held the quality bar's checks
+  in 5 of 16 runs (eight replays at 0.8 / 0.95) against 6: TTFT p99 17.10 / 17.32 s
+  against 17.10 / 17.41 s, hit ratio 0.1751 / 0.1707 against 0.1745 / 0.1711.
 * **TTFT target** (off by default). With ``ttft_target_s`` set (a TTFT SLO, e.g. 5 s)
   the tail guard's level is never above it, and it needs no window: a request whose
   chosen node would start it past the target goes to the best scored node that would
