@@ -296,6 +296,11 @@ On top of the score, in this order:
    Without the blocking cost in that clause, on the seed-2 workload at 0.95 a task
    explored to a node whose own sessions then waited ~1.45 s behind it (p99 0.979 s
    against preble_e2's 0.973); with it 0.741 s, and 0.625 / 0.701 s at seed 0.
+   A shared prefix leaves without that clause. On gsp two such copies a run (seeds 0
+   and 2: 8 of 5 120 blocks) are all kvgate's hit ratio lacks of preble_e2's and the
+   ideal's (0.7484 against 0.7500); holding shared prefixes to the clause without its
+   blocking cost gave gsp that back but let agent tasks herd again (seed 1 at 0.95 of
+   saturation: TTFT p99 +2.28 s), and with it +2.40 s (seed 3).
 
    **Busy exploration** (``explore_busy``, on). With no node idle, a hit on a prefix
    other candidates hold too (the winner holds at most ``affinity_min_gain_s`` beyond
