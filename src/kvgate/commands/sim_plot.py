@@ -8,7 +8,8 @@ from typing import Any
 
 def _flatten(report: dict[str, Any], label: str = "") -> dict[str, dict[str, Any]]:
     """Every comparison (a report with ``policies``) in ``report``, by a label saying
-    where it sits: a scenario's variants, the runs at fractions of saturation, or both."""
+    where it sits: a scenario's variants, the runs at fractions of saturation, their
+    replays, or a mix."""
     if "policies" in report:
         return {label: report}
     out: dict[str, dict[str, Any]] = {}
@@ -18,6 +19,9 @@ def _flatten(report: dict[str, Any], label: str = "") -> dict[str, dict[str, Any
     if "runs" in report:
         for frac, rep in report["runs"].items():
             out.update(_flatten(rep, f"{label} x{frac} sat".strip()))
+    if "replays" in report:  # --replays: each replay, by its seed
+        for seed, rep in report["replays"].items():
+            out.update(_flatten(rep, f"{label} seed {seed}".strip()))
     return out
 
 

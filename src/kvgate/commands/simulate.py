@@ -28,6 +28,7 @@ from kvgate.commands.argtypes import (
 )
 from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
 from kvgate.commands.sim_progress import SimProgress
+from kvgate.commands.sim_replays import check_replay_args, format_point, run_point
 from kvgate.commands.simulate_args import burstiness, priority_shares, tenant_shares
 from kvgate.core.admission import AdmissionConfig, LeaseConfig
 from kvgate.core.config import ControllerConfig
@@ -249,6 +250,14 @@ def add_simulate_parser(sub: Any) -> None:
         "(default: none, one run at --speedup)",
     )
     r.add_argument(
+        "--replays",
+        type=positive_int,
+        default=1,
+        help="run each comparison N times, with seeds --seed to --seed + N - 1 (a trace's "
+        "later replays with --bucket jitter), and print each policy's means and in how "
+        "many replays each check held (default 1)",
+    )
+    r.add_argument(
         "--policy-param",
         action="append",
         default=[],
@@ -392,6 +401,7 @@ def settings(args: argparse.Namespace, params: dict[str, dict[str, object]]) -> 
         "policy_params": params,
         "scenario": args.scenario,
         "seed": args.seed,
+        "replays": args.replays,
         "slo_ttft_s": args.slo_ttft,
         "slo_tpot_s": args.slo_tpot,
     }
@@ -580,7 +590,9 @@ def _run_once(
     speedup: float,
     progress: SimProgress,
     params: dict[str, dict[str, object]],
+    label: str = "",
 ) -> dict[str, Any]:
+    """One comparison at ``speedup`` (``label`` goes into the progress lines)."""
     base = _load_workload(args, speedup)
     cfg = _config(args)
     slo = Slo(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
@@ -593,7 +605,7 @@ def _run_once(
             seed=args.seed,
             slo=slo,
             clock=time.perf_counter,
-            progress=partial(_announce, progress, speedup, ""),
+            progress=partial(_announce, progress, speedup, label),
             on_progress=progress.requests,
             policy_params=params,
         )
@@ -608,8 +620,8 @@ def _run_once(
         variants = {"announced": {"announce": True}, "unannounced": {"announce": False}}
     elif args.scenario == "tenant_flood":
         variants = {"flood": {"flood": True}, "no_flood": {"flood": False}}
-    for label, kw in variants.items():
-        context = f", {args.scenario}" + (f" ({label})" if label else "")
+    for variant, kw in variants.items():
+        context = f", {args.scenario}" + (f" ({variant})" if variant else "")
         plan = builder(base, cfg, SeededRng(args.seed + 1), **kw)
         rep = compare(
             plan.workload,
@@ -630,7 +642,7 @@ def _run_once(
                 "max_tenant_inflight": dict(sorted(plan.probe.max_tenant_inflight.items())),
                 "budget": plan.probe.budget,
             }
-        out["variants"][label or args.scenario] = rep
+        out["variants"][variant or args.scenario] = rep
     out["criteria"] = criteria(out)
     return out
 
@@ -651,6 +663,15 @@ def run_simulate(args: argparse.Namespace) -> int:
         report: dict[str, Any]
         check_saturation_args(args)
         check_plot_args(args)
+        check_replay_args(args)
+
+        def run(speedup: float) -> dict[str, Any]:
+            if args.replays == 1:
+                return _run_once(args, speedup, progress, params)
+            return run_point(
+                args, speedup, lambda a, sp, label: _run_once(a, sp, progress, params, label)
+            )
+
         if args.find_saturation or args.at_saturation:
             sat = args.saturation or find_saturation(args, progress)
             report = {
@@ -660,12 +681,17 @@ def run_simulate(args: argparse.Namespace) -> int:
             }
             fractions: list[float] = args.at_saturation or []
             for f in fractions:
-                report["runs"][f"{f:g}"] = _run_once(args, f * sat, progress, params)
-            checked = [r["ordering"] for r in report["runs"].values() if "ordering" in r]
+                report["runs"][f"{f:g}"] = run(f * sat)
+            checked = [
+                one["ordering"]
+                for r in report["runs"].values()
+                for one in (r["replays"].values() if "replays" in r else [r])
+                if "ordering" in one
+            ]
             if len(checked) > 1:
                 report["ordering_tally"] = tally(checked)
         else:
-            report = _run_once(args, args.speedup, progress, params)
+            report = run(args.speedup)
         report["settings"] = settings(args, params)
     except (OSError, ValueError, ConfigError) as exc:
         progress.done()
@@ -783,6 +809,9 @@ def _print(report: dict[str, Any]) -> None:
             _print(rep)
         if "ordering_tally" in report:
             print("\n" + format_tally(report["ordering_tally"]))
+        return
+    if "replays" in report:
+        print(format_point(report))
         return
     if "variants" in report:
         name = report["scenario"]
