@@ -132,7 +132,11 @@ request itself:
   (sglang_cache_aware 0.1728 / 0.1701): each turn it moves copies its context onto a
   second node, where it evicts other sessions' caches (stale routing was not the
   cause: of the blocks the index predicted, 4 % were gone at submit). On two of four
-  agent seeds at 0.95 of saturation it put TTFT p99 up by 0.37 and 1.02 s. A minimum
+  agent seeds at 0.95 of saturation it put TTFT p99 up by 0.37 and 1.02 s; 40 left
+  the synthetic workloads nearly as they were (means over seeds 0-7 within 0.011 s of
+  TTFT p99) and took TTFT mean to 1.467 / 1.576
+  s at a hit ratio of 0.1732 / 0.1702, but on the even spread alone the hit ratio
+  fell to 0.1724 / 0.1675 (sglang_cache_aware 0.1735 / 0.1706). A minimum
   gain of 0.05 s (past one block) gave TTFT mean 1.499 / 1.611 s at a hit ratio of
   0.1741 / 0.1690.
 
