@@ -22,7 +22,14 @@ from typing import Any
 
 from kvgate.sim.ordering import format_ordering, format_tally, ordering, tally
 
-__all__ = ["MEAN_KEYS", "check_replay_args", "format_point", "replay_args", "run_point"]
+__all__ = [
+    "MEAN_KEYS",
+    "check_replay_args",
+    "format_point",
+    "orderings",
+    "replay_args",
+    "run_point",
+]
 
 # the columns of the means table: report key, header, format
 MEAN_KEYS: tuple[tuple[str, str, str], ...] = (
@@ -42,7 +49,8 @@ RunOnce = Callable[[argparse.Namespace, float, str], dict[str, Any]]
 
 
 def check_replay_args(args: argparse.Namespace) -> None:
-    """What ``--replays`` cannot do. Raises ValueError."""
+    """What ``--replays`` cannot do (``--find-saturation`` alone: the command's own
+    check). Raises ValueError."""
     if args.replays == 1:
         return
     if args.scenario != "none":
@@ -54,11 +62,6 @@ def check_replay_args(args: argparse.Namespace) -> None:
         raise ValueError(
             "--replays with --bucket burst would run the same replay N times (a burst "
             "has no randomness): use --bucket spread or jitter"
-        )
-    if args.find_saturation and not args.at_saturation:
-        raise ValueError(
-            "--replays repeats runs, and --find-saturation alone only searches: "
-            "add --at-saturation (e.g. 0.8)"
         )
 
 
@@ -80,7 +83,7 @@ def run_point(args: argparse.Namespace, speedup: float, run_once: RunOnce) -> di
         a = replay_args(args, r)
         runs[str(a.seed)] = run_once(a, speedup, f", replay {r + 1}/{args.replays}")
     point: dict[str, Any] = {"speedup": speedup, "replays": runs, "mean": _means(runs)}
-    checked = [rep["ordering"] for rep in runs.values() if "ordering" in rep]
+    checked = orderings(point)
     if checked:
         point["ordering_tally"] = tally(checked)
         on_means = ordering(
@@ -89,6 +92,12 @@ def run_point(args: argparse.Namespace, speedup: float, run_once: RunOnce) -> di
         if on_means is not None:
             point["ordering_of_means"] = on_means
     return point
+
+
+def orderings(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The check results of a comparison: its own, or each of its replays'."""
+    runs = report["replays"].values() if "replays" in report else [report]
+    return [rep["ordering"] for rep in runs if "ordering" in rep]
 
 
 def _mean(values: list[Any]) -> float | None:

@@ -28,7 +28,7 @@ from kvgate.commands.argtypes import (
 )
 from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
 from kvgate.commands.sim_progress import SimProgress
-from kvgate.commands.sim_replays import check_replay_args, format_point, run_point
+from kvgate.commands.sim_replays import check_replay_args, format_point, orderings, run_point
 from kvgate.commands.simulate_args import burstiness, priority_shares, tenant_shares
 from kvgate.core.admission import AdmissionConfig, LeaseConfig
 from kvgate.core.config import ControllerConfig
@@ -662,7 +662,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
         report: dict[str, Any]
         check_saturation_args(args)
-        check_plot_args(args)
+        check_run_options(args)
         check_replay_args(args)
 
         def run(speedup: float) -> dict[str, Any]:
@@ -682,12 +682,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             fractions: list[float] = args.at_saturation or []
             for f in fractions:
                 report["runs"][f"{f:g}"] = run(f * sat)
-            checked = [
-                one["ordering"]
-                for r in report["runs"].values()
-                for one in (r["replays"].values() if "replays" in r else [r])
-                if "ordering" in one
-            ]
+            checked = [o for r in report["runs"].values() for o in orderings(r)]
             if len(checked) > 1:
                 report["ordering_tally"] = tally(checked)
         else:
@@ -788,13 +783,18 @@ def check_class_args(args: argparse.Namespace) -> None:
             )
 
 
-def check_plot_args(args: argparse.Namespace) -> None:
-    """``--plot`` draws runs: ``--find-saturation`` alone makes none. Raises ValueError."""
-    if args.plot is not None and args.find_saturation and not args.at_saturation:
-        raise ValueError(
-            "--plot draws runs, and --find-saturation alone only searches: "
-            "add --at-saturation (e.g. 0.8)"
-        )
+def check_run_options(args: argparse.Namespace) -> None:
+    """``--plot`` draws runs and ``--replays`` repeats them: ``--find-saturation`` alone
+    makes none. Raises ValueError."""
+    if not args.find_saturation or args.at_saturation:
+        return
+    needs_runs = {"--plot draws": args.plot is not None, "--replays repeats": args.replays > 1}
+    for option, given in needs_runs.items():
+        if given:
+            raise ValueError(
+                f"{option} runs, and --find-saturation alone only searches: "
+                "add --at-saturation (e.g. 0.8)"
+            )
 
 
 def _print(report: dict[str, Any]) -> None:
