@@ -72,6 +72,19 @@ def test_replays_are_the_runs_their_seeds_give_and_the_means_are_theirs(
     means = rep["ordering_of_means"]["checks"]
     assert means["ttft_mean_s"]["value"] == rep["mean"]["kvgate"]["ttft_mean_s"]
     assert means["hit_ratio"]["against"] == "sglang_cache_aware"
+    # each check against a policy gets the paired difference with that policy, taken
+    # replay by replay from the replays' own rows
+    paired = rep["paired_differences"]
+    assert set(paired) == {"ttft_p99_s", "ttft_mean_s", "goodput_rps", "hit_ratio"}
+    for key, d in paired.items():
+        rival = means[key]["against"]
+        assert d["against"] == rival and d["n"] == 3
+        diffs = [r["policies"]["kvgate"][key] - r["policies"][rival][key] for r in runs]
+        assert d["mean"] == pytest.approx(sum(diffs) / 3, abs=1e-6)
+        assert d["ci95"][0] <= d["mean"] <= d["ci95"][1]
+        assert d["verdict"] in ("better", "worse", "within noise")
+        assert f"against {rival}: {d['verdict']}" in text
+    assert "paired over 3 replays, kvgate less the policy each check names" in text
     assert "means over 3 replays (seeds 4-6)" in text
     assert "seed 4: " in text and "seed 6: " in text and "on the means: kvgate" in text
     assert "checks held over 3 runs" in text

@@ -5,7 +5,9 @@ TTFT p99 moves by about 0.1 s and its hit ratio by about 0.001 from one replay o
 the same arrivals to the next (the requests sharing a bucketed timestamp placed
 differently), as much as the margins between the best policies, so whether a check
 holds in one run says little. N replays give each policy's means and say in how many
-replays each check held.
+replays each check held, and each check against another policy gets the paired
+difference (ours less theirs, replay by replay) with a 95 % interval
+(:mod:`kvgate.sim.paired`): whether the margin is more than the replays' noise.
 
 Replay r runs with seed ``--seed`` + r. A synthetic workload draws a new workload from
 each seed. A trace's timestamps are fixed, so replay 0 is the run as asked
@@ -21,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvgate.sim.ordering import format_ordering, format_tally, ordering, tally
+from kvgate.sim.paired import paired_difference, verdict
 
 __all__ = [
     "MEAN_KEYS",
@@ -44,6 +47,10 @@ MEAN_KEYS: tuple[tuple[str, str, str], ...] = (
 )
 # the bounds averaged for the checks on the means (a jittered replay may reorder requests)
 _BOUND_KEYS = ("ideal_hit_ratio", "pooled_lru_hit_ratio", "balanced_hit_ratio")
+# the checks where a higher value is the better one; the others are latencies
+_HIGHER = frozenset({"goodput_rps", "hit_ratio"})
+# decimals of a paired difference as printed (the means table's)
+_DIFF_DECIMALS = {"hit_ratio": 4}
 
 RunOnce = Callable[[argparse.Namespace, float, str], dict[str, Any]]
 
@@ -91,7 +98,26 @@ def run_point(args: argparse.Namespace, speedup: float, run_once: RunOnce) -> di
         )
         if on_means is not None:
             point["ordering_of_means"] = on_means
+            point["paired_differences"] = _paired(runs, on_means)
     return point
+
+
+def _paired(runs: Mapping[str, Mapping[str, Any]], result: Mapping[str, Any]) -> dict[str, Any]:
+    """Per check against another policy (the one the check on the means names): the
+    checked policy's value less that policy's, replay by replay, summarised."""
+    reps = list(runs.values())
+    policy = result["policy"]
+    out: dict[str, Any] = {}
+    for key, c in result["checks"].items():
+        if "against" not in c:
+            continue
+        diff = paired_difference(
+            [rep["policies"][policy][key] for rep in reps],
+            [rep["policies"][c["against"]][key] for rep in reps],
+        )
+        if diff is not None:
+            out[key] = {"against": c["against"], **diff, "verdict": verdict(diff, key in _HIGHER)}
+    return out
 
 
 def orderings(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -144,7 +170,27 @@ def format_point(point: Mapping[str, Any]) -> str:
         lines.append(format_tally(t) + f"; all checks in {t['all']} of {t['runs']}")
     if "ordering_of_means" in point:
         lines.append("on the means: " + format_ordering(point["ordering_of_means"]))
+    if point.get("paired_differences"):
+        lines.extend(_format_paired(point["ordering_of_means"]["policy"], point))
     return "\n".join(lines)
+
+
+def _format_paired(policy: str, point: Mapping[str, Any]) -> list[str]:
+    """A line per check: the mean paired difference, its interval and what it says."""
+    diffs = point["paired_differences"]
+    n = next(iter(diffs.values()))["n"]
+    lines = [
+        f"paired over {n} replays, {policy} less the policy each check names "
+        "(mean, 95 % interval):"
+    ]
+    for key, d in diffs.items():
+        digits = _DIFF_DECIMALS.get(key, 3)
+        lo, hi = d["ci95"]
+        lines.append(
+            f"  {key:<20} {d['mean']:>+9.{digits}f}  ({lo:+.{digits}f} .. {hi:+.{digits}f})"
+            f"  against {d['against']}: {d['verdict']}"
+        )
+    return lines
 
 
 def _verdict(result: Mapping[str, Any]) -> str:

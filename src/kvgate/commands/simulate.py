@@ -254,8 +254,9 @@ def add_simulate_parser(sub: Any) -> None:
         type=positive_int,
         default=1,
         help="run each comparison N times, with seeds --seed to --seed + N - 1 (a trace's "
-        "later replays with --bucket jitter), and print each policy's means and in how "
-        "many replays each check held (default 1)",
+        "later replays with --bucket jitter), and print each policy's means, in how "
+        "many replays each check held, and kvgate's paired difference with the policy "
+        "each check names, with a 95%% interval (default 1)",
     )
     r.add_argument(
         "--policy-param",
