@@ -67,7 +67,9 @@ own decode stretched by the prefill the node has been sent lately (``max_tokens`
 15 ms * r / (1 - r), r the prefill seconds per second sent there over 10 s, weighed
 0.5) lifted chat's goodput (kvgate's last request ends later: its session's holder
 decodes three other late turns) in 4 of 8 runs against 1, but put the agent
-workload's TTFT p99 at 0.95 to 1.12 s from 0.66 s and left its TPOT p99 at 0.10 s;
+workload's TTFT p99 at 0.95 to 1.12 s from 0.66 s and left its TPOT p99 at 0.10 s
+(on the conversation trace, eight replays at 0.8 / 0.95: TTFT mean 1.460 / 1.564 s
+against 1.520 / 1.636 s, hit ratio 0.1673 / 0.1628 against 0.1745 / 0.1711);
 adding the newcomer's prefill times the requests in flight there (the decodes it
 stalls) moved nothing on chat and put agent's p99 to 1.17-1.57 s; sending a request
 away from a node whose r passed 0.35 / 0.45 (the agent workload's TPOT misses all
