@@ -331,7 +331,11 @@ On top of the score, in this order:
    and 2: 8 of 5 120 blocks) are all kvgate's hit ratio lacks of preble_e2's and the
    ideal's (0.7484 against 0.7500); holding shared prefixes to the clause without its
    blocking cost gave gsp that back but let agent tasks herd again (seed 1 at 0.95 of
-   saturation: TTFT p99 +2.28 s), and with it +2.40 s (seed 3).
+   saturation: TTFT p99 +2.28 s), and with it +2.40 s (seed 3). Holding only a first
+   copy to it (no other candidate holds any of the prefix) gave gsp over seeds 0-7 at
+   0.8 / 0.95 a hit ratio 0.0011 / 0.0007 higher and left chat as it was, but put the
+   agent workload's TTFT p99 at 0.95 up by 0.29 s on average (0.3-1.1 s on three
+   seeds), its hit ratio 0.0004 lower.
 
    **Busy exploration** (``explore_busy``, on). With no node idle, a hit on a prefix
    other candidates hold too (the winner holds at most ``affinity_min_gain_s`` beyond
