@@ -11,6 +11,7 @@ import pytest
 
 from kvgate.cli import main
 from kvgate.commands.sim_plot import _flatten
+from kvgate.commands.sim_replays import _paired
 
 SMALL = ["simulate", "--workload", "gsp", "--limit", "60", "--nodes", "3", "--no-progress"]
 POLICIES = ["--policies", "kvgate,round_robin,sglang_cache_aware"]
@@ -158,3 +159,29 @@ def test_a_burst_has_nothing_to_replay(
     assert main([*argv, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "use --bucket spread or jitter" in err and "simulating" not in err
+
+
+def test_paired_verdicts_read_each_check_in_its_own_direction() -> None:
+    # kvgate's hit ratio is steadily higher (better) and its TTFT mean steadily higher
+    # (worse) than the policy each check names; its goodput moves both ways (noise)
+    def rep(hit: float, mean: float, goodput: float) -> dict[str, Any]:
+        row = {"hit_ratio": hit, "ttft_mean_s": mean, "goodput_rps": goodput}
+        other = {"hit_ratio": 0.5, "ttft_mean_s": 1.0, "goodput_rps": 10.0}
+        return {"policies": {"kvgate": row, "dynamo_cost": other}}
+
+    runs = {
+        "0": rep(0.61, 1.10, 10.5),
+        "1": rep(0.62, 1.12, 9.5),
+        "2": rep(0.60, 1.11, 10.2),
+    }
+    checks = {
+        key: {"against": "dynamo_cost", "ok": True}
+        for key in ("hit_ratio", "ttft_mean_s", "goodput_rps")
+    }
+    checks["load_max_over_mean"] = {"value": 1.0, "limit": 1.5, "ok": True}  # no rival
+    paired = _paired(runs, {"policy": "kvgate", "checks": checks})
+    assert set(paired) == {"hit_ratio", "ttft_mean_s", "goodput_rps"}
+    assert paired["hit_ratio"]["verdict"] == "better"
+    assert paired["ttft_mean_s"]["verdict"] == "worse"
+    assert paired["goodput_rps"]["verdict"] == "within noise"
+    assert paired["ttft_mean_s"]["mean"] == pytest.approx(0.11)
