@@ -96,10 +96,11 @@ request itself:
   17.26 / 17.21 / 17.16 s from 17.10 s and TTFT mean to 1.528-1.554 s from 1.520 s
   (eight replays; hit ratio 0.1739-0.1749 against 0.1745). A cache value rate decayed
   over 60-300 s instead of 30 s took TTFT mean at 0.8 of saturation down by 0.018-0.026
-  s (paired over the eight replays; at 0.95 0.006-0.017 s, within their noise), but
-  TTFT p99 moved by -0.05 to +0.19 s, all within noise, and the checks held in 4-6 of
-  the 16 runs against 6; on the synthetic workloads (seeds 0-7) 120 s took the hit
-  ratio of agent and gsp down by 0.0003-0.0006 and left chat as it was.
+  s (paired over the eight replays; beyond their noise from 90 s on; at 0.95 0.006-0.017
+  s, within it), but TTFT p99 moved by -0.21 to +0.19 s, all within noise, and the
+  checks all held in 1-6 of the 16 runs against 6; on the synthetic workloads (seeds
+  0-7) 120 s took the hit ratio of agent and gsp down by 0.0003-0.0006 and left chat as
+  it was.
 * **Affinity slack.** When an open holder would save at least ``affinity_min_gain_s``
   (0.03 s, ~360 tokens on the A100-8B profile) more prefill than the winner and its
   predicted TTFT (penalty plus the request's prefill less what its cache saves, plus
