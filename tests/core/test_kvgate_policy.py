@@ -184,6 +184,7 @@ def test_bad_config() -> None:
         {"tail_quantile": float("nan")},
         {"tail_window": 0},
         {"session_spread_s": -0.1},
+        {"session_spread_shared_s": -0.5},
         {"session_work_s": float("nan")},
         {"session_min_shared_s": -1.0},
         {"recent_work_tau_s": 0.0},
@@ -899,17 +900,28 @@ def test_new_sessions_on_a_shared_prefix_go_where_sessions_worked_least() -> Non
     assert [_routed(fresh, t, c, short, 14) for _ in range(2)] == ["a", "a"]
 
 
-def test_the_spread_keeps_to_nodes_about_as_soon_and_spreads_cold_requests_too() -> None:
-    """"b" has 1 s of prefill queued, past session_spread_s (0.5 s) of the winner's first
-    token, so new sessions alternate between "a" and "c". A request no node holds
-    anything of spreads the same way over the non-holders."""
+@pytest.mark.parametrize(
+    ("queued", "shared_order"), [(2000, ["a", "c", "a"]), (750, ["a", "c", "b"])]
+)
+def test_the_spread_keeps_to_nodes_about_as_soon_and_spreads_cold_requests_too(
+    queued: int, shared_order: list[str]
+) -> None:
+    """"b" has 2 s of prefill queued, past session_spread_shared_s (1 s) of the winner's
+    first token, so new sessions on a shared prefix (an agent's tool preamble) alternate
+    between "a" and "c"; with 0.75 s queued it is within that window, and they take "b"
+    in turn once the idle nodes have sessions of their own. A request no node holds
+    anything of spreads the same way over the non-holders within session_spread_s
+    (0.5 s): "b" is past it either way."""
     t, c = table({"a": (0, 0.0), "b": (0, 0.0), "c": (0, 0.0)})
-    t.on_sent(c[1], now=NOW, key=1, prefill_tokens=1000)
+    t.on_sent(c[1], now=NOW, key=1, prefill_tokens=queued)
     shared = {NodeId(n): 10 for n in "abc"}
     p = KvgatePolicy(**SPREAD_KW)
-    assert [_routed(p, t, c, shared, 14) for _ in range(3)] == ["a", "c", "a"]
+    assert [_routed(p, t, c, shared, 14) for _ in range(3)] == shared_order
     cold = KvgatePolicy(**SPREAD_KW)
     assert [_routed(cold, t, c, {}, 14) for _ in range(3)] == ["a", "c", "a"]
+    # one window for both: shared prefixes keep to "a" and "c" too
+    narrow = KvgatePolicy(**{**SPREAD_KW, "session_spread_shared_s": 0.5})
+    assert [_routed(narrow, t, c, shared, 14) for _ in range(3)] == ["a", "c", "a"]
 
 
 @pytest.mark.parametrize("form", ["brief", "ttft"])

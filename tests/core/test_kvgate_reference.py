@@ -236,7 +236,8 @@ class Reference:
             # new-session spread: a request whose cache is nowhere (the winner holds
             # nothing), or a shared prefix saving at least session_min_shared_s that two
             # or more open holders hold in full (the winner's whole match), goes among the
-            # non-holders (or those holders) within session_spread_s of the winner's
+            # non-holders (or those holders) within session_spread_s (on a shared prefix
+            # session_spread_shared_s) of the winner's
             # predicted first token to the one with the least recent work
             new_session = False
             # fleet home: in a fleet, a request whose cache no single holder has (nothing
@@ -271,7 +272,8 @@ class Reference:
                     best_bonus, best_penalty, best_queue = bonus, penalty, q
             elif p.session_spread_s > 0 and not rescored:
                 m_best = matches.get(best.node_id, 0)
-                limit = best_penalty - best_bonus + p.session_spread_s
+                window = p.session_spread_shared_s if m_best else p.session_spread_s
+                limit = best_penalty - best_bonus + window
                 pool: list[tuple[NodeState, int, float, float]] | None = None
                 if not m_best:
                     pool = [(s, q, pen, b) for s, q, pen, m, b in scored if not m]
@@ -508,6 +510,7 @@ policy_st = st.builds(
     fleet_home_s=st.sampled_from([0.0, 0.25, 1e9]),
     explore_busy=st.booleans(),
     session_spread_s=st.sampled_from([0.0, 0.5, 1e9]),
+    session_spread_shared_s=st.sampled_from([0.0, 1.0, 1e9]),
     session_work_s=st.sampled_from([0.0, 4.0]),
     session_min_shared_s=st.sampled_from([0.0, 0.25, 1e9]),
     recent_work_tau_s=st.sampled_from([0.5, 10.0]),
