@@ -234,11 +234,10 @@ request itself:
   Such a request goes, among the nodes it could start on (the non-holders, or those
   holders) whose predicted first token (penalty less bonus) is within
   ``session_spread_s`` (0.5 s; ``session_spread_shared_s``, 1 s, on a shared prefix)
-  of the winner's, to the one with the least recent work:
-  the prefill seconds this policy sent there, decayed over ``recent_work_tau_s`` (10
-  s), with ``session_work_s`` (4 s, about an agent task's) counted ahead for each new
-  session. Over seeds 0-3 at 0.8 / 0.95 of round robin's saturation (averages, with
-  0.5 s for both windows): agent
+  of the winner's, to the one with the least recent work: the prefill seconds this
+  policy sent there, decayed over ``recent_work_tau_s`` (10 s), with ``session_work_s``
+  (4 s, about an agent task's) counted ahead for each new session. Over seeds 0-3 at
+  0.8 / 0.95 of round robin's saturation (averages, with 0.5 s for both windows): agent
   TTFT p99 0.714 / 1.347 s became 0.569 / 0.661 s, TTFT mean 0.241 / 0.284 s 0.233 /
   0.246 s, goodput 7.67 / 8.86 requests/s 7.77 / 9.00 (dynamo_cost 7.79 / 9.12); gsp
   load max/mean 1.12 / 1.18 became 1.03 / 1.04 and goodput 31.90 / 36.29 32.02 / 36.92.
@@ -261,8 +260,8 @@ request itself:
   prefixes under the minimum) do not change; the conversation trace's decisions at 0.8
   are the same, and at 0.95 its eight replays' means moved by 0.007 s of TTFT p99,
   0.001 s of TTFT mean and 0.0004 of hit ratio, all within noise (the issue's run is the
-  same). A window of 0.75 s did about as well at 0.95 on seeds 8-15, 2 s no better than
-  1 s on seeds 0-7. A cold session keeps 0.5 s: 1 s for both took away what the
+  same). One window of 0.75 s for both did about as well at 0.95 on seeds 8-15, and 2 s
+  no better than 1 s on seeds 0-7. A cold session keeps 0.5 s: 1 s for both took away what the
   eviction pre-announcement buys on ``--workload zipf --cache-blocks 300`` (the
   ``mass_eviction`` scenario, seeds 0-3: hit ratio 0.6707 / 0.5590 / 0.6286 / 0.6252
   announced against 0.6765 / 0.5658 / 0.6403 / 0.6181 unannounced).
