@@ -500,11 +500,11 @@ def test_ttft_form_default_explores_whenever_a_node_is_idle() -> None:
 
 
 def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() -> None:
-    """A cheap hit is explored if it is shared: no other candidate holds any of it, or
-    what the winner holds beyond the longest other match saves at most
-    affinity_min_gain_s. A session's own context on top of a shared prefix leaves its
-    holder only for a first token no later at the idle node. (The holder is busy: KV
-    above idle_util.)"""
+    """A cheap hit is explored if it is shared: what the winner holds beyond the
+    longest other match saves at most affinity_min_gain_s. A session's own context on
+    top of a shared prefix, and a first copy (no other candidate holds any of it, so it
+    may be a session's own context too), leave their holder only for a first token no
+    later at the idle node. (The holder is busy: KV above idle_util.)"""
     t, c = table({"holder": (0, 0.25), "other": (0, 0.2), "idle": (0, 0.0)})
     p = KvgatePolicy(
         epsilon=1.0, prefill_tokens_per_s=1000.0, attention_s_per_pair=0.0,
@@ -517,7 +517,9 @@ def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() ->
         assert d is not None
         return d.node_id, d.reason
 
-    assert pick(0) == ("idle", RouteReason.EXPLORATION)  # nobody else holds any of it
+    # nobody else holds any of it, and the idle node would answer later (loss 0.96 s >
+    # the holder's penalty, decode_s x 0.25)
+    assert pick(0) == ("holder", RouteReason.CACHE_HIT)
     assert pick(15) == ("idle", RouteReason.EXPLORATION)  # another holder of all of it
     assert pick(14) == ("idle", RouteReason.EXPLORATION)  # one block beyond: 0.064 s
     # two blocks beyond (0.128 s), 5 blocks (0.32 s): a context of its own, and the idle
@@ -527,6 +529,7 @@ def test_ttft_form_exploration_copies_a_shared_prefix_not_a_session_context() ->
     # the holder's penalty 1.5 s (KV 0.5) >= the loss plus the idle node's (0 or 0.3 s)
     t.report(NodeId("holder"), waiting=0, running=4, kv_util=0.5, now=NOW)
     assert pick(10) == ("idle", RouteReason.EXPLORATION)
+    assert pick(0) == ("idle", RouteReason.EXPLORATION)
     t.report(NodeId("idle"), waiting=0, running=4, kv_util=0.1, now=NOW)
     assert pick(10) == ("idle", RouteReason.EXPLORATION)
     t.report(NodeId("idle"), waiting=0, running=4, kv_util=0.2, now=NOW)  # 0.96 + 0.6 > 1.5
@@ -537,7 +540,8 @@ def test_an_idle_winner_keeps_a_hit_no_other_node_holds_in_full() -> None:
     """Nobody waits for an idle holder's hit: a first copy or a match longer than any
     other node's stays (on a quiet cluster, a chat session's next turn), in either
     form; a prefix another node holds in full still warms an idle node; once the
-    holder is busy, the first copy is explored again."""
+    holder is busy, the first copy is explored again (in the ttft form, once its first
+    token there would come no sooner than at the idle node)."""
     for form in ("ttft", "brief"):
         t, c = table({"holder": (0, 0.1), "other": (0, 0.1), "idle": (0, 0.0)})
         p = KvgatePolicy(
@@ -555,6 +559,13 @@ def test_an_idle_winner_keeps_a_hit_no_other_node_holds_in_full() -> None:
         assert pick(14) == ("holder", RouteReason.CACHE_HIT), form  # one block longer
         assert pick(15) == ("idle", RouteReason.EXPLORATION), form  # held in full elsewhere
         t.on_sent(c[0], now=NOW, key=1, prefill_tokens=0, context_tokens=500)  # now busy
+        if form == "brief":
+            assert pick(0) == ("idle", RouteReason.EXPLORATION), form
+            continue
+        # a request in flight is not enough: the copy's prefill (0.96 s) would come after
+        # the holder's first token (penalty 0.01 s); 1 s of prefill queued there is
+        assert pick(0) == ("holder", RouteReason.CACHE_HIT), form
+        t.on_sent(c[0], now=NOW, key=2, prefill_tokens=1000)
         assert pick(0) == ("idle", RouteReason.EXPLORATION), form
 
 

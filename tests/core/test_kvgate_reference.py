@@ -387,7 +387,9 @@ class Reference:
             if other < chosen_match and really_idle[chosen.node_id]:
                 pass  # an idle winner keeps a hit no other candidate holds in full
             elif idle is not None and (
-                shared
+                # a first copy (nobody else holds any) in the ttft form: as a context of
+                # its own
+                (shared and (other > 0 or p.form != "ttft"))
                 # a context of its own: only for a first token no later at the idle node
                 or (
                     p.form == "ttft"

@@ -186,7 +186,7 @@ def test_the_announcement_buys_hits_when_the_eviction_is_a_mass_one(tmp_path: An
     assert m["index_blocks_forgotten"] > 100
     assert not off["scenario_measures"]["announced"]
     assert off["scenario_measures"]["index_blocks_forgotten"] == 0
-    assert on["hit_ratio"] > off["hit_ratio"]  # 0.6720 against 0.6713
+    assert on["hit_ratio"] > off["hit_ratio"]  # 0.7322 against 0.7262
 
 
 @pytest.mark.parametrize("workload", ["chat", "gsp", "agent"])

@@ -333,10 +333,11 @@ On top of the score, in this order:
    7.66 / 8.95 requests/s (dynamo_cost: 1.645 / 2.629 s, 0.303 / 0.422 s, 7.79 / 9.12
    requests/s: it misses the TPOT target less often). The bound alone
    still let a session's own context under 1 s go (an agent task's second to fifth
-   steps, 8k-11k tokens), so the hit must also be shared: no other candidate holds any
-   of it (a shared prefix cannot be told from a private one yet, and a first copy is
-   how exploration starts), or what the winner holds beyond the longest match of
-   another candidate saves at most ``affinity_min_gain_s`` (less than a block); and
+   steps, 8k-11k tokens), so the hit must also be shared: what the winner holds beyond
+   the longest match of another candidate saves at most ``affinity_min_gain_s`` (less
+   than a block). A first copy (no other candidate holds any of it) cannot be told from
+   a session's own context yet: the ttft form holds it to the no-later clause below,
+   the brief form copies it (how exploration starts there); and
    while the winner is idle itself, only a prefix another candidate holds in full is
    copied (nobody waits for the hit, and a first copy on a quiet cluster is as likely
    a chat session's second turn). A hit with a context of its own is explored only if
@@ -353,15 +354,19 @@ On top of the score, in this order:
    Without the blocking cost in that clause, on the seed-2 workload at 0.95 a task
    explored to a node whose own sessions then waited ~1.45 s behind it (p99 0.979 s
    against preble_e2's 0.973); with it 0.741 s, and 0.625 / 0.701 s at seed 0.
-   A shared prefix leaves without that clause. On gsp two such copies a run (seeds 0
-   and 2: 8 of 5 120 blocks) are all kvgate's hit ratio lacks of preble_e2's and the
-   ideal's (0.7484 against 0.7500); holding shared prefixes to the clause without its
-   blocking cost gave gsp that back but let agent tasks herd again (seed 1 at 0.95 of
-   saturation: TTFT p99 +2.28 s), and with it +2.40 s (seed 3). Holding only a first
-   copy to it (no other candidate holds any of the prefix) gave gsp over seeds 0-7 at
-   0.8 / 0.95 a hit ratio 0.0011 / 0.0007 higher and left chat as it was, but put the
-   agent workload's TTFT p99 at 0.95 up by 0.29 s on average (0.3-1.1 s on three
-   seeds), its hit ratio 0.0004 lower.
+   A prefix other candidates hold too leaves without that clause; holding it to the
+   clause let agent tasks herd again (seed 1 at 0.95 of saturation: TTFT p99 +2.28 s
+   without the blocking cost in it, +2.40 s at seed 3 with it). First copies left
+   without it too until this stop: on gsp two to four a run (a group's 4-block prefix
+   copied to an idle node) were all kvgate's hit ratio lacked of preble_e2's and the
+   ideal's, -0.0014 / -0.0012 over seeds 0-7 at 0.8 / 0.95, beyond the replays' noise;
+   held to the clause, -0.0002 / -0.0005, within it. On ``--workload zipf`` (x1, eight
+   replays) the hit ratio rose from 0.695 to 0.750 and TTFT mean fell from 0.264 to
+   0.220 s (TTFT p99 the same, load max/mean 1.37 to 1.44); the agent workload moved
+   within noise over seeds 0-15 (TTFT p99 -0.04 / +0.04 s at 0.8 / 0.95), chat too, and
+   the conversation trace's eight replays at 0.8 / 0.95 are the same. With the new
+   session spread's 0.5 s window for shared prefixes (below) this had put agent's TTFT
+   p99 at 0.95 up by 0.29 s on average (0.3-1.1 s on three seeds of 0-7).
 
    **Busy exploration** (``explore_busy``, on). With no node idle, a hit on a prefix
    other candidates hold too (the winner holds at most ``affinity_min_gain_s`` beyond
@@ -967,7 +972,9 @@ class KvgatePolicy:
         if idle is not None and (
             keep
             or not (
-                shared
+                # a first copy (no other candidate holds any of it) may be a session's own
+                # context: in the ttft form it is held to the clause below as one
+                (shared and (other > 0 or not ttft))
                 # a context of its own leaves only for a first token no later than there
                 or (ttft and self._no_later_at(by_id[idle.spec.node_id], best, loss, prompt, now))
             )
