@@ -264,7 +264,9 @@ request itself:
   no better than 1 s on seeds 0-7. A cold session keeps 0.5 s: 1 s for both took away what the
   eviction pre-announcement buys on ``--workload zipf --cache-blocks 300`` (the
   ``mass_eviction`` scenario, seeds 0-3: hit ratio 0.6707 / 0.5590 / 0.6286 / 0.6252
-  announced against 0.6765 / 0.5658 / 0.6403 / 0.6181 unannounced).
+  announced against 0.6765 / 0.5658 / 0.6403 / 0.6181 unannounced; with first copies
+  held to exploration's no-later clause, 0.7335 / 0.6167 / 0.6858 / 0.6969 against
+  0.7339 / 0.6235 / 0.6841 / 0.6918).
   ``session_spread_s=0`` turns it off, both windows.
 
 * **Fleet home.** One gateway of a fleet (``ctx.fleet``: ``expected_gateways`` above
