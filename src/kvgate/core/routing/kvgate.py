@@ -74,7 +74,7 @@ adding the newcomer's prefill times the requests in flight there (the decodes it
 stalls; weighed 0.5 or 1, with the first term or alone) lifted chat's goodput in 2-3
 of 8 runs and put agent's TTFT p99 at 0.95 to 0.83-1.57 s; sending a request away
 from a node whose r passed 0.35 / 0.45 (the agent workload's TPOT misses all sat on
-holders at r 0.23-0.61) put agent's TTFT p99 at 0.8 to 3.16 / 2.03 s from 0.57 s, its
+holders at r 0.23-0.55) put agent's TTFT p99 at 0.8 to 3.16 / 2.03 s from 0.57 s, its
 hit ratio to 0.818 / 0.842 from 0.876, and its TPOT p99 at 0.95 to 0.136 / 0.118 s
 from 0.098 s, up, not down: a step moved off its holder is a full prefill of a
 10k-30k-token context that stalls the decodes where it lands.
