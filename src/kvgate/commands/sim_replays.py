@@ -22,7 +22,14 @@ import argparse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvgate.sim.ordering import format_ordering, format_tally, ordering, tally
+from kvgate.sim.ordering import (
+    HIGHER_IS_BETTER,
+    decimals,
+    format_ordering,
+    format_tally,
+    ordering,
+    tally,
+)
 from kvgate.sim.paired import paired_difference, verdict
 
 __all__ = [
@@ -47,10 +54,6 @@ MEAN_KEYS: tuple[tuple[str, str, str], ...] = (
 )
 # the bounds averaged for the checks on the means (a jittered replay may reorder requests)
 _BOUND_KEYS = ("ideal_hit_ratio", "pooled_lru_hit_ratio", "balanced_hit_ratio")
-# the checks where a higher value is the better one; the others are latencies
-_HIGHER = frozenset({"goodput_rps", "hit_ratio"})
-# decimals of a paired difference as printed (the means table's)
-_DIFF_DECIMALS = {"hit_ratio": 4}
 
 RunOnce = Callable[[argparse.Namespace, float, str], dict[str, Any]]
 
@@ -116,7 +119,8 @@ def _paired(runs: Mapping[str, Mapping[str, Any]], result: Mapping[str, Any]) ->
             [rep["policies"][c["against"]][key] for rep in reps],
         )
         if diff is not None:
-            out[key] = {"against": c["against"], **diff, "verdict": verdict(diff, key in _HIGHER)}
+            said = verdict(diff, key in HIGHER_IS_BETTER)
+            out[key] = {"against": c["against"], **diff, "verdict": said}
     return out
 
 
@@ -164,7 +168,7 @@ def format_point(point: Mapping[str, Any]) -> str:
         lines.append(f"{name:<18}  " + "  ".join(cells))
     for seed, rep in runs.items():
         if "ordering" in rep:
-            lines.append(f"seed {seed}: {_verdict(rep['ordering'])}")
+            lines.append(f"seed {seed}: {_failed_checks(rep['ordering'])}")
     if "ordering_tally" in point:
         t = point["ordering_tally"]
         lines.append(format_tally(t) + f"; all checks in {t['all']} of {t['runs']}")
@@ -184,7 +188,7 @@ def _format_paired(policy: str, point: Mapping[str, Any]) -> list[str]:
         "(mean, 95 % interval):"
     ]
     for key, d in diffs.items():
-        digits = _DIFF_DECIMALS.get(key, 3)
+        digits = decimals(key)
         lo, hi = d["ci95"]
         lines.append(
             f"  {key:<20} {d['mean']:>+9.{digits}f}  ({lo:+.{digits}f} .. {hi:+.{digits}f})"
@@ -193,7 +197,7 @@ def _format_paired(policy: str, point: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _verdict(result: Mapping[str, Any]) -> str:
+def _failed_checks(result: Mapping[str, Any]) -> str:
     """One line: the checks held, or those that failed and against whom."""
     failed = [
         f"{key} ({c['against']})" if "against" in c else key

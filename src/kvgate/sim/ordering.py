@@ -24,8 +24,10 @@ from typing import Any
 from kvgate.core.routing import POLICIES
 
 __all__ = [
+    "HIGHER_IS_BETTER",
     "LOAD_MAX_OVER_MEAN_LIMIT",
     "POOLED_LRU_SHARE",
+    "decimals",
     "format_ordering",
     "format_tally",
     "ordering",
@@ -35,8 +37,12 @@ __all__ = [
 LOAD_MAX_OVER_MEAN_LIMIT = 1.5
 POOLED_LRU_SHARE = 0.8
 
-# metric -> True when higher is better
-_RANKED = (("ttft_p99_s", False), ("ttft_mean_s", False), ("goodput_rps", True))
+# the checks where a higher value is the better one (the others: latencies, load)
+HIGHER_IS_BETTER = frozenset({"goodput_rps", "hit_ratio"})
+# the checks ranked against every other policy, each with whether higher is better
+_RANKED = tuple(
+    (key, key in HIGHER_IS_BETTER) for key in ("ttft_p99_s", "ttft_mean_s", "goodput_rps")
+)
 
 
 def _uses_cache(name: str) -> bool:
@@ -148,6 +154,11 @@ def _why_goodput(policy: str, c: Mapping[str, Any]) -> str | None:
 _DECIMALS = {"ttft_p99_s": 3, "ttft_mean_s": 3, "goodput_rps": 3, "load_max_over_mean": 3}
 
 
+def decimals(key: str) -> int:
+    """The decimals a check's values are shown with (the table's precision)."""
+    return _DECIMALS.get(key, 4)
+
+
 def _shown(x: float | None, digits: int) -> str:
     return "none" if x is None else f"{x:.{digits}f}"
 
@@ -157,7 +168,7 @@ def format_ordering(result: Mapping[str, Any]) -> str:
     policy = result["policy"]
     lines = [f"{policy} against the other policies: {'holds' if result['holds'] else 'FAILS'}"]
     for key, c in result["checks"].items():
-        digits = _DECIMALS.get(key, 4)
+        digits = decimals(key)
         mark = "ok  " if c["ok"] else "FAIL"
         value = _shown(c["value"], digits)
         if key == "hit_ratio":
