@@ -173,6 +173,8 @@ def test_bad_config() -> None:
         {"cache_value_tau_s": 0.0},
         {"explore_max_loss_s": -0.5},
         {"affinity_min_gain_s": -0.1},
+        {"affinity_short_gain_s": -0.1},
+        {"affinity_short_slack_s": float("nan")},
         {"affinity_slack_s": float("nan")},
         {"decode_s_per_context_token": float("inf")},
         {"blocking_cost": float("nan")},
@@ -379,7 +381,7 @@ def test_ttft_form_affinity_slack_needs_a_real_gain() -> None:
         "epsilon": 0, "prefill_tokens_per_s": 1000.0, "cache_gain": 2.0, "decode_s": 0.0,
         "attention_s_per_pair": 0.0, "blocking_cost": 0.0, "kv_pressure_s": 0.0,
         "decode_s_per_context_token": 0.0, "affinity_slack_s": 10.0,
-        "affinity_min_gain_s": 0.1,
+        "affinity_min_gain_s": 0.1, "affinity_short_gain_s": 0.0,
     }
     t.on_sent(c[0], now=NOW, key=1, prefill_tokens=9000)  # 9 s queued on the holder
     for blocks, want in ((1, "idle"), (3, "holder")):
@@ -387,6 +389,33 @@ def test_ttft_form_affinity_slack_needs_a_real_gain() -> None:
             ctx(blocks=20), c, {NodeId("holder"): blocks}, t, FixedRng(0.9), NOW
         )
         assert d is not None and d.node_id == want, blocks
+
+
+@pytest.mark.parametrize(
+    ("queued", "blocks", "want"),
+    [
+        (9000, 3, "idle"),  # 0.192 s more saved, a short gain: 8.81 s is past 4 s
+        (4300, 3, "idle"),  # 4.11 s: just past it
+        (4100, 3, "holder"),  # 3.91 s: within it
+        (9000, 5, "holder"),  # 0.32 s more saved: the whole slack (10 s) holds 8.68 s
+    ],
+)
+def test_ttft_form_a_short_gain_gets_a_short_slack(queued: int, blocks: int, want: str) -> None:
+    """A holder that saves less than affinity_short_gain_s more than the winner (a
+    short session's own turns) keeps the request only within affinity_short_slack_s
+    of the winner's predicted TTFT, not the whole affinity slack: waiting 9 s behind
+    somebody's long prefill for 0.2 s of prefill is not worth it; the idle node
+    answers at 0, the holder at its queue less what its cache saves."""
+    t, c = table({"holder": (0, 0.0), "idle": (0, 0.0)})
+    p = KvgatePolicy(
+        epsilon=0, prefill_tokens_per_s=1000.0, cache_gain=2.0, decode_s=0.0,
+        attention_s_per_pair=0.0, blocking_cost=0.0, kv_pressure_s=0.0,
+        decode_s_per_context_token=0.0, affinity_slack_s=10.0,
+        affinity_short_gain_s=0.25, affinity_short_slack_s=4.0,
+    )  # fmt: skip
+    t.on_sent(c[0], now=NOW, key=1, prefill_tokens=queued)
+    d = p.select(ctx(blocks=20), c, {NodeId("holder"): blocks}, t, FixedRng(0.9), NOW)
+    assert d is not None and d.node_id == want
 
 
 def test_ttft_form_bounded_wait_for_the_cache() -> None:

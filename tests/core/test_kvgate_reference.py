@@ -309,9 +309,12 @@ class Reference:
             # more than the winner and would answer within the slack of it (predicted
             # TTFT: penalty - bonus + the blocking cost if rescored; the prefill cancels)
             # and within the bounded wait, and are not under KV pressure, the one that
-            # saves the most
+            # saves the most; one that saves less than affinity_short_gain_s more only
+            # within the shorter of the two slacks
             if p.affinity_slack_s > 0:
-                limit = (best_penalty - best_bonus + blocking(best)) + p.affinity_slack_s
+                start = best_penalty - best_bonus + blocking(best)
+                limit = start + p.affinity_slack_s
+                short_limit = start + min(p.affinity_slack_s, p.affinity_short_slack_s)
                 kept = None
                 for s, q, penalty, bonus in open_holders:
                     u = nodes.utilisation(s, now)
@@ -321,6 +324,8 @@ class Reference:
                         continue
                     cost = blocking(s)
                     ttft = penalty - bonus + cost
+                    if bonus < best_bonus + p.affinity_short_gain_s and ttft > short_limit:
+                        continue
                     if ttft <= limit and (kept is None or (bonus, -ttft, -s.slot) > kept[0]):
                         kept = ((bonus, -ttft, -s.slot), s, q, penalty, bonus, cost)
                 if kept is not None:
@@ -503,6 +508,8 @@ policy_st = st.builds(
     cache_value_tau_s=st.sampled_from([0.5, 30.0]),
     affinity_slack_s=st.sampled_from([0.0, 1.0, 10.0, 1e9]),
     affinity_min_gain_s=st.sampled_from([0.0, 0.1, 1.0]),
+    affinity_short_gain_s=st.sampled_from([0.0, 0.25, 1e9]),
+    affinity_short_slack_s=st.sampled_from([0.0, 4.0, 1e9]),
     explore_max_loss_s=st.sampled_from([0.0, 0.05, 1.0, 1e9]),
     decode_s_per_context_token=st.sampled_from([0.0, 1.74e-5, 1e-3]),
     max_cache_wait_s=st.sampled_from([0.0, 1.0, 10.0, 1e9]),
