@@ -170,8 +170,9 @@ request itself:
   conversation trace at 0.8 of round robin's saturation (even spread) kvgate lost
   TTFT mean to dynamo_cost (1.479 against 1.473 s) on prompts under 16k tokens and won
   it on longer ones: 52 prompts under 4k tokens waited 3-16 s for a holder that saved
-  them 512-3 072 tokens (0.04-0.25 s), each behind a 66k-94k-token prompt sent there
-  since their session's last turn, where dynamo_cost started them in 0.1-0.4 s, and
+  them 512-3 072 tokens (0.04-0.25 s), each behind a prompt of 25k-121k tokens
+  (median 62k) whose prefill had not finished, where dynamo_cost mostly started
+  them in 0.1-0.4 s, and
   125 of 4k-16k tokens waited 3 s or more (42 for dynamo_cost). Moving a short turn
   copies only what its holder had beyond the winner, a few blocks, where the
   proportional slack above also moved 5k-30k-token contexts. Paired over eight
