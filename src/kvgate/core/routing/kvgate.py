@@ -95,7 +95,10 @@ request itself:
   node, 47 of them over 0.5 s), and that wait is not what sets TTFT p99 there:
   allowing the rule at most 0.25 / 0.5 / 1 s past the soonest start raised TTFT p99 to
   17.26 / 17.21 / 17.16 s from 17.10 s and TTFT mean to 1.528-1.554 s from 1.520 s
-  (eight replays; hit ratio 0.1739-0.1749 against 0.1745). A cache value rate decayed
+  (eight replays; hit ratio 0.1739-0.1749 against 0.1745). Measured again with the
+  short-gain window below, a bound of 1 / 3 s put TTFT mean up by 0.015 / 0.005 s at
+  0.8 and 0.018 / 0.000 s at 0.95 (paired; 1 s beyond noise) and moved TTFT p99 by
+  +0.04 / +0.17 s and +0.01 / -0.07 s, within noise. A cache value rate decayed
   over 60-300 s instead of 30 s took TTFT mean at 0.8 of saturation down by 0.018-0.026
   s (paired over the eight replays; beyond their noise from 90 s on; at 0.95 0.006-0.017
   s, within it), but TTFT p99 moved by -0.21 to +0.19 s, all within noise, and the
