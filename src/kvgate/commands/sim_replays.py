@@ -175,12 +175,13 @@ def format_point(point: Mapping[str, Any]) -> str:
     if "ordering_of_means" in point:
         lines.append("on the means: " + format_ordering(point["ordering_of_means"]))
     if point.get("paired_differences"):
-        lines.extend(_format_paired(point["ordering_of_means"]["policy"], point))
+        lines.extend(_format_paired(point))
     return "\n".join(lines)
 
 
-def _format_paired(policy: str, point: Mapping[str, Any]) -> list[str]:
+def _format_paired(point: Mapping[str, Any]) -> list[str]:
     """A line per check: the mean paired difference, its interval and what it says."""
+    policy = point["ordering_of_means"]["policy"]
     diffs = point["paired_differences"]
     n = next(iter(diffs.values()))["n"]
     lines = [

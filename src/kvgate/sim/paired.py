@@ -42,10 +42,10 @@ def paired_difference(
     latency with no completed request) on either side."""
     if len(ours) != len(theirs):
         raise ValueError("paired_difference needs as many values on each side")
-    if len(ours) < 2 or any(v is None for v in (*ours, *theirs)):
-        return None
     diffs = [a - b for a, b in zip(ours, theirs, strict=True) if a is not None and b is not None]
     n = len(diffs)
+    if n < 2 or n < len(ours):  # one pair has no spread; a missing value spoils the pairing
+        return None
     mean = sum(diffs) / n
     var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
     stderr = math.sqrt(var / n)
