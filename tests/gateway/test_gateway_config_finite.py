@@ -118,3 +118,32 @@ def test_a_usage_without_cached_tokens_is_a_miss_once_the_node_states_them() -> 
     assert run("b", 64, True) == (200, 64)  # stated at last: "a" was a miss
     assert run("c", None, True) == (300, 64)  # a miss
     assert run("d", None, False) == (300, 64)  # no usage at all: not measured
+
+
+def test_the_index_precision_counts_the_predicted_hits_the_engine_confirmed() -> None:
+    """Per request the lesser of predicted and measured is confirmed; a request whose
+    engine said nothing is not checked."""
+    ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
+    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.0)
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
+    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    tpb = ctl.hasher.tokens_per_block
+
+    def run(rid: str, cached: int | None, usage: bool = True) -> tuple[int, int, int]:
+        d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), block_ids=(1, 2, 3),
+                                          prompt_tokens=3 * tpb), 0.1)
+        assert isinstance(d, Dispatch)
+        ctl.on_finished(RequestId(rid), 0.2, cached_tokens=cached, usage_reported=usage)
+        hits = ctl.stats.hits.values()
+        return (sum(b.predicted_hit_tokens for b in hits),
+                sum(b.checked_predicted_tokens for b in hits),
+                sum(b.confirmed_hit_tokens for b in hits))
+
+    assert run("a", 0) == (0, 0, 0)  # nothing was cached anywhere: nothing predicted
+    full = 3 * tpb  # "a" taught the index all three blocks
+    assert run("b", tpb) == (full, full, tpb)  # two of three blocks were gone
+    assert run("c", None, usage=False) == (2 * full, full, tpb)  # no usage: unchecked
+    assert run("d", None) == (3 * full, 2 * full, tpb)  # a usage without them: a miss
+    assert run("e", 10 * full) == (4 * full, 3 * full, tpb + full)  # capped at predicted
+    (bucket,) = (b for b in ctl.stats.hits.values() if b.checked_predicted_tokens)
+    assert bucket.index_precision == (tpb + full) / (3 * full)

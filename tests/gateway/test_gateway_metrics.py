@@ -50,6 +50,7 @@ def test_metrics_page_declares_every_documented_name(kit: Any) -> None:
             assert age is not None and float(age.group(1)) < 1.0
             assert re.search(r'kvgate_node_queue\{node="n1"\} 2\b', text)
             assert 'kvgate_prefix_hit_ratio{bucket="lt1k",source="measured"}' in text
+            assert 'kvgate_cached_tokens_total{bucket="lt1k",source="confirmed"}' in text
 
     kit.run(body())
 

@@ -1,12 +1,17 @@
-"""What a request missed of the SLO (kvgate.sim.report.slo_miss), by hand."""
+"""What a request missed of the SLO (kvgate.sim.report.slo_miss), by hand; the index's
+precision on a hand-made run."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvgate.sim.cluster import RequestOutcome
+from kvgate.core.admission import AdmissionConfig
+from kvgate.core.config import ControllerConfig
+from kvgate.engine.eviction import EvictionConfig
+from kvgate.sim.cluster import ClusterConfig, RequestOutcome, SimCluster
 from kvgate.sim.report import Slo, latency_summary, meets, pct, slo_miss, thinned
-from kvgate.sim.workload_types import SimRequest
+from kvgate.sim.runner import run_policy
+from kvgate.sim.workload_types import SimRequest, Workload
 
 SLO = Slo(ttft_s=5.0, tpot_s=0.1)
 
@@ -66,3 +71,36 @@ def test_thinned_keeps_the_extremes_and_at_most_n_points() -> None:
     assert len(sample) == 500 and sample[0] == 0.0 and sample[-1] == 1_998.0
     assert sample == sorted(sample)
     assert thinned(xs[:7], 500) == xs[:7]
+
+
+def _flush_node_0(cluster: SimCluster) -> None:
+    cluster.flush_node(0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("index_mode", "flush", "precision"),
+    [
+        ("approximate", False, 1.0),  # the second request found all it was promised
+        ("approximate", True, 0.0),  # unannounced: the index still promised the blocks
+        ("precise", True, None),  # the engine's events took them out: nothing promised
+    ],
+)
+def test_index_precision_is_the_share_of_promised_hits_the_engine_found(
+    index_mode: str, flush: bool, precision: float | None
+) -> None:
+    """The same prompt (four blocks and a partial one) twice on one node, its cache
+    flushed in between without notice (announcements off) or not."""
+    reqs = tuple(
+        SimRequest(request_id=rid, arrival_s=t, prompt_tokens=4 * 512 + 100, output_tokens=4,
+                   block_ids=(1, 2, 3, 4, 5))
+        for rid, t in (("a", 0.0), ("b", 10.0))
+    )
+    ctl = ControllerConfig(hasher="trace", index_mode=index_mode,  # type: ignore[arg-type]
+                           admission=AdmissionConfig(budget=8))
+    cfg = ClusterConfig(nodes=1, cache_blocks=100, node_capacity=8, controller=ctl,
+                        eviction=EvictionConfig(announce_lead_s=None))
+    hooks = [(5.0, _flush_node_0)] if flush else []
+    _, rep = run_policy(Workload(name="twice", block_tokens=512, requests=reqs), cfg,
+                        "kvgate", hooks=hooks)
+    assert rep["index_precision"] == precision
+    assert rep["hit_ratio"] == (0.0 if flush else 0.4)  # "b" hit 4 of 5, unless flushed

@@ -97,6 +97,7 @@ def test_report_has_the_documented_keys() -> None:
         "e2e_p99_s",
         "goodput_strict_rps",
         "hit_ratio_by_bucket",
+        "index_precision",
         "cache_loss_funnel",
         "rejects_by_reason",
         "retries_by_reason",

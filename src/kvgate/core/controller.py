@@ -840,7 +840,10 @@ class Controller:
             bucket.measured_prompt_tokens += tokens
             # an engine's figure is clamped to [0, prompt tokens]: a buggy (negative)
             # report must not move a counter down
-            bucket.measured_hit_tokens += min(max(cached_tokens, 0), tokens)
+            measured = min(max(cached_tokens, 0), tokens)
+            bucket.measured_hit_tokens += measured
+            bucket.checked_predicted_tokens += record.predicted_hit_tokens
+            bucket.confirmed_hit_tokens += min(measured, record.predicted_hit_tokens)
 
     def _close(self, record: _Request, now: float, *, node_done: bool = True) -> list[Decision]:
         if self._aborts:  # the request is over: nothing left to abort

@@ -21,10 +21,23 @@ class HitCounter:
     predicted_hit_tokens: int = 0
     measured_prompt_tokens: int = 0  # prompt tokens of requests whose engine reported usage
     measured_hit_tokens: int = 0
+    # the index's promises checked against the engine: of the requests whose engine
+    # stated its cached tokens, the hit tokens predicted and how many of them it found
+    # (per request the lesser of the two; the rest had been evicted or never stored)
+    checked_predicted_tokens: int = 0
+    confirmed_hit_tokens: int = 0
 
     @property
     def predicted_ratio(self) -> float:
         return self.predicted_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def index_precision(self) -> float | None:
+        """The share of the checked predicted hit tokens the engine found cached (None:
+        nothing predicted was checked)."""
+        if not self.checked_predicted_tokens:
+            return None
+        return self.confirmed_hit_tokens / self.checked_predicted_tokens
 
     @property
     def measured_ratio(self) -> float:

@@ -58,7 +58,9 @@ FAMILIES: dict[str, Family] = {
                "usage without them counts as 0 once the node has stated them)."),
         Family("kvgate_cached_tokens_total", "counter",
                "Prompt tokens found cached: predicted by the index, or measured by the "
-               "engines (usage.prompt_tokens_details.cached_tokens)."),
+               "engines (usage.prompt_tokens_details.cached_tokens); source=checked is "
+               "the predicted of requests whose engine stated them, source=confirmed "
+               "how many of those it found (confirmed / checked: the index's precision)."),
         Family("kvgate_prefix_hit_ratio", "gauge",
                "cached / prompt tokens by prefix-length bucket and source."),
         Family("kvgate_decision_latency_seconds", "histogram",
@@ -238,6 +240,10 @@ def render(controller: Controller, watcher: NodeWatcher, own: GatewayMetrics, no
                  source="predicted")
         page.add("kvgate_cached_tokens_total", hc.measured_hit_tokens, bucket=bucket,
                  source="measured")
+        page.add("kvgate_cached_tokens_total", hc.checked_predicted_tokens, bucket=bucket,
+                 source="checked")
+        page.add("kvgate_cached_tokens_total", hc.confirmed_hit_tokens, bucket=bucket,
+                 source="confirmed")
     for bucket, hc in st.hits.items():
         page.add("kvgate_prefix_hit_ratio", hc.predicted_ratio, bucket=bucket, source="predicted")
         page.add("kvgate_prefix_hit_ratio", hc.measured_ratio, bucket=bucket, source="measured")

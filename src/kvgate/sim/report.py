@@ -167,6 +167,13 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
         routed.update(ctl.stats.routed)
     attempts = sum(o.attempts for o in outs)
     dispatched = sum(1 for o in outs if o.attempts)
+    # the gateways' index against the engines: of the hit tokens it predicted, the share
+    # the engines found cached when the requests ran
+    checked = confirmed = 0
+    for ctl in cluster.gateways:
+        for hc in ctl.stats.hits.values():
+            checked += hc.checked_predicted_tokens
+            confirmed += hc.confirmed_hit_tokens
 
     by_priority: dict[str, dict[str, float | None]] = {}
     groups: defaultdict[int, list[RequestOutcome]] = defaultdict(list)
@@ -203,6 +210,7 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
         "slo_misses": {kind: misses[kind] for kind in SLO_MISS_KINDS},
         "hit_ratio": _r(sum(hit_blocks.values()) / total_blocks) if total_blocks else 0.0,
         "hit_ratio_by_bucket": by_bucket,
+        "index_precision": _r(confirmed / checked) if checked else None,
         "cache_loss_funnel": {k: cluster.funnel[k] for k in sorted(FUNNEL_KINDS)},
         "load_max_over_mean": _r(load_max_over_mean),
         "node_work_tokens": work,
