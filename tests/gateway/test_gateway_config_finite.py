@@ -129,9 +129,10 @@ def test_the_index_precision_counts_the_predicted_hits_the_engine_confirmed() ->
     ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
     tpb = ctl.hasher.tokens_per_block
 
-    def run(rid: str, cached: int | None, usage: bool = True) -> tuple[int, int, int]:
-        d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), block_ids=(1, 2, 3),
-                                          prompt_tokens=3 * tpb), 0.1)
+    def run(rid: str, cached: int | None, usage: bool = True, prompt: int = 3 * tpb + 10,
+            blocks: tuple[int, ...] = (1, 2, 3, 4)) -> tuple[int, int, int]:
+        d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), block_ids=blocks,
+                                          prompt_tokens=prompt), 0.1)
         assert isinstance(d, Dispatch)
         ctl.on_finished(RequestId(rid), 0.2, cached_tokens=cached, usage_reported=usage)
         hits = ctl.stats.hits.values()
@@ -140,10 +141,14 @@ def test_the_index_precision_counts_the_predicted_hits_the_engine_confirmed() ->
                 sum(b.confirmed_hit_tokens for b in hits))
 
     assert run("a", 0) == (0, 0, 0)  # nothing was cached anywhere: nothing predicted
-    full = 3 * tpb  # "a" taught the index all three blocks
+    full = 3 * tpb  # "a" taught the index its three whole blocks
     assert run("b", tpb) == (full, full, tpb)  # two of three blocks were gone
     assert run("c", None, usage=False) == (2 * full, full, tpb)  # no usage: unchecked
     assert run("d", None) == (3 * full, 2 * full, tpb)  # a usage without them: a miss
     assert run("e", 10 * full) == (4 * full, 3 * full, tpb + full)  # capped at predicted
     (bucket,) = (b for b in ctl.stats.hits.values() if b.checked_predicted_tokens)
     assert bucket.index_precision == (tpb + full) / (3 * full)
+    # a prompt of exactly three cached blocks: the engine computes its last token, so
+    # two are promised, as vLLM hits at most num_tokens - 1 tokens
+    assert run("f", 2 * tpb, prompt=full, blocks=(1, 2, 3)) == (
+        4 * full + 2 * tpb, 3 * full + 2 * tpb, tpb + full + 2 * tpb)

@@ -529,8 +529,11 @@ class Controller:
         record.attempts += 1
         record.first_byte = False
         ctx = record.ctx
+        # the engine computes at least the prompt's last token (vLLM caps a hit at
+        # num_tokens - 1, whole blocks): a prompt of exactly k cached blocks hits k - 1
+        tpb = ctx.tokens_per_block
         record.predicted_hit_tokens = min(
-            decision.matched_blocks * ctx.tokens_per_block, ctx.prompt_tokens
+            decision.matched_blocks * tpb, max(ctx.prompt_tokens - 1, 0) // tpb * tpb
         )
         q = ctx.prompt_tokens - record.predicted_hit_tokens
         self.nodes.on_sent(
