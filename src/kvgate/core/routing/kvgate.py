@@ -59,7 +59,9 @@ long-context sessions from piling onto their holders (on the simulator's agent
 workload the decode batches of a few holders otherwise push requests over the 100 ms
 TPOT target). Alone it also moves
 conversations off their holders (the conversation trace's hit ratio falls by up to
-0.007); the affinity slack below more than wins that back.
+0.007); the affinity slack below more than wins that back. Twice or four times the weight
+(3.5e-5 / 7e-5) put agent's TTFT p99 at 0.95 of saturation up by 0.19 / 2.21 s (seeds
+0-7) and lowered gsp's and agent's hit ratio (agent's at 0.95 by 0.0014 / 0.0195).
 
 The score predicts the first token only. Tried and left out, terms for what comes
 after it (over seeds 0-3 at 0.8 / 0.95 of round robin's saturation): the newcomer's
@@ -104,7 +106,10 @@ request itself:
   s, within it), but TTFT p99 moved by -0.21 to +0.19 s, all within noise, and the
   checks all held in 1-6 of the 16 runs against 6; on the synthetic workloads (seeds
   0-7) 120 s took the hit ratio of agent and gsp down by 0.0003-0.0006 and left chat as
-  it was.
+  it was. Nor does the rule's wait set that tail: without the rule for prompts of 16 s
+  of predicted prefill or more (paired over the eight replays at 0.8 / 0.95) TTFT mean
+  rose by 0.021 / 0.038 s and goodput fell by 0.012 / 0.038 requests/s, beyond noise,
+  and TTFT p99 moved +0.02 / +0.22 s, within it.
 * **Affinity slack.** When an open holder would save at least ``affinity_min_gain_s``
   (0.03 s, ~360 tokens on the A100-8B profile) more prefill than the winner and its
   predicted TTFT (penalty plus the request's prefill less what its cache saves, plus
@@ -297,6 +302,15 @@ request itself:
   0.7339 / 0.6235 / 0.6841 / 0.6918).
   ``session_spread_s=0`` turns it off, both windows.
 
+  Tried and left out: a shared prefix that one holder alone holds (an agent tool
+  preamble not yet copied) taken as a new session's once two different continuations of
+  it were seen, with the non-holders in the pool. On the agent workload (seed 0, 0.8 of
+  saturation) two tasks that started within 0.1 s joined a node already running a
+  20-step task, and all 23 of the run's TPOT misses were on that node (dynamo_cost:
+  none); the rule saw them, but the holder had the least recent work (its one task was
+  young; the idle nodes had just finished theirs) and kept them. Over seeds 0-7 nothing
+  moved beyond noise, nor with ``recent_work_tau_s`` at 20 or 30 s.
+
 * **Fleet home.** One gateway of a fleet (``ctx.fleet``: ``expected_gateways`` above
   1) learns the cache only from its own routing, so a session's next request, coming
   through another gateway, found no holder and went wherever that gateway's load said:
@@ -396,7 +410,12 @@ On top of the score, in this order:
    within noise over seeds 0-15 (TTFT p99 -0.04 / +0.04 s at 0.8 / 0.95), chat too, and
    the conversation trace's eight replays at 0.8 / 0.95 are the same. With the new
    session spread's 0.5 s window for shared prefixes (below) this had put agent's TTFT
-   p99 at 0.95 up by 0.29 s on average (0.3-1.1 s on three seeds of 0-7).
+   p99 at 0.95 up by 0.29 s on average (0.3-1.1 s on three seeds of 0-7). The
+   clause values the lost hit at its prefill time, where the score values a hit
+   ``cache_gain`` times; at 2 or 5 times (seeds 0-7) gsp's remaining explorations
+   stopped (hit ratio +0.0002 / +0.0005 at 0.8 / 0.95, within noise) but agent's TTFT p99 at 0.95
+   rose by 0.47 / 0.44 s and its goodput fell by 0.07 / 0.14 requests/s: exploration is
+   what spreads agent tasks.
 
    **Busy exploration** (``explore_busy``, on). With no node idle, a hit on a prefix
    other candidates hold too (the winner holds at most ``affinity_min_gain_s`` beyond
