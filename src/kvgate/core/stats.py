@@ -32,14 +32,6 @@ class HitCounter:
         return self.predicted_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
-    def index_precision(self) -> float | None:
-        """The share of the checked predicted hit tokens the engine found cached (None:
-        nothing predicted was checked)."""
-        if not self.checked_predicted_tokens:
-            return None
-        return self.confirmed_hit_tokens / self.checked_predicted_tokens
-
-    @property
     def measured_ratio(self) -> float:
         if not self.measured_prompt_tokens:
             return 0.0

@@ -45,9 +45,9 @@ nodes are rescored at most 100 times a second.
 ``prefill_tokens_per_s`` (12 000) is below what the simulator's A100-8B profile
 prefills alone (about 14 850 tokens/s on the linear term, t0 included): a node's steps
 also carry its decodes. Over eight replays of the conversation trace (0.8 / 0.95 of
-round robin's saturation, paired) 15 000 put TTFT p99 up by 0.22 / 0.31 s and TTFT mean
-by 0.023 / 0.031 s (at 0.8 beyond noise); 10 000 moved everything within noise and the
-hit ratio down 0.0015 / 0.0006.
+round robin's saturation, paired) 15 000 put TTFT p99 up by 0.22 / 0.31 s (at 0.8
+beyond noise) and TTFT mean by 0.023 / 0.031 s (beyond it at both); 10 000 moved
+everything within noise and the hit ratio down 0.0015 / 0.0006.
 
 ``cache_gain`` (5) values a hit above its own TTFT saving because it also spares
 the node work that later requests would queue behind. ``cache_weight`` drops below
@@ -66,9 +66,10 @@ long-context sessions from piling onto their holders (on the simulator's agent
 workload the decode batches of a few holders otherwise push requests over the 100 ms
 TPOT target). Alone it also moves
 conversations off their holders (the conversation trace's hit ratio falls by up to
-0.007); the affinity slack below more than wins that back. Twice or four times the weight
-(3.5e-5 / 7e-5) put agent's TTFT p99 at 0.95 of saturation up by 0.19 / 2.21 s (seeds
-0-7) and lowered gsp's and agent's hit ratio (agent's at 0.95 by 0.0014 / 0.0195).
+0.007); the affinity slack below more than wins that back. Twice or four times the
+weight (3.5e-5 / 7e-5) put agent's TTFT p99 at 0.95 of saturation up by 0.19 / 2.21 s
+(seeds 0-7) and lowered gsp's and agent's hit ratio (agent's at 0.95 by 0.0014 /
+0.0195).
 
 The score predicts the first token only. Tried and left out, terms for what comes
 after it (over seeds 0-3 at 0.8 / 0.95 of round robin's saturation): the newcomer's
@@ -420,9 +421,9 @@ On top of the score, in this order:
    p99 at 0.95 up by 0.29 s on average (0.3-1.1 s on three seeds of 0-7). The
    clause values the lost hit at its prefill time, where the score values a hit
    ``cache_gain`` times; at 2 or 5 times (seeds 0-7) gsp's remaining explorations
-   stopped (hit ratio +0.0002 / +0.0005 at 0.8 / 0.95, within noise) but agent's TTFT p99 at 0.95
-   rose by 0.47 / 0.44 s and its goodput fell by 0.07 / 0.14 requests/s: exploration is
-   what spreads agent tasks.
+   stopped (hit ratio +0.0002 / +0.0005 at 0.8 / 0.95, within noise) but agent's TTFT
+   p99 at 0.95 rose by 0.47 / 0.44 s and its goodput fell by 0.07 / 0.14 requests/s:
+   exploration is what spreads agent tasks.
 
    **Busy exploration** (``explore_busy``, on). With no node idle, a hit on a prefix
    other candidates hold too (the winner holds at most ``affinity_min_gain_s`` beyond
