@@ -1,6 +1,6 @@
 """Config knobs that pass a naive check but break at run time: non-finite floats, a tick
-slower than the lease refresh, an admin token no client can send; and a negative
-cached-tokens report."""
+slower than the lease refresh, an admin token no client can send; and the cached-tokens
+counters (a negative report, a usage without them, the index's precision)."""
 
 from __future__ import annotations
 
@@ -74,11 +74,17 @@ def test_admin_token_with_surrounding_whitespace_is_refused(token: str, tmp_path
         load_config(path, env={})
 
 
-def test_negative_cached_tokens_never_move_the_counter_down() -> None:
+def _one_node_controller() -> Controller:
+    """A controller with one idle node and its credits: every arrival is dispatched."""
     ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
     ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.0)
     ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
     ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    return ctl
+
+
+def test_negative_cached_tokens_never_move_the_counter_down() -> None:
+    ctl = _one_node_controller()
 
     def run(rid: str, cached: Any) -> None:
         d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), block_ids=(1, 2),
@@ -98,10 +104,7 @@ def test_a_usage_without_cached_tokens_is_a_miss_once_the_node_states_them() -> 
     """vLLM and SGLang leave prompt_tokens_details out when nothing was cached: counted
     only when stated, the measured hit ratio read hits alone (twice the truth in the
     audit's repro)."""
-    ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
-    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.0)
-    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
-    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    ctl = _one_node_controller()
 
     def run(rid: str, cached: int | None, usage: bool) -> tuple[int, int]:
         d = ctl.on_arrival(RequestArrived(request_id=RequestId(rid), block_ids=(1, 2),
@@ -123,10 +126,7 @@ def test_a_usage_without_cached_tokens_is_a_miss_once_the_node_states_them() -> 
 def test_the_index_precision_counts_the_predicted_hits_the_engine_confirmed() -> None:
     """Per request the lesser of predicted and measured is confirmed; a request whose
     engine said nothing is not checked."""
-    ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
-    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.0)
-    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.0, now=0.0)
-    ctl.refresh_with(InProcessCoordinator(ctl.config.admission), 0.0)
+    ctl = _one_node_controller()
     tpb = ctl.hasher.tokens_per_block
 
     def run(rid: str, cached: int | None, usage: bool = True, prompt: int = 3 * tpb + 10,
@@ -149,4 +149,4 @@ def test_the_index_precision_counts_the_predicted_hits_the_engine_confirmed() ->
     # a prompt of exactly three cached blocks: the engine computes its last token, so
     # two are promised, as vLLM hits at most num_tokens - 1 tokens
     assert run("f", 2 * tpb, prompt=full, blocks=(1, 2, 3)) == (
-        4 * full + 2 * tpb, 3 * full + 2 * tpb, tpb + full + 2 * tpb)
+        4 * full + 2 * tpb, 3 * full + 2 * tpb, 2 * full)

@@ -162,18 +162,17 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
     failures = Counter(o.reason for o in outs if o.status == "failed")
     retries: Counter[str] = Counter()
     routed: Counter[str] = Counter()
-    for ctl in cluster.gateways:
-        retries.update(ctl.stats.retries)
-        routed.update(ctl.stats.routed)
-    attempts = sum(o.attempts for o in outs)
-    dispatched = sum(1 for o in outs if o.attempts)
     # the gateways' index against the engines: of the hit tokens it predicted, the share
     # the engines found cached when the requests ran
     checked = confirmed = 0
     for ctl in cluster.gateways:
+        retries.update(ctl.stats.retries)
+        routed.update(ctl.stats.routed)
         for hc in ctl.stats.hits.values():
             checked += hc.checked_predicted_tokens
             confirmed += hc.confirmed_hit_tokens
+    attempts = sum(o.attempts for o in outs)
+    dispatched = sum(1 for o in outs if o.attempts)
 
     by_priority: dict[str, dict[str, float | None]] = {}
     groups: defaultdict[int, list[RequestOutcome]] = defaultdict(list)

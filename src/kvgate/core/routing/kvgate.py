@@ -1038,9 +1038,7 @@ class KvgatePolicy:
         if idle is not None and (
             keep
             or not (
-                # a first copy (no other candidate holds any of it) may be a session's own
-                # context: in the ttft form it is held to the clause below as one
-                (shared and (other > 0 or not ttft))
+                shared
                 # a context of its own leaves only for a first token no later than there
                 or (ttft and self._no_later_at(by_id[idle.spec.node_id], best, loss, prompt, now))
             )
@@ -1051,7 +1049,6 @@ class KvgatePolicy:
             and not keep
             and ttft
             and self.explore_busy
-            and other
             and shared
             and (not new_session)
         ):
@@ -1253,12 +1250,13 @@ class KvgatePolicy:
 
     def _shared(self, prompt: int, tpb: int, chosen_match: int, other: int) -> bool:
         """Whether the winner's hit of ``chosen_match`` blocks is a prefix exploration may
-        copy: no other candidate holds any of it (nothing tells a shared prefix from a
-        private one yet, and a first copy is how exploration starts), or what it holds
-        beyond the longest match of another candidate, ``other`` blocks, saves at most
-        ``affinity_min_gain_s`` of prefill (less than a block: no context of its own)."""
+        copy as shared: what it holds beyond the longest match of another candidate,
+        ``other`` blocks, saves at most ``affinity_min_gain_s`` of prefill (less than a
+        block: no context of its own). A first copy (no other candidate holds any of it)
+        cannot be told from a session's own context: the brief form copies it (how
+        exploration starts there), the ttft form holds it to the no-later clause."""
         if not other:
-            return True
+            return self.form != "ttft"
         beyond = self._uncached_s(prompt, min(other, chosen_match) * tpb) - self._uncached_s(
             prompt, chosen_match * tpb
         )
