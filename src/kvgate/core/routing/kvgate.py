@@ -320,7 +320,16 @@ request itself:
   moved beyond noise, nor with ``recent_work_tau_s`` at 20 or 30 s. Ranking the pool by
   recent work plus ``decode_s_per_context_token`` times the context tokens in flight on
   the node (the work its live sessions still bring) put agent's TTFT p99 up by 0.12 /
-  0.09 s and TTFT mean by 0.003 / 0.005 s (at 0.95 beyond noise).
+  0.09 s and TTFT mean by 0.003 / 0.005 s (at 0.95 beyond noise). Nor did a shorter
+  decay, so that a node whose tasks have just ended looks free sooner
+  (``recent_work_tau_s`` 3 / 5 s), or ``session_work_s`` 8 s move anything beyond noise
+  (seeds 0-7 at 0.8 / 0.95 of saturation; agent TPOT p99 at 0.95 +0.008 / +0.006 /
+  +0.001 s, TTFT p99 +0.18 / +0.16 / -0.005 s; gsp and chat within 0.02 s). Most of the
+  agent workload's remaining TPOT misses are that single-holder case (seed 1 at 0.95:
+  tasks 9 and 12 joined task 7, 1.2 and 2.8 s younger, on the only holder of their
+  tool preamble; the first copy to an idle node failed the no-later clause by 0.03 s,
+  and 22 of the run's 53 TPOT misses were theirs; 14 more were those of tasks 15 and
+  17, 0.9 s apart on the only holder of another preamble).
 
 * **Fleet home.** One gateway of a fleet (``ctx.fleet``: ``expected_gateways`` above
   1) learns the cache only from its own routing, so a session's next request, coming
