@@ -784,3 +784,45 @@ def test_same_decisions_as_the_reference_while_prefill_drains(
             busy_explored += target.inflight > 0
     if explore:  # the walk reaches the rule it is here for
         assert busy_explored >= 20
+
+
+@pytest.mark.parametrize(
+    ("queued_tokens", "reason"),
+    [
+        (100, RouteReason.CACHE_HIT),  # 0.1 s queued at the holder: the idle node is later
+        (250, RouteReason.CACHE_HIT),  # 0.25 s: the idle node still 2 ms later
+        (400, RouteReason.EXPLORATION),  # 0.4 s: the whole prefill there is sooner
+        (1000, RouteReason.EXPLORATION),
+    ],
+)
+def test_a_first_copy_is_explored_only_when_no_later_like_the_reference(
+    queued_tokens: int, reason: RouteReason
+) -> None:
+    """A first copy (only the winner holds any of the prompt) in the ttft form: the
+    random walks above rarely meet one with a node idle, so here the reference's branch
+    is driven directly. The holder has ``queued_tokens`` of prefill queued (1 000 tokens
+    a second); the idle node would start the whole prompt at once, with 256 tokens (0.256
+    s) more to prefill: it gets the request only when that is no later. Dropping the
+    lost prefill from the policy's no-later clause fails the first two."""
+    table = NodeTable(stale_after_s=5.0)
+    for nid in NAMES[:3]:
+        table.add(NodeSpec(node_id=nid))
+        table.report(nid, waiting=0, running=0, kv_util=0.1, now=1.0)
+    holder, busy = table.get(NAMES[0]), table.get(NAMES[2])
+    assert holder is not None and busy is not None
+    for key, (state, q) in enumerate([(holder, queued_tokens), (busy, 2000)]):
+        table.on_sent(
+            state, now=1.0, key=key, prefill_tokens=q, prefill_pairs=q * q / 2, context_tokens=q
+        )
+
+    def policy() -> KvgatePolicy:
+        return KvgatePolicy(epsilon=1.0, prefill_tokens_per_s=1000.0, explore_max_loss_s=10.0)
+
+    p, ref = policy(), Reference(p=policy(), tripped=set())
+    ctx = RouteContext(chain=tuple(range(8)), prompt_tokens=8 * 64 - 10, tokens_per_block=64)  # type: ignore[arg-type]
+    matches = {NAMES[0]: 4}
+    cands = list(table.eligible()[0])
+    got = p.select(ctx, cands, matches, table, FixedRng(0.5), 1.0)
+    assert got == ref.select(ctx, cands, matches, table, 0.5, 1.0)
+    assert got.reason is reason
+    assert got.node_id == (NAMES[1] if reason is RouteReason.EXPLORATION else NAMES[0])
