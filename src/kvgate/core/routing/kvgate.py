@@ -329,7 +329,14 @@ request itself:
   tasks 9 and 12 joined task 7, 1.2 and 2.8 s younger, on the only holder of their
   tool preamble; the first copy to an idle node failed the no-later clause by 0.03 s,
   and 22 of the run's 53 TPOT misses were theirs; 14 more were those of tasks 15 and
-  17, 0.9 s apart on the only holder of another preamble).
+  17, 0.9 s apart on the only holder of another preamble). Taking the second task as a
+  new session too (the holder's prefix had been seen continued by another full block:
+  a map of the successor of each of the last 65 536 full blocks routed; the non-holders
+  in the pool, and the affinity slack not pulling it back) fixed that seed (TPOT p99
+  0.144 -> 0.103 s, goodput 10.47 -> 10.86 requests/s) but over seeds 0-7 moved agent
+  within noise (TPOT p99 -0.005 / +0.001 s, goodput +0.017 / +0.014 at 0.8 / 0.95) and
+  took gsp's hit ratio at 0.95 down by 0.0041 (95 % interval +-0.0037): a group's
+  prefix copied onto a second node for its second request.
 
 * **Fleet home.** One gateway of a fleet (``ctx.fleet``: ``expected_gateways`` above
   1) learns the cache only from its own routing, so a session's next request, coming
