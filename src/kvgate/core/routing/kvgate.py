@@ -332,11 +332,10 @@ request itself:
   17, 0.9 s apart on the only holder of another preamble). Taking the second task as a
   new session too (the holder's prefix had been seen continued by another full block:
   a map of the successor of each of the last 65 536 full blocks routed; the non-holders
-  in the pool, and the affinity slack not pulling it back) fixed that seed (TPOT p99
-  0.144 -> 0.103 s, goodput 10.47 -> 10.86 requests/s) but over seeds 0-7 moved agent
-  within noise (TPOT p99 -0.005 / +0.001 s, goodput +0.017 / +0.014 at 0.8 / 0.95) and
-  took gsp's hit ratio at 0.95 down by 0.0041 (95 % interval +-0.0037): a group's
-  prefix copied onto a second node for its second request.
+  in the pool, and the affinity slack not pulling it back) helped that seed (TPOT p99
+  0.124 -> 0.105 s, goodput 10.59 -> 10.84 requests/s) but over seeds 0-7 at 0.8 / 0.95
+  moved agent within noise (TPOT p99 -0.005 / +0.006 s, TTFT p99 -0.06 / +0.15 s,
+  goodput +0.017 / -0.001) and left gsp and chat as they were.
 
 * **Fleet home.** One gateway of a fleet (``ctx.fleet``: ``expected_gateways`` above
   1) learns the cache only from its own routing, so a session's next request, coming
