@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,33 @@ def _flatten(report: dict[str, Any], label: str = "") -> dict[str, dict[str, Any
     return out
 
 
+def _log_seconds_axis(ax: Any, low: float, high: float) -> None:
+    """Label a log axis of seconds with plain numbers (0.05, 0.1, 0.2, ...): on a range
+    under a few decades matplotlib labels the minor ticks too, in 2x10^-2 form, and the
+    labels run into each other."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    decades = math.log10(high / low) if 0 < low < high else 0.0
+    subs = (1.0, 2.0, 5.0) if decades <= 3 else (1.0,)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def plot_report(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = draw_report(report)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_report(report: dict[str, Any]) -> Any:
+    """The figure of ``report`` (a matplotlib Figure; the caller saves and closes it):
+    per comparison, a TTFT CDF per policy and the hit ratios against the bounds."""
     import matplotlib.pyplot as plt
 
     runs = _flatten(report)
@@ -39,17 +63,20 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
         ax_t, ax_h = axes[row]
         names = list(rep["policies"])
         drawn = 0
+        low, high = math.inf, 0.0
         for name in names:
             ttfts = sorted(rep["policies"][name].get("ttft_samples_s", []))
             if ttfts:
                 ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
                 ax_t.plot(ttfts, ys, label=name)
                 drawn += 1
+                low, high = min(low, ttfts[0]), max(high, ttfts[-1])
         ax_t.set_xlabel("TTFT (s)")
         ax_t.set_ylabel("CDF")
         ax_t.set_title(f"TTFT {label}".strip())
         if drawn:
             ax_t.set_xscale("log")
+            _log_seconds_axis(ax_t, low, high)
             ax_t.legend(fontsize=7)
         else:  # every request refused or failed: say so rather than draw an empty legend
             ax_t.text(0.5, 0.5, "no request completed", ha="center", va="center",
@@ -65,7 +92,9 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
             )
         ax_h.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
         ax_h.set_ylabel("block hit ratio")
-        ax_h.legend(fontsize=7)
+        # headroom above the bars and the bounds for the legend, so it hides no bar
+        top = max([*hits, b["ideal_hit_ratio"], b["pooled_lru_hit_ratio"]], default=0.0)
+        ax_h.set_ylim(0.0, max(top, 0.01) * 1.3)
+        ax_h.legend(fontsize=7, loc="upper right", ncol=3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
