@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvgate.commands.sim_plot import _log_seconds_axis  # noqa: E402
+from kvgate.commands.sim_plot import _log_seconds_axis, draw_report  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ def test_ttft_axis_labels_are_plain_seconds(low: float, high: float, labels: lis
     try:
         ax.plot([low, high], [0.0, 1.0])
         ax.set_xscale("log")
-        _log_seconds_axis(ax, low, high)
+        _log_seconds_axis(ax)
         fig.canvas.draw()
         shown = [
             t.get_text()
@@ -43,8 +43,6 @@ def test_ttft_axis_labels_are_plain_seconds(low: float, high: float, labels: lis
 def test_the_hit_ratio_legend_hides_no_bar() -> None:
     """Bars as high as the bounds (a cache-aware policy at the ideal): the legend sits
     in the headroom above them, not over the first bars."""
-    from kvgate.commands.sim_plot import draw_report
-
     policy = {"ttft_samples_s": [0.05, 0.1, 0.2], "hit_ratio": 0.67}
     report = {
         "policies": {name: dict(policy) for name in ("kvgate", "dynamo_cost", "round_robin")},

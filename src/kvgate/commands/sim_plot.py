@@ -26,12 +26,13 @@ def _flatten(report: dict[str, Any], label: str = "") -> dict[str, dict[str, Any
     return out
 
 
-def _log_seconds_axis(ax: Any, low: float, high: float) -> None:
-    """Label a log axis of seconds with plain numbers (0.05, 0.1, 0.2, ...): on a range
-    under a few decades matplotlib labels the minor ticks too, in 2x10^-2 form, and the
-    labels run into each other."""
+def _log_seconds_axis(ax: Any) -> None:
+    """Label the log x axis of seconds with plain numbers (0.05, 0.1, 0.2, ...): on a
+    range of the plotted data under a few decades matplotlib labels the minor ticks too,
+    in 2x10^-2 form, and the labels run into each other."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    low, high = ax.dataLim.intervalx
     decades = math.log10(high / low) if 0 < low < high else 0.0
     subs = (1.0, 2.0, 5.0) if decades <= 3 else (1.0,)
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
@@ -63,20 +64,18 @@ def draw_report(report: dict[str, Any]) -> Any:
         ax_t, ax_h = axes[row]
         names = list(rep["policies"])
         drawn = 0
-        low, high = math.inf, 0.0
         for name in names:
             ttfts = sorted(rep["policies"][name].get("ttft_samples_s", []))
             if ttfts:
                 ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
                 ax_t.plot(ttfts, ys, label=name)
                 drawn += 1
-                low, high = min(low, ttfts[0]), max(high, ttfts[-1])
         ax_t.set_xlabel("TTFT (s)")
         ax_t.set_ylabel("CDF")
         ax_t.set_title(f"TTFT {label}".strip())
         if drawn:
             ax_t.set_xscale("log")
-            _log_seconds_axis(ax_t, low, high)
+            _log_seconds_axis(ax_t)
             ax_t.legend(fontsize=7)
         else:  # every request refused or failed: say so rather than draw an empty legend
             ax_t.text(0.5, 0.5, "no request completed", ha="center", va="center",
