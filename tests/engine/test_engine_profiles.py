@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.engine import DEFAULT_PROFILE, PROFILES, EngineProfile, get_profile, step_time
+from kvgate.engine import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    EngineProfile,
+    get_profile,
+    prefill_alone_s,
+    step_time,
+)
 
 
 def test_registry_holds_the_research_constants_in_seconds() -> None:
@@ -67,3 +74,20 @@ def test_bad_inputs_are_rejected() -> None:
         EngineProfile(name="x", t0_s=-1, a_s_per_token=0, c_s_per_pair=0, k_s_per_ctx_token=0)
     with pytest.raises(ValueError):
         step_time(get_profile("a100-8b"), [(-1, 0)], [])
+
+
+def test_prefill_alone_runs_in_budget_sized_chunks_after_the_cache() -> None:
+    a100 = get_profile("a100-8b")
+    # one step: the 666 ms 8K prefill
+    assert prefill_alone_s(a100, 8192, 0) == pytest.approx(step_time(a100, [(8192, 0)], []))
+    # 10 000 tokens, 1 000 cached: 8 192 over 1 000, then the last 808 over 9 192
+    expected = step_time(a100, [(8192, 1000)], []) + step_time(a100, [(808, 9192)], [])
+    assert prefill_alone_s(a100, 10_000, 1000) == pytest.approx(expected, rel=1e-12)
+    # all but the last token cached: one one-token step over the rest
+    assert prefill_alone_s(a100, 4096, 4095) == pytest.approx(step_time(a100, [(1, 4095)], []))
+
+
+@pytest.mark.parametrize(("prompt", "cached"), [(0, 0), (100, 100), (100, -1)])
+def test_prefill_alone_needs_a_token_left_to_compute(prompt: int, cached: int) -> None:
+    with pytest.raises(ValueError, match="cached < prompt"):
+        prefill_alone_s(get_profile("a100-8b"), prompt, cached)

@@ -138,3 +138,41 @@ def test_a_latency_with_nothing_behind_it_ranks_last() -> None:
     assert result is not None and not result["checks"]["ttft_p99_s"]["ok"]
     text = format_ordering(result)
     assert "FAIL ttft_p99_s                none  does not beat 2.000" in text
+
+
+def _parts(prefill: float, wait: float, over: int = 0, cached: float = 0.0, n: int = 121):
+    return {"requests": n, "ttft_mean_s": prefill + wait, "prefill_mean_s": prefill,
+            "wait_mean_s": wait, "waited_over_5s": over, "cached_share": cached}  # fmt: skip
+
+
+def test_a_lost_ttft_says_whether_own_prefill_or_waiting_made_it() -> None:
+    """The canonical run's lost TTFT p99: the slowest 1 % had as much prefill of their
+    own either way, and kvgate's waited longer."""
+    ours = _row(17.055, 1.5, 3.0, 0.18) | {
+        "ttft_parts": {"slowest_1pct": _parts(24.965, 0.829, 3, 0.018),
+                       "all": _parts(1.264, 0.188, 94, 0.177, n=12031)}
+    }  # fmt: skip
+    theirs = _row(16.903, 1.473, 2.5, 0.10) | {
+        "ttft_parts": {"slowest_1pct": _parts(25.014, 0.119, 0, 0.007),
+                       "all": _parts(1.351, 0.123, 8, 0.105, n=12031)}
+    }  # fmt: skip
+    result = ordering(_report(kvgate=ours, dynamo_cost=theirs))
+    assert result is not None
+    p99, mean = result["checks"]["ttft_p99_s"], result["checks"]["ttft_mean_s"]
+    assert not p99["ok"] and p99["parts"]["wait_mean_s"] == 0.829
+    assert p99["other_parts"]["prefill_mean_s"] == 25.014
+    assert not mean["ok"] and mean["parts"]["requests"] == 12031  # the mean reads "all"
+    text = format_ordering(result)
+    assert "the slowest 1 % (121 requests), own prefill alone + wait on top of it:" in text
+    assert "kvgate               24.965 s + 0.829 s (3 waited over 5 s; 1.8% of prompt" in text
+    assert "dynamo_cost          25.014 s + 0.119 s (0 waited over 5 s; 0.7% of prompt" in text
+    assert "all requests, own prefill alone + wait on top of it:" in text
+    assert "1.264 s + 0.188 s (94 waited over 5 s; 17.7% of prompt tokens cached)" in text
+
+    # a won check, or rows without the parts (an older report), add no lines
+    won = ordering(_report(kvgate=ours | {"ttft_p99_s": 16.0, "ttft_mean_s": 1.0},
+                           dynamo_cost=theirs))  # fmt: skip
+    assert won is not None and "own prefill" not in format_ordering(won)
+    bare = ordering(_report(kvgate=_row(17.1, 1.5, 3.0, 0.18), dynamo_cost=_row(16.9, 1.4, 2, 0.1)))
+    assert bare is not None and "parts" not in bare["checks"]["ttft_p99_s"]
+    assert "own prefill" not in format_ordering(bare)

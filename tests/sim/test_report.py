@@ -7,9 +7,18 @@ import pytest
 
 from kvgate.core.admission import AdmissionConfig
 from kvgate.core.config import ControllerConfig
+from kvgate.engine import get_profile, prefill_alone_s, step_time
 from kvgate.engine.eviction import EvictionConfig
 from kvgate.sim.cluster import ClusterConfig, RequestOutcome, SimCluster
-from kvgate.sim.report import Slo, latency_summary, meets, pct, slo_miss, thinned
+from kvgate.sim.report import (
+    Slo,
+    latency_summary,
+    meets,
+    pct,
+    slo_miss,
+    thinned,
+    ttft_parts,
+)
 from kvgate.sim.runner import run_policy
 from kvgate.sim.workload_types import SimRequest, Workload
 
@@ -104,3 +113,59 @@ def test_index_precision_is_the_share_of_promised_hits_the_engine_found(
                         "kvgate", hooks=hooks)
     assert rep["index_precision"] == precision
     assert rep["hit_ratio"] == (0.0 if flush else 0.4)  # "b" hit 4 of 5, unless flushed
+
+
+def test_ttft_parts_split_each_first_token_into_own_prefill_and_wait() -> None:
+    """Three requests on one node: "a" and "b" (15 blocks each) arrive together, so the
+    first one's step also carries the other's first chunk and the other finishes its
+    prefill a step later; "c", later and alone, is "a"'s prompt and one block more, and
+    finds "a"'s 15 blocks cached: its TTFT is its own prefill alone."""
+    a100 = get_profile("a100-8b")
+    reqs = (
+        SimRequest(request_id="a", arrival_s=0.0, prompt_tokens=7680, output_tokens=2,
+                   block_ids=tuple(range(1, 16))),
+        SimRequest(request_id="b", arrival_s=0.0, prompt_tokens=7680, output_tokens=2,
+                   block_ids=tuple(range(101, 116))),
+        SimRequest(request_id="c", arrival_s=10.0, prompt_tokens=8192, output_tokens=2,
+                   block_ids=tuple(range(1, 17))),
+    )  # fmt: skip
+    ctl = ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=8))
+    cfg = ClusterConfig(nodes=1, cache_blocks=100, node_capacity=8, controller=ctl)
+    cluster, rep = run_policy(Workload(name="three", block_tokens=512, requests=reqs), cfg,
+                              "round_robin")  # fmt: skip
+    net = 2 * cfg.network_delay_s  # the request to the node, its first byte back
+    ttfts = {rid: o.first_token_s - o.arrived_s for rid, o in cluster.outcomes.items()
+             if o.first_token_s is not None}  # fmt: skip
+    alone = prefill_alone_s(a100, 7680, 0)
+    # the budget (8 192 tokens) takes the first's 7 680 and the other's first 512
+    first, second = sorted(("a", "b"), key=lambda r: ttfts[r])
+    step_1 = step_time(a100, [(7680, 0), (512, 0)], [])
+    assert ttfts[first] == pytest.approx(net + step_1, abs=1e-9)
+    # then the other's last 7 168 beside the first's decode (a context of 7 681)
+    step_2 = step_time(a100, [(7168, 512)], [7681])
+    assert ttfts[second] == pytest.approx(net + step_1 + step_2, abs=1e-9)
+    # "c" hit 15 blocks: its own prefill is the last 512 tokens over them
+    assert cluster.outcomes["c"].cached_tokens == 7680
+    assert ttfts["c"] == pytest.approx(net + prefill_alone_s(a100, 8192, 7680), abs=1e-9)
+
+    parts = rep["ttft_parts"]
+    everything = parts["all"]
+    assert everything["requests"] == 3
+    own = [alone, alone, prefill_alone_s(a100, 8192, 7680)]
+    assert everything["prefill_mean_s"] == pytest.approx(sum(own) / 3, abs=1e-4)
+    waits = [ttfts["a"] - alone, ttfts["b"] - alone, ttfts["c"] - own[2]]
+    assert everything["wait_mean_s"] == pytest.approx(sum(waits) / 3, abs=1e-4)
+    assert everything["waited_over_5s"] == 0
+    assert everything["cached_share"] == round(7680 / (7680 + 7680 + 8192), 4)
+    # the slowest 1 % of three is one request: the one that waited a step
+    slowest = parts["slowest_1pct"]
+    assert slowest["requests"] == 1
+    assert slowest["ttft_mean_s"] == pytest.approx(ttfts[second], abs=1e-4)
+    assert slowest["wait_mean_s"] == pytest.approx(ttfts[second] - alone, abs=1e-4)
+    assert slowest["cached_share"] == 0.0
+
+
+def test_ttft_parts_of_a_run_with_nothing_completed() -> None:
+    parts = ttft_parts([], get_profile("a100-8b"))
+    assert parts["all"]["requests"] == 0 and parts["slowest_1pct"]["requests"] == 0
+    assert parts["all"]["wait_mean_s"] is None and parts["all"]["cached_share"] is None

@@ -42,6 +42,7 @@ from kvgate.engine.profiles import (
     PROFILES,
     EngineProfile,
     get_profile,
+    prefill_alone_s,
     step_time,
 )
 from kvgate.engine.sequence import (
@@ -83,6 +84,7 @@ __all__ = [
     "generated_block_hash",
     "generated_token_id",
     "get_profile",
+    "prefill_alone_s",
     "prompt_key",
     "step_time",
 ]

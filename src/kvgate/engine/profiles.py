@@ -34,6 +34,7 @@ __all__ = [
     "PROFILES",
     "EngineProfile",
     "get_profile",
+    "prefill_alone_s",
     "step_time",
 ]
 
@@ -152,3 +153,21 @@ def step_time_of_sums(
         + profile.c_s_per_pair * pairs
         + profile.k_s_per_ctx_token * ctx_total
     )
+
+
+def prefill_alone_s(profile: EngineProfile, prompt_tokens: int, cached_tokens: int) -> float:
+    """Seconds from a request's first step to its first token on an idle node: its
+    prefill after ``cached_tokens`` of cache, in chunks of the step's token budget,
+    with nothing else in the batch (the last chunk's step samples the first token).
+    The floor its TTFT could reach there; what a run adds on top is waiting (for the
+    queue, for other requests' work in the same steps, on the network)."""
+    if prompt_tokens < 1 or not 0 <= cached_tokens < prompt_tokens:
+        raise ValueError(f"need 0 <= cached < prompt, got {cached_tokens} of {prompt_tokens}")
+    budget = profile.max_num_batched_tokens
+    total = 0.0
+    h = cached_tokens
+    while h < prompt_tokens:
+        q = min(budget, prompt_tokens - h)
+        total += step_time_of_sums(profile, q, q * (h + q / 2), 0)
+        h += q
+    return total

@@ -12,7 +12,10 @@ match it, and the two checks conflict.
 Each check names the policy it is measured against, so a failure says where a
 baseline wins; a goodput check also carries both sides' SLO misses by kind and their
 spans, so a lost goodput says whether the other policy met the SLO more often or only
-finished its last request sooner. Pure: report in, JSON-able dict out.
+finished its last request sooner; a TTFT check carries both sides' ``ttft_parts`` (the
+slowest 1 % for p99, all requests for the mean), so a lost one says whether the
+other's requests had less prefill of their own to do or waited less.
+Pure: report in, JSON-able dict out.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def ordering(report: Mapping[str, Any], policy: str = "kvgate") -> dict[str, Any
         checks[key] = {"value": value, "against": rival, "other": rival_value, "ok": ok}
         if key == "goodput_rps":
             checks[key].update(_goodput_parts(ours, others[rival]))
+        elif (group := _TTFT_GROUP.get(key)) is not None:
+            checks[key].update(_ttft_parts(ours, others[rival], group))
     load = ours["load_max_over_mean"]
     checks["load_max_over_mean"] = {
         "value": load,
@@ -127,6 +132,43 @@ def _goodput_parts(ours: Mapping[str, Any], rival: Mapping[str, Any]) -> dict[st
     if "span_s" in ours and "span_s" in rival:
         parts["span_s"], parts["other_span_s"] = ours["span_s"], rival["span_s"]
     return parts
+
+
+# the ttft_parts group each TTFT check reads
+_TTFT_GROUP = {"ttft_p99_s": "slowest_1pct", "ttft_mean_s": "all"}
+
+
+def _ttft_parts(ours: Mapping[str, Any], rival: Mapping[str, Any], group: str) -> dict[str, Any]:
+    """Both sides' split of TTFT (``ttft_parts``, one group) when the rows have it."""
+    if "ttft_parts" in ours and "ttft_parts" in rival:
+        return {
+            "parts": dict(ours["ttft_parts"][group]),
+            "other_parts": dict(rival["ttft_parts"][group]),
+        }
+    return {}
+
+
+def _why_ttft(policy: str, key: str, c: Mapping[str, Any]) -> list[str]:
+    """Lines saying where a TTFT difference comes from: the requests' own prefill (long
+    prompts, little cache) or the wait on top of it; none without the parts."""
+    if "parts" not in c:
+        return []
+    group = (
+        f"the slowest 1 % ({c['parts']['requests']} requests)"
+        if key == "ttft_p99_s"
+        else "all requests"
+    )
+    lines = [f"{group}, own prefill alone + wait on top of it:"]
+    for name, p in ((policy, c["parts"]), (c["against"], c["other_parts"])):
+        if not p["requests"]:
+            lines.append(f"  {name:<20} none completed")
+            continue
+        lines.append(
+            f"  {name:<20} {p['prefill_mean_s']:.3f} s + {p['wait_mean_s']:.3f} s"
+            f" ({p['waited_over_5s']} waited over 5 s; {p['cached_share']:.1%} of prompt tokens"
+            " cached)"
+        )
+    return lines
 
 
 def _why_goodput(policy: str, c: Mapping[str, Any]) -> str | None:
@@ -191,8 +233,12 @@ def format_ordering(result: Mapping[str, Any]) -> str:
             rel = ">=" if c["ok"] else "<"
             tail = f"{rel} {c['floor']:.4f} ({POOLED_LRU_SHARE:.0%} of the pooled-LRU bound)"
         lines.append(f"  {mark} {key.removesuffix('_vs_pooled_lru'):<20} {value:>9}  {tail}")
-        if key == "goodput_rps" and not c["ok"] and (why := _why_goodput(policy, c)):
-            lines.append(f"       {'':<20} {'':>9}  {why}")
+        why: list[str] = []
+        if not c["ok"] and key == "goodput_rps" and (said := _why_goodput(policy, c)):
+            why = [said]
+        elif not c["ok"] and key in _TTFT_GROUP:
+            why = _why_ttft(policy, key, c)
+        lines.extend(f"       {'':<20} {'':>9}  {line}" for line in why)
     return "\n".join(lines)
 
 

@@ -5,7 +5,10 @@ TTFT = arrival to first token; TPOT = (E2E - TTFT) / (output - 1); goodput =
 requests per second that met every SLO, counted against *all* offered requests
 (a rejected or failed request is an SLO miss), over the run's span (first arrival
 to last end, as ``vllm bench serve`` divides by the benchmark's duration);
-``slo_misses`` says what the others missed. Hit ratios are block-weighted
+``slo_misses`` says what the others missed. ``ttft_parts`` splits TTFT into each
+request's own prefill (alone on an idle node, after the cache it found) and the wait
+on top of it, over all completed requests and over the slowest 1 %: whether a policy's
+tail is long prompts or requests kept waiting. Hit ratios are block-weighted
 like the trace bounds: cached blocks / prompt blocks (the trace's partial last
 block counts in the denominator, as in the pooled-LRU bound).
 
@@ -22,8 +25,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from math import ceil
 
 from kvgate.core.config import PREFIX_BUCKETS, bucket_of
+from kvgate.engine import EngineProfile, get_profile, prefill_alone_s
 from kvgate.sim.cluster import FUNNEL_KINDS, RequestOutcome, SimCluster
 
 
@@ -128,6 +133,55 @@ def latency_summary(outcomes: Iterable[RequestOutcome]) -> dict[str, float | Non
     }
 
 
+# the share of completed requests TTFT p99 reads: ttft_parts' "slowest_1pct"
+TAIL_SHARE = 0.01
+# a wait this long is counted apart (the default TTFT SLO)
+LONG_WAIT_S = 5.0
+
+
+def ttft_parts(
+    done: Sequence[RequestOutcome], profile: EngineProfile
+) -> dict[str, dict[str, float | int | None]]:
+    """Where the completed requests' time to first token went, over all of them (what
+    TTFT mean reads) and over the slowest ``TAIL_SHARE`` (at least one; what TTFT p99
+    reads): ``prefill_mean_s``, each request's own prefill alone on an idle node after
+    the cache it found (:func:`prefill_alone_s`), and ``wait_mean_s``, the rest (the
+    queue, other requests' work in the same steps, the network, failed attempts);
+    ``waited_over_5s`` counts the requests whose wait passed ``LONG_WAIT_S``;
+    ``cached_share`` is the share of their prompt tokens found cached."""
+    rows = [
+        (
+            t,
+            prefill_alone_s(
+                profile, o.req.prompt_tokens, min(o.cached_tokens, o.req.prompt_tokens - 1)
+            ),
+            o,
+        )
+        for o in done
+        if (t := ttft(o)) is not None
+    ]
+    rows.sort(key=lambda row: row[0])  # by TTFT alone: ties keep the run's order
+    tail = rows[len(rows) - ceil(len(rows) * TAIL_SHARE) :] if rows else []
+
+    def parts(
+        group: Sequence[tuple[float, float, RequestOutcome]],
+    ) -> dict[str, float | int | None]:
+        n = len(group)
+        prompt = sum(o.req.prompt_tokens for _, _, o in group)
+        return {
+            "requests": n,
+            "ttft_mean_s": _r(_mean([t for t, _, _ in group])),
+            "prefill_mean_s": _r(_mean([p for _, p, _ in group])),
+            "wait_mean_s": _r(_mean([t - p for t, p, _ in group])),
+            "waited_over_5s": sum(1 for t, p, _ in group if t - p > LONG_WAIT_S),
+            "cached_share": _r(sum(o.cached_tokens for _, _, o in group) / prompt)
+            if prompt
+            else None,
+        }
+
+    return {"all": parts(rows), "slowest_1pct": parts(tail)}
+
+
 def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, object]:
     outs = list(cluster.outcomes.values())
     done = [o for o in outs if o.status == "completed"]
@@ -199,6 +253,7 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
         "tpot_p99_s": _r(pct(tpots, 0.99), 5),
         "e2e_p50_s": _r(pct(e2es, 0.5)),
         "e2e_p99_s": _r(pct(e2es, 0.99)),
+        "ttft_parts": ttft_parts(done, get_profile(cluster.config.profile)),
         "throughput_rps": _r(len(done) / span),
         "output_tokens_per_s": _r(out_tokens / span, 1),
         "goodput_rps": _r((len(outs) - misses.total()) / span),
