@@ -117,7 +117,11 @@ request itself:
   it was. Nor does the rule's wait set that tail: without the rule for prompts of 16 s
   of predicted prefill or more (paired over the eight replays at 0.8 / 0.95) TTFT mean
   rose by 0.021 / 0.038 s and goodput fell by 0.012 / 0.038 requests/s, beyond noise,
-  and TTFT p99 moved +0.02 / +0.22 s, within it.
+  and TTFT p99 moved +0.02 / +0.22 s, within it. Its weight is at an optimum both ways: a
+  ``blocking_cost`` of 2 / 5 (paired over the eight replays at 0.8 / 0.95) moved TTFT
+  p99 by +0.15 / -0.09 s and +0.22 / +0.06 s and the hit ratio by -0.0013 / -0.0003 and
+  -0.0022 / -0.0011 (at 0.8 beyond noise for 5); the checks all held in 3 / 3 and 2 / 2
+  of the eight runs at each point, against 4 / 3.
 * **Affinity slack.** When an open holder would save at least ``affinity_min_gain_s``
   (0.03 s, ~360 tokens on the A100-8B profile) more prefill than the winner and its
   predicted TTFT (penalty plus the request's prefill less what its cache saves, plus
@@ -236,6 +240,17 @@ request itself:
   predicted first tokens instead (the delivered TTFT) held the quality bar's checks
   in 5 of 16 runs (eight replays at 0.8 / 0.95) against 6: TTFT p99 17.10 / 17.32 s
   against 17.10 / 17.41 s, hit ratio 0.1751 / 0.1707 against 0.1745 / 0.1711.
+  That trade is the frontier the report's split of TTFT shows (``ttft_parts``): in the
+  issue's run at 0.8 the slowest 1 % have as much prefill of their own as dynamo_cost's
+  (24.97 against 25.01 s) and wait 0.83 s on top of it against 0.12 s. A second level
+  at the 0.98 quantile of the chosen nodes' predicted first tokens, a request past it
+  going to the best scored candidate under it, took TTFT p99 down by 0.07 / 0.30 s
+  (paired over the eight replays at 0.8 / 0.95; within noise) and TTFT mean by 0.011 /
+  0.013 s, and the hit ratio down by 0.0038 / 0.0028 (beyond noise): TTFT p99 then beat
+  dynamo_cost's in 7 / 8 of the runs, the hit ratio sglang_cache_aware's in 2 / 1, and
+  all checks held in 2 / 1 against 4 / 3. At the 0.99 quantile, moving only to
+  candidates under half of it: TTFT p99 -0.01 / -0.04 s, hit ratio -0.0005 / -0.0003,
+  all checks in 3 / 3.
 * **TTFT target** (off by default). With ``ttft_target_s`` set (a TTFT SLO, e.g. 5 s)
   the tail guard's level is never above it, and it needs no window: a request whose
   chosen node would start it past the target goes to the best scored node that would
@@ -336,6 +351,12 @@ request itself:
   0.124 -> 0.105 s, goodput 10.59 -> 10.84 requests/s) but over seeds 0-7 at 0.8 / 0.95
   moved agent within noise (TPOT p99 -0.005 / +0.006 s, TTFT p99 -0.06 / +0.15 s,
   goodput +0.017 / -0.001) and left gsp and chat as they were.
+  Nor did ranking the pool by the requests a node is running or finished within the
+  last 3 s (an agent's next step comes 1-3 s after its last), ahead of recent work: the
+  agent workload's SLO misses over seeds 0-7 went from 5.1 / 12.6 a run (0.8 / 0.95) to
+  33.6 / 80.3. Counting 0.5 / 1 s of recent work for each request that continues a
+  session (so a node running a long task does not look free between its steps) gave
+  4.8 / 22.3 and 4.5 / 20.5, a single seed's count moving between 0 and 84 either way.
 
 * **Fleet home.** One gateway of a fleet (``ctx.fleet``: ``expected_gateways`` above
   1) learns the cache only from its own routing, so a session's next request, coming
