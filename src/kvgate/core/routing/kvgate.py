@@ -121,13 +121,14 @@ request itself:
   issue's run at 0.8 the slowest 1 % wait 0.83 s on top of their own prefill
   (``ttft_parts``), 0.57 s of it the rule's placements (25 of them on a node with over
   0.5 s more queued than the soonest); sending prompts of 12 s of prefill or more to the
-  soonest start moved TTFT p99 by +0.07 / -0.12 s (eight replays, within noise), TTFT
-  mean by +0.013 / +0.011 s and the hit ratio by -0.0014 / -0.0019. Its weight is at an
-  optimum both ways: a
-  ``blocking_cost`` of 2 / 5 (paired over the eight replays at 0.8 / 0.95) moved TTFT
-  p99 by +0.15 / -0.09 s and +0.22 / +0.06 s and the hit ratio by -0.0013 / -0.0003 and
-  -0.0022 / -0.0011 (at 0.8 beyond noise for 5); the checks all held in 3 / 3 and 2 / 2
-  of the eight runs at each point, against 4 / 3.
+  soonest start left the tail's wait at 0.87 s (requests kept for holders those prompts
+  then block took their places) and moved TTFT p99 by +0.07 / -0.12 s (eight replays,
+  within noise), TTFT mean by +0.013 / +0.011 s and the hit ratio by -0.0014 / -0.0019.
+  Its weight is at an optimum both ways: a ``blocking_cost`` of 2 / 5 (paired over the
+  eight replays at 0.8 / 0.95) moved TTFT p99 by +0.15 / -0.09 s and +0.22 / +0.06 s
+  and the hit ratio by -0.0013 / -0.0003 and -0.0022 / -0.0011 (at 0.8 beyond noise for
+  5); the checks all held in 3 / 3 and 2 / 2 of the eight runs at each point, against
+  4 / 3.
 * **Affinity slack.** When an open holder would save at least ``affinity_min_gain_s``
   (0.03 s, ~360 tokens on the A100-8B profile) more prefill than the winner and its
   predicted TTFT (penalty plus the request's prefill less what its cache saves, plus
