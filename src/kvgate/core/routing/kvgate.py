@@ -330,6 +330,11 @@ request itself:
   announced against 0.6765 / 0.5658 / 0.6403 / 0.6181 unannounced; with first copies
   held to exploration's no-later clause, 0.7335 / 0.6167 / 0.6858 / 0.6969 against
   0.7339 / 0.6235 / 0.6841 / 0.6918).
+  A cold session's window no wider than its own prefill (gsp's first request of a group,
+  2 176 tokens, about 0.16 s, may otherwise wait up to 0.5 s for a node with less
+  recent work) left gsp's TTFT p99 where preble_e2 ties it (0.1805 / 0.1837 s became
+  0.1800 / 0.1828 s, seeds 0-7 at 0.8 / 0.95; preble_e2 0.1800 / 0.1838 s) and put its
+  load max/mean up from 1.013 / 1.022 to 1.089 / 1.107.
   ``session_spread_s=0`` turns it off, both windows.
 
   Tried and left out: a shared prefix that one holder alone holds (an agent tool
