@@ -152,16 +152,15 @@ def ttft_parts(
     rows = [
         (
             t,
-            prefill_alone_s(
-                profile, o.req.prompt_tokens, min(o.cached_tokens, o.req.prompt_tokens - 1)
-            ),
+            # the engine finds at most all but the prompt's last token cached
+            prefill_alone_s(profile, o.req.prompt_tokens, o.cached_tokens),
             o,
         )
         for o in done
         if (t := ttft(o)) is not None
     ]
     rows.sort(key=lambda row: row[0])  # by TTFT alone: ties keep the run's order
-    tail = rows[len(rows) - ceil(len(rows) * TAIL_SHARE) :] if rows else []
+    tail = rows[len(rows) - ceil(len(rows) * TAIL_SHARE) :]
 
     def parts(
         group: Sequence[tuple[float, float, RequestOutcome]],
