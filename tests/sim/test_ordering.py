@@ -140,21 +140,26 @@ def test_a_latency_with_nothing_behind_it_ranks_last() -> None:
     assert "FAIL ttft_p99_s                none  does not beat 2.000" in text
 
 
-def _parts(prefill: float, wait: float, over: int = 0, cached: float = 0.0, n: int = 121):
-    return {"requests": n, "ttft_mean_s": prefill + wait, "prefill_mean_s": prefill,
-            "wait_mean_s": wait, "waited_over_5s": over, "cached_share": cached}  # fmt: skip
+def _parts(prefill: float, wait: float, over: int = 0, cached: float = 0.0, n: int = 121,
+           queued: float | None = None):  # fmt: skip
+    """One group of ``ttft_parts``; with ``queued``, the wait's split (slowed: the rest)."""
+    parts = {"requests": n, "ttft_mean_s": prefill + wait, "prefill_mean_s": prefill,
+             "wait_mean_s": wait, "waited_over_5s": over, "cached_share": cached}  # fmt: skip
+    if queued is not None:
+        parts |= {"queued_mean_s": queued, "slowed_mean_s": round(wait - queued, 4)}
+    return parts
 
 
 def test_a_lost_ttft_says_whether_own_prefill_or_waiting_made_it() -> None:
     """The canonical run's lost TTFT p99: the slowest 1 % had as much prefill of their
     own either way, and kvgate's waited longer."""
     ours = _row(17.055, 1.5, 3.0, 0.18) | {
-        "ttft_parts": {"slowest_1pct": _parts(24.965, 0.829, 3, 0.018),
-                       "all": _parts(1.264, 0.188, 94, 0.177, n=12031)}
+        "ttft_parts": {"slowest_1pct": _parts(24.965, 0.829, 3, 0.018, queued=0.524),
+                       "all": _parts(1.264, 0.188, 94, 0.177, n=12031, queued=0.131)}
     }  # fmt: skip
     theirs = _row(16.903, 1.473, 2.5, 0.10) | {
-        "ttft_parts": {"slowest_1pct": _parts(25.014, 0.119, 0, 0.007),
-                       "all": _parts(1.351, 0.123, 8, 0.105, n=12031)}
+        "ttft_parts": {"slowest_1pct": _parts(25.014, 0.119, 0, 0.007, queued=0.061),
+                       "all": _parts(1.351, 0.123, 8, 0.105, n=12031, queued=0.069)}
     }  # fmt: skip
     result = ordering(_report(kvgate=ours, dynamo_cost=theirs))
     assert result is not None
@@ -164,10 +169,20 @@ def test_a_lost_ttft_says_whether_own_prefill_or_waiting_made_it() -> None:
     assert not mean["ok"] and mean["parts"]["requests"] == 12031  # the mean reads "all"
     text = format_ordering(result)
     assert "the slowest 1 % (121 requests), own prefill alone + wait on top of it:" in text
-    assert "kvgate               24.965 s + 0.829 s (3 waited over 5 s; 1.8% of prompt" in text
-    assert "dynamo_cost          25.014 s + 0.119 s (0 waited over 5 s; 0.7% of prompt" in text
+    assert ("kvgate               24.965 s + 0.829 s (0.524 s queued, 0.305 s slowed; 3 waited"
+            " over 5 s; 1.8% of prompt") in text  # fmt: skip
+    assert ("dynamo_cost          25.014 s + 0.119 s (0.061 s queued, 0.058 s slowed; 0 waited"
+            " over 5 s; 0.7% of prompt") in text  # fmt: skip
     assert "all requests, own prefill alone + wait on top of it:" in text
-    assert "1.264 s + 0.188 s (94 waited over 5 s; 17.7% of prompt tokens cached)" in text
+    assert ("1.264 s + 0.188 s (0.131 s queued, 0.057 s slowed; 94 waited over 5 s; 17.7% of"
+            " prompt tokens cached)") in text  # fmt: skip
+    # parts of an earlier build, without the split: the line says what it has
+    old = ours | {"ttft_parts": {"slowest_1pct": _parts(24.965, 0.829, 3, 0.018),
+                                 "all": _parts(1.264, 0.188, 94, 0.177, n=12031)}}  # fmt: skip
+    old_result = ordering(_report(kvgate=old, dynamo_cost=theirs))
+    assert old_result is not None
+    old_text = format_ordering(old_result)
+    assert "kvgate               24.965 s + 0.829 s (3 waited over 5 s; 1.8% of prompt" in old_text
 
     # a won check, or rows without the parts (an older report), add no lines
     won = ordering(_report(kvgate=ours | {"ttft_p99_s": 16.0, "ttft_mean_s": 1.0},

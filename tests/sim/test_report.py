@@ -163,6 +163,57 @@ def test_ttft_parts_split_each_first_token_into_own_prefill_and_wait() -> None:
     assert slowest["ttft_mean_s"] == pytest.approx(ttfts[second], abs=1e-4)
     assert slowest["wait_mean_s"] == pytest.approx(ttfts[second] - alone, abs=1e-4)
     assert slowest["cached_share"] == 0.0
+    # each was first scheduled as it reached the node (the network's way there): all its
+    # wait is in steps its prefill shared ("second" got only 512 tokens of the first)
+    assert everything["queued_mean_s"] == pytest.approx(cfg.network_delay_s, abs=1e-4)
+    assert everything["slowed_mean_s"] == pytest.approx(
+        sum(waits) / 3 - cfg.network_delay_s, abs=1e-4
+    )
+    assert slowest["queued_mean_s"] == pytest.approx(cfg.network_delay_s, abs=1e-4)
+    assert slowest["slowed_mean_s"] == pytest.approx(
+        ttfts[second] - alone - cfg.network_delay_s, abs=1e-4
+    )
+
+
+def test_ttft_parts_split_the_wait_at_the_first_scheduled_step() -> None:
+    """"long" (16 384 tokens) fills the budget of two steps; "late", sent while the
+    first runs, is first scheduled in the third, beside long's first decode: queued
+    until then, then slowed by that decode."""
+    a100 = get_profile("a100-8b")
+    reqs = (
+        SimRequest(request_id="long", arrival_s=0.0, prompt_tokens=16384, output_tokens=2,
+                   block_ids=tuple(range(1, 33))),
+        SimRequest(request_id="late", arrival_s=0.0005, prompt_tokens=512, output_tokens=2,
+                   block_ids=(101,)),
+    )  # fmt: skip
+    ctl = ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=8))
+    cfg = ClusterConfig(nodes=1, cache_blocks=100, node_capacity=8, controller=ctl)
+    cluster, rep = run_policy(Workload(name="two", block_tokens=512, requests=reqs), cfg,
+                              "round_robin")  # fmt: skip
+    net = cfg.network_delay_s
+    step_1 = step_time(a100, [(8192, 0)], [])
+    step_2 = step_time(a100, [(8192, 8192)], [])
+    step_3 = step_time(a100, [(512, 0)], [16385])  # long's first decode beside it
+    late = cluster.outcomes["late"]
+    assert late.prefill_started_s == pytest.approx(net + step_1 + step_2, abs=1e-9)
+    queued = net + step_1 + step_2 - 0.0005
+    alone = prefill_alone_s(a100, 512, 0)
+    assert late.first_token_s is not None
+    assert late.first_token_s - late.arrived_s == pytest.approx(queued + step_3 + net, abs=1e-9)
+    slowest = rep["ttft_parts"]["slowest_1pct"]  # one of two: late, the slower
+    assert slowest["ttft_mean_s"] == pytest.approx(queued + step_3 + net, abs=1e-4)
+    assert slowest["queued_mean_s"] == pytest.approx(queued, abs=1e-4)
+    assert slowest["slowed_mean_s"] == pytest.approx(step_3 - alone + net, abs=1e-4)
+    assert slowest["queued_mean_s"] + slowest["slowed_mean_s"] == pytest.approx(
+        slowest["wait_mean_s"], abs=2e-4
+    )
+
+
+def test_ttft_parts_without_a_known_prefill_start_split_nothing() -> None:
+    done = _outcome("completed", 1.0, 2.0, 11)  # made up: no prefill_started_s
+    parts = ttft_parts([done], get_profile("a100-8b"))["all"]
+    assert parts["wait_mean_s"] is not None
+    assert parts["queued_mean_s"] is None and parts["slowed_mean_s"] is None
 
 
 def test_ttft_parts_of_a_run_with_nothing_completed() -> None:

@@ -128,6 +128,9 @@ class RequestOutcome:
     cached_tokens: int = 0
     output_tokens: int = 0
     ended_s: float | None = None
+    # when the node first scheduled the prompt of the attempt that completed (its queue
+    # time ends there, its prefill begins: vLLM's scheduled_ts); None until it completes
+    prefill_started_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -516,7 +519,14 @@ class SimCluster:
             self.loop.after(delay, partial(self._first_byte, eid))
         for fin in out.finished:
             self.loop.after(
-                delay, partial(self._finished, fin.request_id, fin.cached_tokens, fin.output_tokens)
+                delay,
+                partial(
+                    self._finished,
+                    fin.request_id,
+                    fin.cached_tokens,
+                    fin.output_tokens,
+                    fin.scheduled_at,
+                ),
             )
         for rej in out.rejected:
             kind = _failure_of(rej.reject_kind)
@@ -560,7 +570,7 @@ class SimCluster:
             RequestId(att.outcome.req.request_id), self.loop.now
         )
 
-    def _finished(self, eid: str, cached: int, output: int) -> None:
+    def _finished(self, eid: str, cached: int, output: int, scheduled_at: float) -> None:
         att = self._attempts.pop(eid, None)
         if att is None or att.done:
             return
@@ -568,6 +578,8 @@ class SimCluster:
         out = att.outcome
         now = self.loop.now
         out.cached_tokens, out.output_tokens, out.finished_s = cached, output, now
+        if scheduled_at >= 0.0:  # the engine's clock is the simulation's
+            out.prefill_started_s = scheduled_at
         out.node = self.nodes[att.node].node_id
         self._count_funnel(att, cached // self.block_tokens)
         rid = RequestId(out.req.request_id)

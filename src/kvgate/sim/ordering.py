@@ -14,7 +14,8 @@ baseline wins; a goodput check also carries both sides' SLO misses by kind and t
 spans, so a lost goodput says whether the other policy met the SLO more often or only
 finished its last request sooner; a TTFT check carries both sides' ``ttft_parts`` (the
 slowest 1 % for p99, all requests for the mean), so a lost one says whether the
-other's requests had less prefill of their own to do or waited less.
+other's requests had less prefill of their own to do or waited less, in the node's
+queue or in steps shared with other requests' work.
 Pure: report in, JSON-able dict out.
 """
 
@@ -163,10 +164,17 @@ def _why_ttft(policy: str, key: str, c: Mapping[str, Any]) -> list[str]:
         if not p["requests"]:
             lines.append(f"  {name:<20} none completed")
             continue
+        # the wait's split, when the parts have it (a report of an earlier build does not)
+        queued, slowed = p.get("queued_mean_s"), p.get("slowed_mean_s")
+        split = (
+            f"{queued:.3f} s queued, {slowed:.3f} s slowed; "
+            if queued is not None and slowed is not None
+            else ""
+        )
         lines.append(
             f"  {name:<20} {p['prefill_mean_s']:.3f} s + {p['wait_mean_s']:.3f} s"
-            f" ({p['waited_over_5s']} waited over 5 s; {p['cached_share']:.1%} of prompt tokens"
-            " cached)"
+            f" ({split}{p['waited_over_5s']} waited over 5 s; {p['cached_share']:.1%} of"
+            " prompt tokens cached)"
         )
     return lines
 

@@ -145,10 +145,14 @@ def ttft_parts(
     """Where the completed requests' time to first token went, over all of them (what
     TTFT mean reads) and over the slowest ``TAIL_SHARE`` (at least one; what TTFT p99
     reads): ``prefill_mean_s``, each request's own prefill alone on an idle node after
-    the cache it found (:func:`prefill_alone_s`), and ``wait_mean_s``, the rest (the
-    queue, other requests' work in the same steps, the network, failed attempts);
-    ``waited_over_5s`` counts the requests whose wait passed ``LONG_WAIT_S``;
-    ``cached_share`` is the share of their prompt tokens found cached."""
+    the cache it found (:func:`prefill_alone_s`), and ``wait_mean_s``, the rest, in two:
+    ``queued_mean_s`` until the node first scheduled its prompt (the network there,
+    failed attempts, the node's queue and the step it found running) and
+    ``slowed_mean_s`` after (other requests' work in the steps its prefill shared:
+    decodes, chunks of prompts ahead of it or admitted beside its last chunk; a
+    preemption's recompute; the first byte's way back); ``waited_over_5s`` counts the
+    requests whose wait passed ``LONG_WAIT_S``; ``cached_share`` is the share of their
+    prompt tokens found cached."""
     rows = [
         (
             t,
@@ -167,11 +171,20 @@ def ttft_parts(
     ) -> dict[str, float | int | None]:
         n = len(group)
         prompt = sum(o.req.prompt_tokens for _, _, o in group)
+        # (queued, slowed) of the requests whose prefill start is known (in a simulation
+        # every completed one; not in an outcome made up without it)
+        split = [
+            (o.prefill_started_s - o.arrived_s, t - p - (o.prefill_started_s - o.arrived_s))
+            for t, p, o in group
+            if o.prefill_started_s is not None
+        ]
         return {
             "requests": n,
             "ttft_mean_s": _r(_mean([t for t, _, _ in group])),
             "prefill_mean_s": _r(_mean([p for _, p, _ in group])),
             "wait_mean_s": _r(_mean([t - p for t, p, _ in group])),
+            "queued_mean_s": _r(_mean([q for q, _ in split])),
+            "slowed_mean_s": _r(_mean([w for _, w in split])),
             "waited_over_5s": sum(1 for t, p, _ in group if t - p > LONG_WAIT_S),
             "cached_share": _r(sum(o.cached_tokens for _, _, o in group) / prompt)
             if prompt

@@ -258,6 +258,27 @@ request itself:
   all checks held in 2 / 1 against 4 / 3. At the 0.99 quantile, moving only to
   candidates under half of it: TTFT p99 -0.01 / -0.04 s, hit ratio -0.0005 / -0.0003,
   all checks in 3 / 3.
+  The report's split of the wait (``queued_mean_s``, ``slowed_mean_s``) shows the rest
+  of that tail: 0.524 s queued (mostly three turns kept 12-26 s behind their holder's long
+  prefill) and 0.305 s slowed against dynamo_cost's 0.061 / 0.058 s; traced step by
+  step, a third of the slowed seconds are the first chunks of turns sent to the node
+  meanwhile, admitted beside the long prompt's last chunk (attention over their long
+  cached context: 0.1-0.4 s a step), which dynamo_cost never does to its slowest.
+  Tried and left out (paired over the eight replays, mean difference and its standard
+  error): a last guard moving a kept turn (a holder, after every rule above) whose
+  predicted first token passed a level X to the soonest candidate under X, if it lost at
+  most 48k cached tokens: X = 17 s took TTFT p99 by -0.05 +- 0.06 / -0.26 +- 0.19 s at 0.8
+  / 0.95 and the hit ratio by -0.0013 / -0.0022 (0.1686 at 0.95, under
+  sglang_cache_aware's 0.1701), all checks holding in 6 / 2 runs against 4 / 3; X = 15
+  s, TTFT p99 -0.10 +- 0.05 s at 0.8 for a hit ratio of -0.0020 (4 runs); X at 0.9 of
+  the 0.99 quantile of the best predicted first token over the last 4 000 requests (a
+  level not fixed to this trace), -0.07 / -0.13 s for -0.0008 / -0.0009 (3 / 2 runs).
+  Each such turn moved copies its context to a second node, and the hit ratio has
+  almost no room above sglang_cache_aware's at 0.95. Holding new requests out of the
+  step that carries a 60k-token or longer uncached prompt's last chunk (the engine
+  patched to do so, as a gateway deferring such turns until that first token would)
+  moved TTFT p99 at 0.8 by -0.02 +- 0.02 s and left the hit ratio as it was: the
+  deferred turns, themselves kept waiting for their holder, took the seconds instead.
 * **TTFT target** (off by default). With ``ttft_target_s`` set (a TTFT SLO, e.g. 5 s)
   the tail guard's level is never above it, and it needs no window: a request whose
   chosen node would start it past the target goes to the best scored node that would
