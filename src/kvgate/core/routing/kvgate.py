@@ -279,6 +279,14 @@ request itself:
   patched to do so, as a gateway deferring such turns until that first token would)
   moved TTFT p99 at 0.8 by -0.02 +- 0.02 s and left the hit ratio as it was: the
   deferred turns, themselves kept waiting for their holder, took the seconds instead.
+  Nor did a blocking cost read from the contexts each node holds rather than from the
+  hits it saved (sessions come back 2-8 minutes later, long after a 30 s decay, and a
+  113k-token prompt once landed on the holder of a 100k-token session 4 s before it
+  returned): per node, the contexts we sent there in the last 150 s, each costing
+  min(D / 2, its prefill) x D / 300 s for a prefill of D seconds (the wait or the loss
+  it meets if it comes back meanwhile). In place of the hit-saved rate it put TTFT p99
+  at 0.8 up by 0.21 +- 0.06 s and the hit ratio down by 0.0022; added to it at 0.3 of
+  that weight, -0.03 +- 0.06 s and -0.0003 (all checks 5 runs of 8 against 4).
 * **TTFT target** (off by default). With ``ttft_target_s`` set (a TTFT SLO, e.g. 5 s)
   the tail guard's level is never above it, and it needs no window: a request whose
   chosen node would start it past the target goes to the best scored node that would
