@@ -267,7 +267,7 @@ request itself:
   Tried and left out (paired over the eight replays, mean difference and its standard
   error): a last guard moving a kept turn (a holder, after every rule above) whose
   predicted first token passed a level X to the soonest candidate under X, if it lost at
-  most 48k cached tokens: X = 17 s took TTFT p99 by -0.05 +- 0.06 / -0.26 +- 0.19 s at 0.8
+  most 48k cached tokens: X = 17 s moved TTFT p99 by -0.05 +- 0.06 / -0.26 +- 0.19 s at 0.8
   / 0.95 and the hit ratio by -0.0013 / -0.0022 (0.1686 at 0.95, under
   sglang_cache_aware's 0.1701), all checks holding in 6 / 2 runs against 4 / 3; X = 15
   s, TTFT p99 -0.10 +- 0.05 s at 0.8 for a hit ratio of -0.0020 (4 runs); X at 0.9 of
