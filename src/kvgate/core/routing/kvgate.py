@@ -289,7 +289,7 @@ request itself:
   that weight, -0.03 +- 0.06 s and -0.0003 (all checks 5 runs of 8 against 4).
   Adding a cost for the blocks a long prompt writes, their prefill over the age of the
   node's least recently used block (the index's image of its LRU: what that write would
-  evict, 110-190 s old on that trace; 0.5-1 s per block at 150 s), cost the hit ratio
+  evict, 110-190 s old on that trace; at 150 s, 0.5-1 x a block's prefill), cost the hit ratio
   0.0014-0.0018 and TTFT p99 0.09-0.11 s at 0.8.
 * **TTFT target** (off by default). With ``ttft_target_s`` set (a TTFT SLO, e.g. 5 s)
   the tail guard's level is never above it, and it needs no window: a request whose
