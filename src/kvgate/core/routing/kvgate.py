@@ -292,7 +292,7 @@ request itself:
   evict, 110-190 s old on that trace; at 150 s, 0.5-1 x a block's prefill), cost the hit ratio
   0.0014-0.0018 and TTFT p99 0.09-0.11 s at 0.8.
   The index's image of a node's LRU is ordered by dispatch, the engine's by release
-  (a request's blocks join the free queue when it ends, 1-60 s later). Touching the
+  (a request's blocks join the free queue when it ends, its prefill and decode later). Touching the
   chain again when the request completes (approximate mode) took the index's precision
   from 0.957 to 0.970 (0.8, seed 0) and the hit ratio at 0.95 up by 0.0020 +- 0.0008
   (all checks 6 runs of 8 against 3), but TTFT p99 at 0.8 up by 0.11 +- 0.04 s (all
