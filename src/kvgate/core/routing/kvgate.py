@@ -299,8 +299,10 @@ request itself:
   checks 2 against 4): seeing more of its holders' caches, the policy kept more turns
   waiting for them. With the last guard above at X = 17 s the two held all checks in
   4 / 6 runs (TTFT p99 -0.07 / -0.32 s, hit ratio -0.0013 / +0.0008); with X at 0.9 or
-  0.95 of the quantile level, 1 / 5-6. The synthetic workloads, whose caches the index
-  never overfills, do not move.
+  0.95 of the quantile level, 1 / 5-6; with X the 0.99 quantile of each request's
+  soonest predicted first token (wait plus its prefill there, the guard's own units;
+  14.5-20.4 s over a run, median 17.8 s), 2 / 6. The synthetic workloads, whose caches
+  the index never overfills, do not move.
 * **TTFT target** (off by default). With ``ttft_target_s`` set (a TTFT SLO, e.g. 5 s)
   the tail guard's level is never above it, and it needs no window: a request whose
   chosen node would start it past the target goes to the best scored node that would
