@@ -291,18 +291,18 @@ request itself:
   node's least recently used block (the index's image of its LRU: what that write would
   evict, 110-190 s old on that trace; at 150 s, 0.5-1 x a block's prefill), cost the hit ratio
   0.0014-0.0018 and TTFT p99 0.09-0.11 s at 0.8.
-  The index's image of a node's LRU is ordered by dispatch, the engine's by release
-  (a request's blocks join the free queue when it ends, its prefill and decode later). Touching the
-  chain again when the request completes (approximate mode) took the index's precision
-  from 0.957 to 0.970 (0.8, seed 0) and the hit ratio at 0.95 up by 0.0020 +- 0.0008
-  (all checks 6 runs of 8 against 3), but TTFT p99 at 0.8 up by 0.11 +- 0.04 s (all
-  checks 2 against 4): seeing more of its holders' caches, the policy kept more turns
-  waiting for them. With the last guard above at X = 17 s the two held all checks in
-  4 / 6 runs (TTFT p99 -0.07 / -0.32 s, hit ratio -0.0013 / +0.0008); with X at 0.9 or
-  0.95 of the quantile level, 1 / 5-6; with X the 0.99 quantile of each request's
-  soonest predicted first token (wait plus its prefill there, the guard's own units;
-  14.5-20.4 s over a run, median 17.8 s), 2 / 6. The synthetic workloads, whose caches
-  the index never overfills, do not move.
+  The index's image of a node's LRU is ordered by dispatch, the engine's by release (a
+  request's blocks join the free queue when it ends, its prefill and decode later).
+  Touching the chain again when the request completes (approximate mode) took the
+  index's precision from 0.957 to 0.970 (0.8, seed 0) and the hit ratio at 0.95 up by
+  0.0020 +- 0.0008 (all checks 6 runs of 8 against 3), but TTFT p99 at 0.8 up by 0.11 +-
+  0.04 s (all checks 2 against 4): seeing more of its holders' caches, the policy kept
+  more turns waiting for them. With the last guard above at X = 17 s the two held all
+  checks in 4 / 6 runs (TTFT p99 -0.07 / -0.32 s, hit ratio -0.0013 / +0.0008); with X
+  at 0.9 or 0.95 of the quantile level, 1 / 5-6; with X the 0.99 quantile of each
+  request's soonest predicted first token (wait plus its prefill there, the guard's own
+  units; 10th-90th percentiles over a run 14.5-20.4 s, median 17.2-18.0 s), 2 / 6. The
+  synthetic workloads, whose caches the index never overfills, do not move.
 * **TTFT target** (off by default). With ``ttft_target_s`` set (a TTFT SLO, e.g. 5 s)
   the tail guard's level is never above it, and it needs no window: a request whose
   chosen node would start it past the target goes to the best scored node that would
