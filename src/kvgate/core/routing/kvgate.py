@@ -289,8 +289,8 @@ request itself:
   that weight, -0.03 +- 0.06 s and -0.0003 (all checks 5 runs of 8 against 4).
   Adding a cost for the blocks a long prompt writes, their prefill over the age of the
   node's least recently used block (the index's image of its LRU: what that write would
-  evict, 110-190 s old on that trace; at 150 s, 0.5-1 x a block's prefill), cost the hit ratio
-  0.0014-0.0018 and TTFT p99 0.09-0.11 s at 0.8.
+  evict, 110-190 s old on that trace; at 150 s, 0.5-1 x a block's prefill), cost the hit
+  ratio 0.0014-0.0018 and TTFT p99 0.09-0.11 s at 0.8.
   The index's image of a node's LRU is ordered by dispatch, the engine's by release (a
   request's blocks join the free queue when it ends, its prefill and decode later).
   Touching the chain again when the request completes (approximate mode) took the
