@@ -293,16 +293,20 @@ request itself:
   ratio 0.0014-0.0018 and TTFT p99 0.09-0.11 s at 0.8.
   The index's image of a node's LRU is ordered by dispatch, the engine's by release (a
   request's blocks join the free queue when it ends, its prefill and decode later).
-  Touching the chain again when the request completes (approximate mode) took the
-  index's precision from 0.957 to 0.970 (0.8, seed 0) and the hit ratio at 0.95 up by
-  0.0020 +- 0.0008 (all checks 6 runs of 8 against 3), but TTFT p99 at 0.8 up by 0.11 +-
-  0.04 s (all checks 2 against 4): seeing more of its holders' caches, the policy kept
-  more turns waiting for them. With the last guard above at X = 17 s the two held all
-  checks in 4 / 6 runs (TTFT p99 -0.07 / -0.32 s, hit ratio -0.0013 / +0.0008); with X
-  at 0.9 or 0.95 of the quantile level, 1 / 5-6; with X the 0.99 quantile of each
-  request's soonest predicted first token (wait plus its prefill there, the guard's own
-  units; 10th-90th percentiles over a run 14.5-20.4 s, median 17.2-18.0 s), 2 / 6. The
-  synthetic workloads, whose caches the index never overfills, do not move.
+  Touching a completed request's chain again in the controller (approximate mode) took
+  the index's precision from 0.957 to 0.970 (0.8, seed 0). Against the baselines as they
+  are, with the slack at 20 s it took the hit ratio at 0.95 up by 0.0020 +- 0.0008
+  (paired over the eight replays) and TTFT p99 at 0.8 up by 0.11 +- 0.04 s (seeing more
+  of its holders' caches, the policy kept more turns waiting for them); with the slack
+  at 15 s, TTFT p99 -0.09 +- 0.05 / -0.26 +- 0.13 s, TTFT mean -0.016 / -0.022 s, hit
+  ratio +0.0002 / +0.0007, all checks in 6 / 8 runs against 4 / 3. But the index serves
+  every policy, and with it the baselines' hit ratios rose too, sglang_cache_aware's at
+  0.95 from 0.1701 to 0.1738 (dynamo_cost's TTFT p99 at 0.8 17.167 s, preble_e2's hit
+  ratio 0.1698 / 0.1706): against them the checks held in 2 / 3 runs with a 20 s slack
+  and 3 / 0 with 15 s (the hit ratio at 0.95 in none). It is left out for now, recorded
+  for the next change to the index; a slack and bound of 17 s gave 4 / 0 against those
+  baselines, the X = 17 s guard 2 / 0. The synthetic workloads, whose caches the index
+  never overfills, do not move.
 * **TTFT target** (off by default). With ``ttft_target_s`` set (a TTFT SLO, e.g. 5 s)
   the tail guard's level is never above it, and it needs no window: a request whose
   chosen node would start it past the target goes to the best scored node that would
