@@ -54,6 +54,7 @@ from kvgate.engine import (
     EngineRequest,
     EvictionAnnounced,
     EvictionDone,
+    FinishedRequest,
     RejectKind,
     SimEngine,
     StepOutput,
@@ -518,16 +519,7 @@ class SimCluster:
         for eid in out.first_token_ids:
             self.loop.after(delay, partial(self._first_byte, eid))
         for fin in out.finished:
-            self.loop.after(
-                delay,
-                partial(
-                    self._finished,
-                    fin.request_id,
-                    fin.cached_tokens,
-                    fin.output_tokens,
-                    fin.scheduled_at,
-                ),
-            )
+            self.loop.after(delay, partial(self._finished, fin))
         for rej in out.rejected:
             kind = _failure_of(rej.reject_kind)
             self.loop.after(delay, partial(self._attempt_failed, rej.request_id, kind))
@@ -570,16 +562,17 @@ class SimCluster:
             RequestId(att.outcome.req.request_id), self.loop.now
         )
 
-    def _finished(self, eid: str, cached: int, output: int, scheduled_at: float) -> None:
-        att = self._attempts.pop(eid, None)
+    def _finished(self, fin: FinishedRequest) -> None:
+        att = self._attempts.pop(fin.request_id, None)
         if att is None or att.done:
             return
         att.done = True
         out = att.outcome
         now = self.loop.now
-        out.cached_tokens, out.output_tokens, out.finished_s = cached, output, now
-        if scheduled_at >= 0.0:  # the engine's clock is the simulation's
-            out.prefill_started_s = scheduled_at
+        cached = fin.cached_tokens
+        out.cached_tokens, out.output_tokens, out.finished_s = cached, fin.output_tokens, now
+        if fin.scheduled_at >= 0.0:  # the engine's clock is the simulation's
+            out.prefill_started_s = fin.scheduled_at
         out.node = self.nodes[att.node].node_id
         self._count_funnel(att, cached // self.block_tokens)
         rid = RequestId(out.req.request_id)

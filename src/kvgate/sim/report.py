@@ -171,10 +171,10 @@ def ttft_parts(
     ) -> dict[str, float | int | None]:
         n = len(group)
         prompt = sum(o.req.prompt_tokens for _, _, o in group)
-        # (queued, slowed) of the requests whose prefill start is known (in a simulation
+        # (wait, queued) of the requests whose prefill start is known (in a simulation
         # every completed one; not in an outcome made up without it)
         split = [
-            (o.prefill_started_s - o.arrived_s, t - p - (o.prefill_started_s - o.arrived_s))
+            (t - p, o.prefill_started_s - o.arrived_s)
             for t, p, o in group
             if o.prefill_started_s is not None
         ]
@@ -183,8 +183,8 @@ def ttft_parts(
             "ttft_mean_s": _r(_mean([t for t, _, _ in group])),
             "prefill_mean_s": _r(_mean([p for _, p, _ in group])),
             "wait_mean_s": _r(_mean([t - p for t, p, _ in group])),
-            "queued_mean_s": _r(_mean([q for q, _ in split])),
-            "slowed_mean_s": _r(_mean([w for _, w in split])),
+            "queued_mean_s": _r(_mean([q for _, q in split])),
+            "slowed_mean_s": _r(_mean([w - q for w, q in split])),
             "waited_over_5s": sum(1 for t, p, _ in group if t - p > LONG_WAIT_S),
             "cached_share": _r(sum(o.cached_tokens for _, _, o in group) / prompt)
             if prompt
