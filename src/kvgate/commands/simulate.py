@@ -28,18 +28,26 @@ from kvgate.commands.argtypes import (
 )
 from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
 from kvgate.commands.sim_progress import SimProgress
-from kvgate.commands.sim_replays import check_replay_args, format_point, orderings, run_point
-from kvgate.commands.simulate_args import burstiness, priority_shares, tenant_shares
+from kvgate.commands.sim_replays import check_replay_args, orderings, run_point
+from kvgate.commands.sim_table import print_report
+from kvgate.commands.simulate_args import (
+    burstiness,
+    check_params_run,
+    check_run_options,
+    check_saturation_args,
+    priority_shares,
+    tenant_shares,
+)
 from kvgate.core.admission import AdmissionConfig, LeaseConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.routing import make_policy
 from kvgate.engine.profiles import DEFAULT_PROFILE, PROFILES
 from kvgate.sim.cluster import ClusterConfig
-from kvgate.sim.ordering import format_ordering, format_tally, ordering, tally
+from kvgate.sim.ordering import ordering, tally
 from kvgate.sim.report import Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
-from kvgate.sim.scenario_checks import criteria, format_criteria, measure
+from kvgate.sim.scenario_checks import criteria, measure
 from kvgate.sim.scenarios import SCENARIOS, describe
 from kvgate.sim.synthetic import (
     Arrivals,
@@ -66,11 +74,6 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # formats matplotlib writes that we do
 # generator of its own, so the workload's draws, and every run without those options,
 # stay as they were
 CLASS_SEED_OFFSET = 1_000_003
-# the scenarios that set a class themselves, which the option would be overwritten by
-SCENARIO_SETS = {
-    "--priorities": ("p2_flood", "coordinator_down"),
-    "--tenants": ("tenant_flood",),
-}
 
 
 def _scenarios_epilog() -> str:
@@ -516,72 +519,6 @@ def find_saturation(args: argparse.Namespace, progress: SimProgress) -> float:
     return round(lo, 3)
 
 
-COLUMNS = (
-    ("policy", "{:<18}"),
-    ("completed", "{:>9}"),
-    ("rejected", "{:>8}"),
-    ("failed", "{:>6}"),
-    ("ttft_p50_s", "{:>10.3f}"),
-    ("ttft_p99_s", "{:>10.3f}"),
-    ("ttft_mean_s", "{:>11.3f}"),
-    ("tpot_p99_s", "{:>10.4f}"),
-    ("goodput_rps", "{:>11.3f}"),
-    ("goodput_strict_rps", "{:>8.3f}"),
-    ("hit_ratio", "{:>9.4f}"),
-    ("load_max_over_mean", "{:>8.3f}"),
-    ("attempts_per_request", "{:>8.3f}"),
-)
-
-
-def format_table(report: dict[str, Any]) -> str:
-    heads = [
-        "policy",
-        "done",
-        "rejected",
-        "failed",
-        "ttft_p50",
-        "ttft_p99",
-        "ttft_mean",
-        "tpot_p99",
-        "goodput",
-        "strict",
-        "hit",
-        "ld_max/mean",
-        "attempts",
-    ]
-    widths = [18, 9, 8, 6, 10, 10, 11, 10, 11, 8, 9, 8, 8]
-    lines = [
-        "  ".join(
-            h.rjust(w) if i else h.ljust(w)
-            for i, (h, w) in enumerate(zip(heads, widths, strict=True))
-        )
-    ]
-    for name, rep in report["policies"].items():
-        cells = []
-        for (key, fmt), w in zip(COLUMNS, widths, strict=True):
-            value = name if key == "policy" else rep[key]
-            # a latency with no completed request behind it is None: shown as "-"
-            cells.append("-".rjust(w) if value is None else fmt.format(value))
-        lines.append("  ".join(cells))
-    speeds = ", ".join(
-        f"{name} {rep['sim_requests_per_wall_s']:.0f}" for name, rep in report["policies"].items()
-    )
-    lines.append(f"requests simulated per wall second: {speeds}")
-    b = report["bounds"]
-    lines.append(
-        f"bounds: ideal hit ratio {b['ideal_hit_ratio']:.4f}, pooled LRU "
-        f"({b['pooled_lru_capacity_blocks']} blocks) {b['pooled_lru_hit_ratio']:.4f}; "
-        f"{report['requests']} requests, wall {report['wall_s']} s"
-    )
-    if b.get("balanced_hit_ratio") is not None:
-        lines.append(
-            f"balanced bound: the most any policy with load max/mean <= "
-            f"{b['balanced_load_limit']} ({b['balanced_busy_nodes']} or more of "
-            f"{report['nodes']} nodes busy) can hit: {b['balanced_hit_ratio']:.4f}"
-        )
-    return "\n".join(lines)
-
-
 def _policy_names(args: argparse.Namespace) -> list[str]:
     return [p.strip() for p in args.policies.split(",") if p.strip()]
 
@@ -696,7 +633,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     progress.done()
     broken = False
     try:
-        _print(report)
+        print_report(report)
     except BrokenPipeError:  # `| head`: the files asked for are still written
         silence_stdout()
         broken = True
@@ -711,123 +648,6 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
     return EXIT_BROKEN_PIPE if broken else 0
-
-
-def check_params_run(params: dict[str, dict[str, object]], policies: list[str]) -> None:
-    """A ``--policy-param`` for a policy the run leaves out would be recorded in the
-    report's settings and silently unused: a typo'd comparison. Raises ValueError."""
-    unused = sorted(set(params) - set(policies))
-    if unused:
-        raise ValueError(
-            f"--policy-param sets {', '.join(unused)}, which --policies does not run "
-            f"(it runs {', '.join(policies)})"
-        )
-
-
-def check_saturation_args(args: argparse.Namespace) -> None:
-    """``--saturation`` is a known point that ``--at-saturation`` runs fractions of;
-    alone, or beside ``--find-saturation``, it would be ignored. So would ``--rate`` with
-    a trace, ``--bucket`` without one, and ``--speedup`` beside the saturation flags.
-    Raises ValueError."""
-    if args.trace is None and args.bucket is not None:
-        raise ValueError("--bucket replays a trace's shared timestamps; a synthetic "
-                         "workload has none")
-    check_class_args(args)
-    if args.trace is not None and args.rate is not None:
-        raise ValueError(
-            "--rate sets a synthetic workload's arrivals; a trace has its own timestamps "
-            "(--speedup scales them)"
-        )
-    if args.speedup != 1.0 and (args.at_saturation or args.find_saturation):
-        raise ValueError(
-            "--speedup gives one run's speed-up; with --find-saturation or --at-saturation "
-            "the runs are at fractions of round robin's saturation point instead"
-        )
-    if args.saturation is None:
-        return
-    if args.find_saturation:
-        raise ValueError(
-            "--saturation gives the point, --find-saturation searches for it: use one"
-        )
-    if not args.at_saturation:
-        raise ValueError(
-            "--saturation needs --at-saturation (the fractions of it to run at); "
-            "for one run at a speed-up, use --speedup"
-        )
-
-
-def check_class_args(args: argparse.Namespace) -> None:
-    """``--arrivals`` and ``--burstiness`` draw a synthetic workload's arrivals (a trace
-    has its timestamps), ``--burstiness`` only with ``--arrivals bursty``, which needs
-    it; ``--tenants`` and ``--priorities`` cannot set what a scenario sets itself.
-    Raises ValueError."""
-    if args.trace is not None and (args.arrivals is not None or args.burstiness is not None):
-        option = "--arrivals" if args.arrivals is not None else "--burstiness"
-        raise ValueError(
-            f"{option} draws a synthetic workload's arrival times; a trace has its own "
-            "timestamps (--speedup scales them, --bucket places a shared one's requests)"
-        )
-    if args.burstiness is not None and args.arrivals != "bursty":
-        raise ValueError(
-            "--burstiness sets the bursty arrivals' peak-to-mean ratio: add --arrivals bursty"
-        )
-    if args.arrivals == "bursty" and args.burstiness is None:
-        raise ValueError(
-            "--arrivals bursty needs --burstiness B, the peak-to-mean rate ratio (> 1)"
-        )
-    for option, scenarios in SCENARIO_SETS.items():
-        if getattr(args, option[2:]) is not None and args.scenario in scenarios:
-            what = option[2:]
-            raise ValueError(
-                f"{option}: the {args.scenario} scenario assigns the {what} itself, "
-                f"and would overwrite these; leave out {option} or the scenario"
-            )
-
-
-def check_run_options(args: argparse.Namespace) -> None:
-    """``--plot`` draws runs and ``--replays`` repeats them: ``--find-saturation`` alone
-    makes none. Raises ValueError."""
-    if not args.find_saturation or args.at_saturation:
-        return
-    needs_runs = {"--plot draws": args.plot is not None, "--replays repeats": args.replays > 1}
-    for option, given in needs_runs.items():
-        if given:
-            raise ValueError(
-                f"{option} runs, and --find-saturation alone only searches: "
-                "add --at-saturation (e.g. 0.8)"
-            )
-
-
-def _print(report: dict[str, Any]) -> None:
-    if "round_robin_saturation_speedup" in report:
-        how = "found" if report.get("saturation_found", True) else "given"
-        print(
-            f"round robin saturation speed-up: x{report['round_robin_saturation_speedup']} "
-            f"({how})"
-        )
-        for frac, rep in report["runs"].items():
-            print(f"\n== {frac} of saturation (speed-up x{rep['speedup']:.3f}) ==")
-            _print(rep)
-        if "ordering_tally" in report:
-            print("\n" + format_tally(report["ordering_tally"]))
-        return
-    if "replays" in report:
-        print(format_point(report))
-        return
-    if "variants" in report:
-        name = report["scenario"]
-        for label, rep in report["variants"].items():
-            # a one-run scenario's only variant is named after it: say the name once
-            print(
-                f"\n== scenario {name} ==" if label == name else f"\n== scenario {name}: {label} =="
-            )
-            print(format_table(rep))
-        if "criteria" in report:
-            print(format_criteria(name, report["criteria"]))
-        return
-    print(format_table(report))
-    if "ordering" in report:
-        print(format_ordering(report["ordering"]))
 
 
 __all__ = ["add_simulate_parser", "run_simulate"]

@@ -1,5 +1,7 @@
-"""argparse value types of `kvgate simulate`'s workload options: the tenant and
-priority-class shares (``--tenants``, ``--priorities``) and ``--burstiness``."""
+"""`kvgate simulate`'s options checked: the argparse value types of the workload
+options (the tenant and priority-class shares, ``--tenants`` and ``--priorities``, and
+``--burstiness``), and the checks across options that refuse a combination which
+would be ignored or overwritten without a word (each raises ValueError, one line)."""
 
 from __future__ import annotations
 
@@ -70,3 +72,95 @@ def burstiness(text: str) -> float:
             f"must be a peak-to-mean ratio > 1, got {text} (1 is Poisson: --arrivals poisson)"
         )
     return value
+
+
+# the scenarios that set a class themselves, which the option would be overwritten by
+SCENARIO_SETS = {
+    "--priorities": ("p2_flood", "coordinator_down"),
+    "--tenants": ("tenant_flood",),
+}
+
+
+def check_params_run(params: dict[str, dict[str, object]], policies: list[str]) -> None:
+    """A ``--policy-param`` for a policy the run leaves out would be recorded in the
+    report's settings and silently unused: a typo'd comparison. Raises ValueError."""
+    unused = sorted(set(params) - set(policies))
+    if unused:
+        raise ValueError(
+            f"--policy-param sets {', '.join(unused)}, which --policies does not run "
+            f"(it runs {', '.join(policies)})"
+        )
+
+
+def check_saturation_args(args: argparse.Namespace) -> None:
+    """``--saturation`` is a known point that ``--at-saturation`` runs fractions of;
+    alone, or beside ``--find-saturation``, it would be ignored. So would ``--rate`` with
+    a trace, ``--bucket`` without one, and ``--speedup`` beside the saturation flags.
+    Raises ValueError."""
+    if args.trace is None and args.bucket is not None:
+        raise ValueError("--bucket replays a trace's shared timestamps; a synthetic "
+                         "workload has none")
+    check_class_args(args)
+    if args.trace is not None and args.rate is not None:
+        raise ValueError(
+            "--rate sets a synthetic workload's arrivals; a trace has its own timestamps "
+            "(--speedup scales them)"
+        )
+    if args.speedup != 1.0 and (args.at_saturation or args.find_saturation):
+        raise ValueError(
+            "--speedup gives one run's speed-up; with --find-saturation or --at-saturation "
+            "the runs are at fractions of round robin's saturation point instead"
+        )
+    if args.saturation is None:
+        return
+    if args.find_saturation:
+        raise ValueError(
+            "--saturation gives the point, --find-saturation searches for it: use one"
+        )
+    if not args.at_saturation:
+        raise ValueError(
+            "--saturation needs --at-saturation (the fractions of it to run at); "
+            "for one run at a speed-up, use --speedup"
+        )
+
+
+def check_class_args(args: argparse.Namespace) -> None:
+    """``--arrivals`` and ``--burstiness`` draw a synthetic workload's arrivals (a trace
+    has its timestamps), ``--burstiness`` only with ``--arrivals bursty``, which needs
+    it; ``--tenants`` and ``--priorities`` cannot set what a scenario sets itself.
+    Raises ValueError."""
+    if args.trace is not None and (args.arrivals is not None or args.burstiness is not None):
+        option = "--arrivals" if args.arrivals is not None else "--burstiness"
+        raise ValueError(
+            f"{option} draws a synthetic workload's arrival times; a trace has its own "
+            "timestamps (--speedup scales them, --bucket places a shared one's requests)"
+        )
+    if args.burstiness is not None and args.arrivals != "bursty":
+        raise ValueError(
+            "--burstiness sets the bursty arrivals' peak-to-mean ratio: add --arrivals bursty"
+        )
+    if args.arrivals == "bursty" and args.burstiness is None:
+        raise ValueError(
+            "--arrivals bursty needs --burstiness B, the peak-to-mean rate ratio (> 1)"
+        )
+    for option, scenarios in SCENARIO_SETS.items():
+        if getattr(args, option[2:]) is not None and args.scenario in scenarios:
+            what = option[2:]
+            raise ValueError(
+                f"{option}: the {args.scenario} scenario assigns the {what} itself, "
+                f"and would overwrite these; leave out {option} or the scenario"
+            )
+
+
+def check_run_options(args: argparse.Namespace) -> None:
+    """``--plot`` draws runs and ``--replays`` repeats them: ``--find-saturation`` alone
+    makes none. Raises ValueError."""
+    if not args.find_saturation or args.at_saturation:
+        return
+    needs_runs = {"--plot draws": args.plot is not None, "--replays repeats": args.replays > 1}
+    for option, given in needs_runs.items():
+        if given:
+            raise ValueError(
+                f"{option} runs, and --find-saturation alone only searches: "
+                "add --at-saturation (e.g. 0.8)"
+            )
