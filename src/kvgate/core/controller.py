@@ -46,7 +46,8 @@ is queued (what a newcomer's first token would wait behind), the other tenants' 
 counts ``evicting_cache_weight``, so a flood held to its quota stalls a few nodes that
 everybody else avoids, not every node. In a fleet (several gateways, each seeing only
 its own requests) it is the tenant's home node instead, the same at every gateway,
-discounted whatever its queue (a gateway does not see the others' prefill).
+discounted whatever its queue (a gateway does not see the others' prefill). Both
+are :mod:`kvgate.core.flood_confinement`'s (``Controller.floods``).
 
 When a node is marked down (health probes, or ejection after failures in a row) the
 attempts on it that have no first byte yet will not get one (a hung or dead engine):
@@ -86,10 +87,11 @@ from kvgate.core.config import ControllerConfig, bucket_of
 from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Preempt, Reject
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
+from kvgate.core.flood_confinement import FloodConfinement
 from kvgate.core.hashing import Hasher, TokenBlockHasher, chain_from_ids, make_hasher
 from kvgate.core.ids import BlockChain, NodeId, RequestId
 from kvgate.core.index import ClusterIndex, HotPrefixTracker
-from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order, rendezvous_rank
+from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order
 from kvgate.core.refusals import REFUSALS, RefusalBackoff
 from kvgate.core.rng import Rng
 from kvgate.core.routing import RouteContext, RouteDecision, make_policy
@@ -167,8 +169,10 @@ class Controller:
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
         # one gateway of several: a pressing tenant is confined to its home node
         self._fleet = cfg.admission.lease.expected_gateways > 1
-        # (tenant, model) -> (the eligible pool it was picked from, its home node)
-        self._homes: dict[tuple[str, str], tuple[tuple[NodeState, ...], NodeState | None]] = {}
+        # where a tenant pressing its quota is kept, and what the others route around
+        self.floods = FloodConfinement(
+            self.nodes, self.admission.pressed, window_s=cfg.tenant_confine_s, fleet=self._fleet
+        )
         self.retry_policy = RetryPolicy(cfg.admission)
         self.stats = ControllerStats()
         self._requests: dict[RequestId, _Request] = {}
@@ -530,7 +534,7 @@ class Controller:
             left = self.config.admission.slo.p0_ttft_p99_s - (now - record.arrived_at)
             record.ctx = replace(record.ctx, ttft_target_s=max(left, 0.0))
         tenant = record.arrived.tenant
-        confined = self._confinement(tenant, record.ctx.model, record.excluded, now)
+        confined = self.floods.excluded_for(tenant, record.ctx.model, record.excluded, now)
         if confined is not None:
             decision = self.route(record.ctx, now, confined)
             self.stats.confined_dispatches += decision is not None
@@ -592,89 +596,16 @@ class Controller:
         )
         return Dispatch(request_id=record.request_id, route=decision, attempt=record.attempts)
 
-    def _confinement(
-        self, tenant: str, model: str, excluded: set[NodeId], now: float
-    ) -> set[NodeId] | None:
-        """The nodes to exclude so that a tenant refused lately for asking more than its
-        quota stays where its requests already run (``tenant_confine_s``): None when it is
-        not pressing its quota or has nothing in flight here. Its flood then slows the
-        few nodes it holds, which the scores steer the other tenants away from, instead
-        of every node; the fallback to every candidate keeps it served if those fail.
-        In a fleet each gateway sees only its own requests, so there it is the tenant's
-        home node instead, the same at every gateway (:meth:`_flood_home`)."""
-        window = self.config.tenant_confine_s
-        if window <= 0.0:
-            return None
-        pressed = self.admission.pressed.at(tenant)
-        if pressed is None or now - pressed > window:
-            return None
-        if self._fleet:
-            home = self._flood_home(tenant, model)
-            if home is None:
-                return None
-            return {s.spec.node_id for s in self.nodes if s is not home} | excluded
-        others = {s.spec.node_id for s in self.nodes if not s.tenant_inflight.get(tenant)}
-        if len(others) == len(self.nodes):
-            return None  # nothing in flight: it goes where the policy says
-        return others | excluded
-
-    def _flood_home(self, tenant: str, model: str) -> NodeState | None:
-        """Where every gateway of a fleet confines a pressing tenant, without a word
-        between them: the eligible node with the highest rendezvous hash of (tenant, node)."""
-        pool, _ = self.nodes.eligible(model)  # the same tuple until the pool changes
-        hit = self._homes.get((tenant, model))
-        if hit is not None and hit[0] is pool:
-            return hit[1]
-        home = max(
-            pool,
-            key=lambda s: rendezvous_rank(tenant, s.spec.node_id),
-            default=None,
-        )
-        if len(self._homes) >= 1024:  # pressing tenants are few; bound it anyway
-            self._homes.clear()
-        self._homes[(tenant, model)] = (pool, home)
-        return home
-
     def _route_around_floods(self, record: _Request, now: float) -> RouteDecision | None:
         """Route with the cache of the nodes other tenants' floods are confined to counted
         at ``evicting_cache_weight`` (the request's ``cache_discount``) while they have
         prefill queued: the request leaves them (a miss) rather than waits behind the
         flood."""
         ctx = record.ctx
-        if held := self._flood_nodes(record.arrived.tenant, record.ctx.model, now):
+        if held := self.floods.flood_nodes(record.arrived.tenant, record.ctx.model, now):
             weight = self.config.evicting_cache_weight
             ctx = replace(ctx, cache_discount={s.spec.node_id: weight for s in held})
         return self.route(ctx, now, record.excluded)
-
-    def _flood_nodes(self, tenant: str, model: str, now: float) -> list[NodeState]:
-        """The nodes with prefill queued holding requests of tenants other than
-        ``tenant`` that pressed their quota within ``tenant_confine_s`` (where
-        confinement keeps their floods), and in a fleet their home nodes (where the
-        other gateways keep them)."""
-        window = self.config.tenant_confine_s
-        if window <= 0.0:
-            return []
-        pressing = self.admission.pressed.since(now - window)
-        if not pressing:  # the usual case: no set built per request
-            return []
-        floods = set(pressing)
-        floods.discard(tenant)
-        if not floods:
-            return []
-        # each node's tenants in flight are few: at most its requests. A node where the
-        # flood only decodes makes nobody wait for a first token (the load terms count
-        # its decode batch): only one with prefill queued is routed around
-        held = [
-            s
-            for s in self.nodes
-            if s.pending_prefill_tokens > 0 and not floods.isdisjoint(s.tenant_inflight)
-        ]
-        if self._fleet:
-            for flood in sorted(floods):
-                home = self._flood_home(flood, model)
-                if home is not None and home not in held:
-                    held.append(home)
-        return held
 
     def _finish_rejected(self, record: _Request, now: float) -> Decision:
         """No node can take the request: give the credit back and say why."""
