@@ -46,8 +46,9 @@ is queued (what a newcomer's first token would wait behind), the other tenants' 
 counts ``evicting_cache_weight``, so a flood held to its quota stalls a few nodes that
 everybody else avoids, not every node. In a fleet (several gateways, each seeing only
 its own requests) it is the tenant's home node instead, the same at every gateway,
-discounted whatever its queue (a gateway does not see the others' prefill). Both
-are :mod:`kvgate.core.flood_confinement`'s (``Controller.floods``).
+discounted while it reports requests waiting or runs at least as many as the average
+node (a gateway does not see the others' prefill there). Both are
+:mod:`kvgate.core.flood_confinement`'s (``Controller.floods``).
 
 When a node is marked down (health probes, or ejection after failures in a row) the
 attempts on it that have no first byte yet will not get one (a hung or dead engine):
