@@ -262,7 +262,7 @@ def test_in_a_fleet_the_others_go_around_a_flood_home_only_while_it_is_busy() ->
     prefill this gateway sent, or runs at least as many requests as the average node,
     and use it like any node once it runs fewer. Avoided whatever its load, the home
     sat half idle while the other nodes took its share (chat at x10 with 4 gateways:
-    the fleet's admission budget full, others' TTFT p99 +107 % to +353 % against the
+    the fleet's admission budget full, others' TTFT p99 +49 % to +353 % against the
     run without the flood)."""
     from kvgate.core.admission.pressed import PressedTenants
     from kvgate.core.flood_confinement import FloodConfinement

@@ -94,9 +94,10 @@ class FloodConfinement:
         ]
         if self._fleet:
             pool, _ = self._nodes.eligible(model)
+            running = sum(s.reported_running for s in pool)  # once, for every home
             for flood in sorted(floods):
                 home = self._home(flood, model)
-                if home is not None and home not in held and _avoid_home(home, pool):
+                if home is not None and home not in held and _avoid_home(home, pool, running):
                     held.append(home)
         return held
 
@@ -119,17 +120,16 @@ class FloodConfinement:
         return home
 
 
-
-def _avoid_home(home: NodeState, pool: tuple[NodeState, ...]) -> bool:
+def _avoid_home(home: NodeState, pool: tuple[NodeState, ...], running: int) -> bool:
     """Whether the other tenants route around a flood's home node. This gateway does not
     see the other gateways' flood requests there, only the node's reports: around it
     while a first token sent there would wait behind prefill (what this gateway sent
     there, or requests the node reported waiting), or while it runs at least as many
-    requests as the average node (a prefill in progress reports as running). Not once
-    it runs fewer: avoided whatever its load, the home sat half idle while the others
-    took its share (chat at x10 with 4 gateways: the fleet's admission budget full,
-    the others' TTFT p99 up 107-353 % against the run without the flood)."""
+    requests as the average node of ``pool``, which runs ``running`` in all (a prefill
+    in progress reports as running). Not once it runs fewer: avoided whatever its load,
+    the home sat half idle while the others took its share (chat at x10 with 4
+    gateways: the fleet's admission budget full, the others' TTFT p99 up 49-353 %
+    against the run without the flood)."""
     if home.pending_prefill_tokens > 0 or home.reported_waiting > 0:
         return True
-    running = sum(s.reported_running for s in pool)
     return home.reported_running * len(pool) >= running

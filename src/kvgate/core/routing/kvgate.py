@@ -107,7 +107,13 @@ from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
 from kvgate.core.routing.kvgate_explore import explore_target, least_loaded
 from kvgate.core.routing.kvgate_loads import Load, LoadScores
 from kvgate.core.routing.kvgate_memory import DecayedSeconds, TailLevel
-from kvgate.core.routing.kvgate_rules import fleet_home, spread_session, under_tail, within_slack
+from kvgate.core.routing.kvgate_rules import (
+    Choice,
+    fleet_home,
+    spread_session,
+    under_tail,
+    within_slack,
+)
 
 _INF = float("inf")
 
@@ -138,7 +144,7 @@ class _Scan:
     holders_at_best: int  # how many hold it
     best_match_tripped: bool  # whether the breaker is open on all of them
     hot_holders: int  # the holders of a hot prefix
-    open_holders: list[tuple[Load, float]]  # holders whose breaker is shut, their bonus
+    open_holders: list[Choice]  # holders whose breaker is shut, their bonus
     soonest: Load | None  # the soonest predicted first token (penalty less bonus)
     soonest_bonus: float  # its bonus
     soonest_s: float  # its penalty less bonus
@@ -476,7 +482,7 @@ class KvgatePolicy:
             or self.session_spread_s > 0.0
             or self.fleet_home_s > 0.0
         )
-        open_holders: list[tuple[Load, float]] = []
+        open_holders: list[Choice] = []
         # the soonest predicted first token: (penalty less bonus, queue, slot), its bonus
         soonest: Load | None = None
         soonest_key = (_INF, 0, 0)

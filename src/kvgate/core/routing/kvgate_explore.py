@@ -21,7 +21,7 @@ from kvgate.core.routing.kvgate_loads import Load, LoadScores
 
 __all__ = [
     "BlockingS",
-    "UncachedS",
+    "PrefillS",
     "explore_target",
     "is_idle",
     "least_loaded",
@@ -32,8 +32,9 @@ __all__ = [
 
 _INF = float("inf")
 
-# (prompt tokens, cached tokens) -> predicted prefill seconds
-UncachedS = Callable[[int, int], float]
+# (prompt tokens, cached tokens) -> predicted seconds: the prefill those cached tokens
+# leave (the policy's uncached_s) or save (its saved_s)
+PrefillS = Callable[[int, int], float]
 # (prompt tokens, cached tokens, node, now) -> that prefill's blocking cost on the node
 BlockingS = Callable[[int, int, NodeId, float], float]
 
@@ -54,7 +55,7 @@ def explore_target(
     idle_util: float,
     explore_busy: bool,
     min_gain_s: float,
-    uncached_s: UncachedS,
+    uncached_s: PrefillS,
     blocking_s: BlockingS,
 ) -> NodeState | None:
     """Where exploration sends a cache hit instead of its winner ``best`` (``loss``:
@@ -154,7 +155,7 @@ def shared_hit(
     *,
     ttft: bool,
     min_gain_s: float,
-    uncached_s: UncachedS,
+    uncached_s: PrefillS,
 ) -> bool:
     """Whether the winner's hit of ``chosen_match`` blocks is a prefix exploration may
     copy as shared: what it holds beyond the longest match of another candidate,

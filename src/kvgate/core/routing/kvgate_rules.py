@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping
 
 from kvgate.core.ids import BlockChain, NodeId
 from kvgate.core.nodes import NodeState, rendezvous_rank
-from kvgate.core.routing.kvgate_explore import UncachedS
+from kvgate.core.routing.kvgate_explore import PrefillS
 from kvgate.core.routing.kvgate_loads import PRESSURE_UTIL, Load, LoadScores
 
-__all__ = ["fleet_home", "spread_session", "under_tail", "within_slack"]
+__all__ = ["Choice", "fleet_home", "spread_session", "under_tail", "within_slack"]
 
 _INF = float("inf")
 
@@ -78,7 +78,7 @@ def under_tail(
     tpb: int,
     full: float,
     level: float,
-    uncached_s: UncachedS,
+    uncached_s: PrefillS,
 ) -> Choice | None:
     """The tail guard, once the winner's predicted first token (its wait plus the
     prefill its cache leaves) is past ``level``: the best scored (then the lower
@@ -155,7 +155,7 @@ def spread_session(
     window_s: float,
     shared_window_s: float,
     min_shared_s: float,
-    saved_s: UncachedS,
+    saved_s: PrefillS,
     recent_work: Callable[[NodeId, float], float],
 ) -> Choice | None:
     """When the request starts a new session, the node it goes to and its bonus;
