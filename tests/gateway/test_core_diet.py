@@ -75,7 +75,7 @@ def test_deferred_inserts_give_the_same_decisions_and_index() -> None:
         for ids in chains:
             assert a.index.match(ids, 5.0) == b.index.match(ids, 5.0)
         assert a.index.num_entries() == b.index.num_entries()
-        assert not b._pending_inserts
+        assert not b.learning.pending
 
 
 def test_driver_flushes_after_the_decision_and_the_next_one_sees_the_chain() -> None:
@@ -87,12 +87,12 @@ def test_driver_flushes_after_the_decision_and_the_next_one_sees_the_chain() -> 
         first = await driver.admit(RequestArrived(request_id=RequestId("a"),
                                                   block_ids=(1, 2, 3), prompt_tokens=48))
         assert isinstance(first, Dispatch)
-        assert ctl._pending_inserts  # not yet: the request goes out first
+        assert ctl.learning.pending  # not yet: the request goes out first
         second = await driver.admit(RequestArrived(request_id=RequestId("b"),
                                                    block_ids=(1, 2, 3, 4), prompt_tokens=64))
         assert isinstance(second, Dispatch) and second.route.matched_blocks == 3
         await asyncio.sleep(0)
-        assert not ctl._pending_inserts  # the loop callback flushed
+        assert not ctl.learning.pending  # the loop callback flushed
         assert ctl.index.match((1, 2, 3, 4), 1.0)[first.node_id] >= 3
 
     asyncio.run(body())

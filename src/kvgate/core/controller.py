@@ -92,6 +92,7 @@ from kvgate.core.flood_confinement import FloodConfinement
 from kvgate.core.hashing import Hasher, TokenBlockHasher, chain_from_ids, make_hasher
 from kvgate.core.ids import BlockChain, NodeId, RequestId
 from kvgate.core.index import ClusterIndex, HotPrefixTracker
+from kvgate.core.index_learning import IndexLearning, Learned
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order
 from kvgate.core.refusals import REFUSALS, RefusalBackoff
 from kvgate.core.rng import Rng
@@ -120,9 +121,6 @@ _EJECTING_FAULTS = _FAULTS - {FailureKind.NODE_DOWN}
 _GAVE_UP_WAITING = frozenset({RejectReason.QUEUE_TIMEOUT, RejectReason.QUEUE_FULL})
 
 
-PRECISE_INDEX_HEADROOM = 2  # precise mode: index capacity over the engine's cache
-
-
 @dataclass(slots=True)
 class _Request:
     """Per-request state, alive from admission to the terminal outcome."""
@@ -140,7 +138,7 @@ class _Request:
     predicted_hit_tokens: int = 0
     # approximate mode: the blocks the current attempt's dispatch taught the index its
     # node holds, taken back if the node never runs the attempt
-    learned: list[int] | None = None
+    learned: Learned = None
 
 
 class Controller:
@@ -156,15 +154,11 @@ class Controller:
         self.rng = rng
         self.hasher: Hasher = make_hasher(cfg.hasher, **dict(cfg.hasher_params))
         self.nodes = NodeTable(stale_after_s=cfg.stale_after_s)
-        self._index = ClusterIndex(ttl_s=cfg.index_ttl_s, speculative_ttl_s=cfg.speculative_ttl_s)
-        # Deferred inserts of dispatched chains (off by default): a driver that turns
-        # this on calls flush_index() soon after a decision (after the request went
-        # out); any use of the index before that flushes first, in order, with the
-        # same arguments, so the index and every later decision are exactly as if the
-        # insert had happened inside the decision.
-        self.defer_index_inserts = False
-        self.routing_learns: set[NodeId] = set()  # precise mode: see set_routing_learns
-        self._pending_inserts: list[tuple[NodeId, BlockChain, float, bool, list[int] | None]] = []
+        # the cache location table and what our routing teaches it
+        self.learning = IndexLearning(
+            ClusterIndex(ttl_s=cfg.index_ttl_s, speculative_ttl_s=cfg.speculative_ttl_s),
+            precise=cfg.index_mode == "precise",
+        )
         self.hot = HotPrefixTracker(window_s=cfg.hot_window_s)
         self.policy = make_policy(cfg.policy, cfg.policy_params)
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
@@ -192,19 +186,29 @@ class Controller:
 
     @property
     def index(self) -> ClusterIndex:
-        """The cache location table (pending inserts applied first)."""
-        if self._pending_inserts:
-            self.flush_index()
-        return self._index
+        """The cache location table (deferred inserts applied first)."""
+        return self.learning.index
+
+    @property
+    def defer_index_inserts(self) -> bool:
+        """Deferred inserts of dispatched chains (off by default): a driver that turns
+        this on calls :meth:`flush_index` soon after a decision (after the request went
+        out); see :mod:`kvgate.core.index_learning`."""
+        return self.learning.defer
+
+    @defer_index_inserts.setter
+    def defer_index_inserts(self, on: bool) -> None:
+        self.learning.defer = on
 
     def flush_index(self) -> None:
         """Apply the deferred inserts of dispatched chains, oldest first."""
-        pending = self._pending_inserts
-        if pending:
-            self._pending_inserts = []
-            insert = self._index.insert
-            for node_id, chain, at, speculative, learned in pending:
-                insert(node_id, chain, at, speculative=speculative, new_out=learned)
+        self.learning.flush()
+
+    @property
+    def routing_learns(self) -> set[NodeId]:
+        """Precise mode: the nodes whose dispatches teach the index (see
+        :meth:`set_routing_learns`)."""
+        return self.learning.routing_learns
 
     # ------------------------------------------------------------------ membership
     def add_nodes(self, specs: Iterable[NodeSpec], now: float) -> None:
@@ -217,27 +221,17 @@ class Controller:
 
     def add_node(self, spec: NodeSpec, now: float) -> None:
         self.nodes.add(spec)
-        capacity = spec.cache_blocks
-        if self.config.index_mode == "precise":
-            # The engine's BlockRemoved events evict; the index's own LRU, in dispatch
-            # order and counting routing's speculative guesses, only bounds memory. At
-            # the engine's size it evicted blocks the engine still held (a running
-            # request's), which no event brings back: a hit sends no BlockStored.
-            capacity *= PRECISE_INDEX_HEADROOM
-        if self.index.has_node(spec.node_id):
-            self.index.set_capacity(spec.node_id, capacity)
-        else:
-            self.index.add_node(spec.node_id, capacity)
+        self.learning.add_node(spec.node_id, spec.cache_blocks)
         self._capacity_changed(now)
 
     def remove_node(self, node_id: NodeId, now: float) -> None:
         if self.nodes.remove(node_id) is not None:
-            self.index.remove_node(node_id)
+            self.learning.remove_node(node_id)
             self.policy.on_node_removed(node_id)
         self._ejected_until.pop(node_id, None)
         self.refusals.forget(node_id)
         self._evictions_pending.pop(node_id, None)  # a node added again starts afresh
-        self.routing_learns.discard(node_id)
+        self.learning.forget_node(node_id)
         self._capacity_changed(now)
 
     def set_healthy(self, node_id: NodeId, healthy: bool, now: float) -> None:
@@ -265,21 +259,12 @@ class Controller:
         """Take back the blocks ``record``'s dispatch taught the index about ``node``,
         but for those another request in flight there also carries: that one will
         compute them (they become its to take back if it fails in turn)."""
-        self.flush_index()  # a deferred insert fills ``learned``
-        learned = record.learned
-        if not learned:
-            return
-        mine = set(learned)
-        for other in self._requests.values():
-            if other is record or other.node is not node or other.learned is None:
-                continue
-            backed = mine.intersection(other.ctx.chain)
-            if backed:
-                other.learned.extend(b for b in learned if b in backed)
-                mine -= backed
-                if not mine:
-                    return
-        self.index.remove_blocks(node.spec.node_id, [b for b in learned if b in mine])
+        others = (
+            (other.ctx.chain, other.learned)
+            for other in self._requests.values()
+            if other is not record and other.node is node and other.learned is not None
+        )
+        self.learning.unlearn(node.spec.node_id, record.learned, others)
 
     def take_aborts(self) -> list[RequestId]:
         """The attempts to abort now: their node was marked down before their first byte.
@@ -323,10 +308,7 @@ class Controller:
         approximate mode. Its events cannot key what it caches on top of prefixes they
         never named (a gateway started after a long-running engine: the hot system
         prompt's continuations are orphans), and routing's guesses would expire."""
-        if on:
-            self.routing_learns.add(node_id)
-        else:
-            self.routing_learns.discard(node_id)
+        self.learning.set_routing_learns(node_id, on)
 
     def on_blocks_stored(self, node_id: NodeId, chain: Sequence[int], now: float) -> None:
         """Precise mode: the engine cached these blocks (already in our key space)."""
@@ -566,22 +548,9 @@ class Controller:
             context_tokens=ctx.prompt_tokens,
             tenant=record.arrived.tenant,
         )
-        speculative = (
-            self.config.index_mode == "precise"
-            and node.spec.node_id not in self.routing_learns
-        )
         # approximate mode keeps what this dispatch teaches the index, to take it back if
         # the node never runs it (precise mode: guesses expire, events are the truth)
-        learned = record.learned = [] if ctx.chain and not speculative else None
-        if ctx.chain:
-            if self.defer_index_inserts and len(self._pending_inserts) < 1024:
-                self._pending_inserts.append(
-                    (node.spec.node_id, ctx.chain, now, speculative, learned)
-                )
-            else:
-                self.index.insert(
-                    node.spec.node_id, ctx.chain, now, speculative=speculative, new_out=learned
-                )
+        record.learned = self.learning.learn(node.spec.node_id, ctx.chain, now)
         self.stats.routed[decision.reason.value] += 1
         self.stats.recent.append(
             DecisionRecord(
