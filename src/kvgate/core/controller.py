@@ -84,7 +84,7 @@ from kvgate.core.admission import (
     overloaded_rejection,
 )
 from kvgate.core.admission.types import ESTIMATE_SLACK
-from kvgate.core.config import ControllerConfig, bucket_of
+from kvgate.core.config import ControllerConfig
 from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Preempt, Reject
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
@@ -628,7 +628,14 @@ class Controller:
         node = record.node
         if node is not None:
             node.consecutive_failures = 0
-        self._count_hits(record, cached_tokens, usage_reported)
+        if record.attempts:
+            self.stats.count_hits(
+                node,
+                record.ctx.prompt_tokens,
+                record.predicted_hit_tokens,
+                cached_tokens,
+                usage_reported,
+            )
         self.stats.outcomes["completed"] += 1
         self.admission.record_outcome(True, now)
         return self._close(record, now)
@@ -727,43 +734,6 @@ class Controller:
             if node.consecutive_failures >= self.config.eject_after_failures and node.healthy:
                 self._ejected_until[node.spec.node_id] = now + self.config.eject_s
                 self.set_healthy(node.spec.node_id, False, now)
-
-    def _count_hits(
-        self, record: _Request, cached_tokens: int | None, usage_reported: bool = False
-    ) -> None:
-        if record.attempts == 0:
-            return
-        node = record.node
-        tokens = record.ctx.prompt_tokens
-        name = bucket_of(tokens)
-        # vLLM and SGLang leave prompt_tokens_details out when nothing was cached: from a
-        # node that states its cached tokens, a usage without them is a miss (left out,
-        # the measured hit ratio counted only hits and read twice the truth). Before its
-        # first statement such a usage may be a miss or a node that never states them:
-        # kept aside, and counted as misses once it states one.
-        if cached_tokens is not None:
-            if node is not None and not node.reports_cached_tokens:
-                node.reports_cached_tokens = True
-                for earlier, unstated in node.unstated_prompt_tokens.items():
-                    self.stats.hits[earlier].measured_prompt_tokens += unstated
-                node.unstated_prompt_tokens.clear()
-        elif usage_reported and node is not None:
-            if node.reports_cached_tokens:
-                cached_tokens = 0
-            else:
-                kept = node.unstated_prompt_tokens
-                kept[name] = kept.get(name, 0) + tokens
-        bucket = self.stats.hits[name]
-        bucket.prompt_tokens += tokens
-        bucket.predicted_hit_tokens += record.predicted_hit_tokens
-        if cached_tokens is not None:
-            bucket.measured_prompt_tokens += tokens
-            # an engine's figure is clamped to [0, prompt tokens]: a buggy (negative)
-            # report must not move a counter down
-            measured = min(max(cached_tokens, 0), tokens)
-            bucket.measured_hit_tokens += measured
-            bucket.checked_predicted_tokens += record.predicted_hit_tokens
-            bucket.confirmed_hit_tokens += min(measured, record.predicted_hit_tokens)
 
     def _close(self, record: _Request, now: float, *, node_done: bool = True) -> list[Decision]:
         if self._aborts:  # the request is over: nothing left to abort

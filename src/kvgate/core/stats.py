@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvgate.core.config import PREFIX_BUCKETS
+from kvgate.core.config import PREFIX_BUCKETS, bucket_of
+from kvgate.core.nodes import NodeState
 
 
 @dataclass(slots=True)
@@ -67,3 +68,43 @@ class ControllerStats:
         default_factory=lambda: {name: HitCounter() for name, _ in PREFIX_BUCKETS}
     )
     recent: deque[DecisionRecord] = field(default_factory=lambda: deque(maxlen=50))
+
+    def count_hits(
+        self,
+        node: NodeState | None,
+        prompt_tokens: int,
+        predicted_hit_tokens: int,
+        cached_tokens: int | None,
+        usage_reported: bool = False,
+    ) -> None:
+        """Count a completed request's prompt against what the index predicted cached
+        and, when its node's usage said so, what the engine found cached."""
+        name = bucket_of(prompt_tokens)
+        # vLLM and SGLang leave prompt_tokens_details out when nothing was cached: from a
+        # node that states its cached tokens, a usage without them is a miss (left out,
+        # the measured hit ratio counted only hits and read twice the truth). Before its
+        # first statement such a usage may be a miss or a node that never states them:
+        # kept aside, and counted as misses once it states one.
+        if cached_tokens is not None:
+            if node is not None and not node.reports_cached_tokens:
+                node.reports_cached_tokens = True
+                for earlier, unstated in node.unstated_prompt_tokens.items():
+                    self.hits[earlier].measured_prompt_tokens += unstated
+                node.unstated_prompt_tokens.clear()
+        elif usage_reported and node is not None:
+            if node.reports_cached_tokens:
+                cached_tokens = 0
+            else:
+                kept = node.unstated_prompt_tokens
+                kept[name] = kept.get(name, 0) + prompt_tokens
+        bucket = self.hits[name]
+        bucket.prompt_tokens += prompt_tokens
+        bucket.predicted_hit_tokens += predicted_hit_tokens
+        if cached_tokens is not None:
+            bucket.measured_prompt_tokens += prompt_tokens
+            # an engine's figure is clamped to [0, prompt tokens]: a buggy (negative)
+            # report must not move a counter down
+            measured = min(max(cached_tokens, 0), prompt_tokens)
+            bucket.measured_hit_tokens += measured
+            bucket.checked_predicted_tokens += predicted_hit_tokens
+            bucket.confirmed_hit_tokens += min(measured, predicted_hit_tokens)
