@@ -231,7 +231,7 @@ class Controller:
         self._ejected_until.pop(node_id, None)
         self.refusals.forget(node_id)
         self._evictions_pending.pop(node_id, None)  # a node added again starts afresh
-        self.learning.forget_node(node_id)
+        self.learning.set_routing_learns(node_id, False)  # so does its learning mode
         self._capacity_changed(now)
 
     def set_healthy(self, node_id: NodeId, healthy: bool, now: float) -> None:

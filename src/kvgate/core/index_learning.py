@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvgate.core.ids import BlockChain, NodeId
+from kvgate.core.ids import BlockChain, BlockHash, NodeId
 from kvgate.core.index import ClusterIndex
 
 __all__ = ["PRECISE_INDEX_HEADROOM", "IndexLearning", "Learned"]
@@ -31,7 +31,7 @@ PRECISE_INDEX_HEADROOM = 2  # precise mode: index capacity over the engine's cac
 
 # the blocks one dispatch taught the index (filled when its insert is applied), or None
 # when it taught nothing to take back (no chain, or a speculative guess)
-Learned = list[int] | None
+Learned = list[BlockHash] | None
 
 # Deferred inserts beyond this many are applied at once: memory stays bounded if a
 # driver defers and never flushes.
@@ -88,10 +88,6 @@ class IndexLearning:
     def remove_node(self, node_id: NodeId) -> None:
         self.index.remove_node(node_id)
 
-    def forget_node(self, node_id: NodeId) -> None:
-        """The node left the table: a node added again under its id starts afresh."""
-        self.routing_learns.discard(node_id)
-
     def set_routing_learns(self, node_id: NodeId, on: bool) -> None:
         if on:
             self.routing_learns.add(node_id)
@@ -116,7 +112,7 @@ class IndexLearning:
         self,
         node_id: NodeId,
         learned: Learned,
-        others: Iterable[tuple[BlockChain, list[int]]],
+        others: Iterable[tuple[BlockChain, list[BlockHash]]],
     ) -> None:
         """Take back the blocks one dispatch to the node taught the index (``learned``,
         from :meth:`learn`), but for those another request in flight there also carries
