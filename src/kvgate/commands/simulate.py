@@ -14,6 +14,7 @@ import math
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -43,9 +44,10 @@ from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.routing import make_policy
 from kvgate.engine.profiles import DEFAULT_PROFILE, PROFILES
-from kvgate.sim.cluster import ClusterConfig
+from kvgate.sim.cluster import ClusterConfig, SimCluster
 from kvgate.sim.ordering import ordering, tally
 from kvgate.sim.report import Slo
+from kvgate.sim.request_log import RequestLog
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
 from kvgate.sim.scenario_checks import criteria, measure
 from kvgate.sim.scenarios import SCENARIOS, describe
@@ -271,6 +273,14 @@ def add_simulate_parser(sub: Any) -> None:
     )
     r.add_argument(
         "--json", type=Path, help="write the whole report as JSON to this file (default: none)"
+    )
+    r.add_argument(
+        "--requests",
+        type=Path,
+        metavar="FILE.jsonl",
+        help="write one JSON line per request of every run (its policy, speed-up and "
+        "seed; the node, the route's reason and matched blocks, cached tokens, TTFT "
+        "and its parts): which requests make a tail (default: none)",
     )
     r.add_argument(
         "--plot",
@@ -529,8 +539,10 @@ def _run_once(
     progress: SimProgress,
     params: dict[str, dict[str, object]],
     label: str = "",
+    log: RequestLog | None = None,
 ) -> dict[str, Any]:
-    """One comparison at ``speedup`` (``label`` goes into the progress lines)."""
+    """One comparison at ``speedup`` (``label`` goes into the progress lines); each
+    run's requests go to ``log`` when there is one."""
     base = _load_workload(args, speedup)
     cfg = _config(args)
     slo = Slo(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
@@ -546,6 +558,7 @@ def _run_once(
             progress=partial(_announce, progress, speedup, label),
             on_progress=progress.requests,
             policy_params=params,
+            on_run=_log_runs(log, speedup, args.seed),
         )
         rep["speedup"] = speedup
         if (checked := ordering(rep)) is not None:
@@ -573,6 +586,7 @@ def _run_once(
             on_progress=progress.requests,
             policy_params=params,
             extra=partial(measure, args.scenario, plan),
+            on_run=_log_runs(log, speedup, args.seed, variant or args.scenario),
         )
         if plan.probe is not None:
             rep["probe"] = {
@@ -585,6 +599,16 @@ def _run_once(
     return out
 
 
+def _log_runs(
+    log: RequestLog | None, speedup: float, seed: int, variant: str | None = None
+) -> Callable[[str, SimCluster], None] | None:
+    """What writes each finished run's requests to ``log``, labelled with its run."""
+    if log is None:
+        return None
+    labels = {"speedup": speedup, "seed": seed, "variant": variant}
+    return lambda policy, cluster: log.write_run(cluster, {"policy": policy, **labels})
+
+
 def _announce(progress: SimProgress, speedup: float, context: str, policy: str) -> None:
     """Name a run starting: the policy, the speed-up and any scenario context."""
     progress(f"{policy} at x{speedup:.4g}{context}")
@@ -592,22 +616,28 @@ def _announce(progress: SimProgress, speedup: float, context: str, policy: str) 
 
 def run_simulate(args: argparse.Namespace) -> int:
     progress = SimProgress(not args.no_progress)
+    log: RequestLog | None = None
     try:
         params = parse_policy_params(args.policy_param)  # bad ones fail before any run
         check_params_run(params, resolve_policies(_policy_names(args)))  # so do unknown policies
         check_closed_loop(args)
         check_output_file(args.json, "--json")  # before the run, not after it
         check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
+        check_output_file(args.requests, "--requests")
         report: dict[str, Any]
         check_saturation_args(args)
         check_run_options(args)
         check_replay_args(args)
 
+        log = RequestLog(args.requests) if args.requests else None
+
         def run(speedup: float) -> dict[str, Any]:
             if args.replays == 1:
-                return _run_once(args, speedup, progress, params)
+                return _run_once(args, speedup, progress, params, log=log)
             return run_point(
-                args, speedup, lambda a, sp, label: _run_once(a, sp, progress, params, label)
+                args,
+                speedup,
+                lambda a, sp, label: _run_once(a, sp, progress, params, label, log),
             )
 
         if args.find_saturation or args.at_saturation:
@@ -630,6 +660,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         progress.done()
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if log is not None:  # every run's rows are in it by now (or up to the error)
+            log.close()
     progress.done()
     broken = False
     try:

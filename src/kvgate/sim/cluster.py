@@ -132,6 +132,11 @@ class RequestOutcome:
     # when the node first scheduled the prompt of the attempt that completed (its queue
     # time ends there, its prefill begins: vLLM's scheduled_ts); None until it completes
     prefill_started_s: float | None = None
+    # the routing decision of the last attempt sent: why that node, and the prefix (in
+    # chain blocks) the index matched there and at best anywhere (the request log's)
+    route_reason: str = ""
+    matched_blocks: int = 0
+    best_matched_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -360,6 +365,9 @@ class SimCluster:
     def _send(self, g: int, d: Dispatch) -> None:
         out = self.outcomes[d.request_id]
         out.attempts = d.attempt
+        out.route_reason = d.route.reason.value
+        out.matched_blocks = d.route.matched_blocks
+        out.best_matched_blocks = d.route.best_matched_blocks
         node_index = int(d.node_id.rsplit("-", 1)[1])
         eid = _engine_id(d.request_id, d.attempt)
         att = _Attempt(

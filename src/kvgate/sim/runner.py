@@ -103,10 +103,12 @@ def compare(
     policy_params: Mapping[str, Mapping[str, object]] | None = None,
     extra: Callable[[SimCluster], Mapping[str, object]] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    on_run: Callable[[str, SimCluster], None] | None = None,
 ) -> dict[str, object]:
     """One run of ``workload`` per policy, with the workload's bounds; ``extra`` adds
     keys to each policy's report, read from its finished cluster. ``progress`` is told
-    each policy's name as its run starts, ``on_progress`` its requests as they end."""
+    each policy's name as its run starts, ``on_progress`` its requests as they end,
+    ``on_run`` the policy and its finished cluster (the request log)."""
     capacity = config.nodes * config.cache_blocks
     report: dict[str, object] = {
         "workload": workload.name,
@@ -147,6 +149,8 @@ def compare(
         )
         if extra is not None:
             rep.update(extra(cluster))
+        if on_run is not None:
+            on_run(name, cluster)
         results[name] = rep
         wall += float(rep["wall_s"])  # type: ignore[arg-type]
     if policy_params:

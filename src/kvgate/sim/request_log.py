@@ -1,0 +1,132 @@
+"""One JSON line per request of a simulation run: what ``kvgate simulate --requests`` writes.
+
+The report's aggregates (TTFT p99, the cache-loss funnel, ``ttft_parts``) say how a
+policy did; the log says which requests made it so. A TTFT tail of long prompts and a
+tail of short turns kept waiting for their cache read the same in a percentile and
+differently here: ``prefill_alone_s`` is the request's own prefill on an idle node
+after the cache it found, ``queued_s`` its time before the node first scheduled it,
+and ``ttft_s`` less both is what other requests' work in its steps added.
+
+Each line carries the run it belongs to (``policy``, ``speedup``, ``seed`` and, under a
+scenario, ``variant``), so one file holds every run of a comparison, of a saturation
+sweep and of its replays; rows follow the workload's order within a run. Keys
+(documented in the README): :data:`REQUEST_LOG_KEYS`. Times are seconds on the
+simulation's clock; a request that did not complete has ``null`` latencies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from kvgate.engine import EngineProfile, get_profile, prefill_alone_s
+from kvgate.sim.cluster import RequestOutcome, SimCluster
+from kvgate.sim.report import tpot, ttft
+
+# the keys of every line, in the order written (the run's labels come first)
+REQUEST_LOG_KEYS = (
+    "policy",
+    "speedup",
+    "seed",
+    "variant",
+    "request_id",
+    "session",
+    "tenant",
+    "priority",
+    "arrived_s",
+    "prompt_tokens",
+    "output_tokens",
+    "status",
+    "reason",
+    "node",
+    "attempts",
+    "route_reason",
+    "matched_blocks",
+    "best_matched_blocks",
+    "cached_tokens",
+    "ttft_s",
+    "queued_s",
+    "prefill_alone_s",
+    "tpot_s",
+    "e2e_s",
+)
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def request_rows(cluster: SimCluster, labels: Mapping[str, object]) -> Iterator[dict[str, object]]:
+    """The log's rows of one finished run, in the workload's order; ``labels`` are the
+    run's (``policy``, ``speedup``, ``seed``, ``variant``)."""
+    profile = get_profile(cluster.config.profile)
+    for o in cluster.outcomes.values():
+        yield {key: labels.get(key) for key in REQUEST_LOG_KEYS[:4]} | _request_fields(o, profile)
+
+
+def _request_fields(o: RequestOutcome, profile: EngineProfile) -> dict[str, object]:
+    req = o.req
+    first = ttft(o)
+    done = first is not None
+    return {
+        "request_id": req.request_id,
+        "session": req.session,
+        "tenant": req.tenant,
+        "priority": req.priority,
+        "arrived_s": _r(o.arrived_s),
+        "prompt_tokens": req.prompt_tokens,
+        "output_tokens": req.output_tokens,
+        "status": o.status,
+        "reason": o.reason,
+        "node": o.node or None,
+        "attempts": o.attempts,
+        "route_reason": o.route_reason or None,
+        "matched_blocks": o.matched_blocks,
+        "best_matched_blocks": o.best_matched_blocks,
+        "cached_tokens": o.cached_tokens,
+        "ttft_s": _r(first),
+        "queued_s": _r(o.prefill_started_s - o.arrived_s)
+        if done and o.prefill_started_s is not None
+        else None,
+        # the engine finds at most all but the prompt's last token cached
+        "prefill_alone_s": _r(prefill_alone_s(profile, req.prompt_tokens, o.cached_tokens))
+        if done
+        else None,
+        "tpot_s": _r(tpot(o)),
+        "e2e_s": _r(o.finished_s - o.arrived_s) if done and o.finished_s is not None else None,
+    }
+
+
+class RequestLog:
+    """The ``--requests`` file, open for a whole ``kvgate simulate``: each run's rows are
+    written as the run ends, so memory holds one run's outcomes at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] = path.open("w", encoding="utf-8")
+        self.rows = 0
+
+    def write_run(self, cluster: SimCluster, labels: Mapping[str, object]) -> None:
+        for row in request_rows(cluster, labels):
+            self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+            self.rows += 1
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> RequestLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+__all__ = ["REQUEST_LOG_KEYS", "RequestLog", "request_rows"]
