@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -13,7 +14,8 @@ import pytest
 
 from kvgate.core.admission import AdmissionConfig
 from kvgate.core.config import ControllerConfig
-from kvgate.sim.cluster import FUNNEL_KINDS, STALL_S, ClusterConfig, SimCluster
+from kvgate.sim.cluster import STALL_S, ClusterConfig, SimCluster
+from kvgate.sim.funnel import FUNNEL_KINDS, count_blocks
 from kvgate.sim.loop import EventLoop
 from kvgate.sim.report import SLO_MISS_KINDS, Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
@@ -151,7 +153,8 @@ DETERMINISM_SCRIPT = """
 import json, sys
 from kvgate.sim.runner import SeededRng, compare
 from kvgate.sim.synthetic import multi_turn_chat
-from kvgate.sim.cluster import FUNNEL_KINDS, STALL_S, ClusterConfig, SimCluster
+from kvgate.sim.cluster import STALL_S, ClusterConfig, SimCluster
+from kvgate.sim.funnel import FUNNEL_KINDS
 from kvgate.core.config import ControllerConfig
 from kvgate.core.admission import AdmissionConfig, LeaseConfig
 w = multi_turn_chat(rng=SeededRng(5), arrivals=1.5, num_sessions=25)
@@ -427,28 +430,16 @@ def test_funnel_keeps_the_targets_own_prefix_apart(
     own: int, other: int, got: int, reason: str, expected: dict[str, int]
 ) -> None:
     """Of a request's 10 blocks, 8 were seen and cached before (2 never seen)."""
-    from kvgate.sim.cluster import RequestOutcome, _Attempt
-    from kvgate.sim.workload import SimRequest, Workload
-
-    req = SimRequest(
-        request_id="r",
-        arrival_s=0.0,
-        prompt_tokens=512 * 10,
-        output_tokens=1,
-        block_ids=tuple(range(10)),
+    funnel: Counter[str] = Counter()
+    count_blocks(
+        funnel,
+        total=10,
+        seen=8,
+        own=own,
+        best_other=other,
+        stored=8,
+        got=got,
+        route_reason=reason,
     )
-    w = Workload(name="w", block_tokens=512, requests=(req,))
-    cluster = SimCluster(small_config(), w, rng=SeededRng(1))
-    cluster._ideal["r"] = 8
-    att = _Attempt(
-        outcome=RequestOutcome(req=req, gateway=0),
-        gateway=0,
-        node=0,
-        attempt=1,
-        reason=reason,
-        own_blocks=own,
-        best_other_blocks=other,
-        stored_blocks=8,
-    )
-    cluster._count_funnel(att, got)
-    assert {k: v for k, v in cluster.funnel.items() if v} == {"never_seen": 2, **expected}
+    assert {k: v for k, v in funnel.items() if v} == {"never_seen": 2, **expected}
+    assert set(funnel) <= set(FUNNEL_KINDS)

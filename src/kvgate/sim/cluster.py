@@ -63,6 +63,7 @@ from kvgate.engine import (
 from kvgate.engine.eviction import EvictionConfig
 from kvgate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvgate.engine.node_admission import NodeAdmissionConfig
+from kvgate.sim.funnel import count_blocks
 from kvgate.sim.loop import EventLoop, Timer
 from kvgate.sim.workload import SimRequest, Workload, leading_run
 
@@ -78,17 +79,6 @@ IDLE_SKIP_S = 600.0
 IDLE_KEEP_S = 60.0
 # ended requests between two progress reports (SimCluster.on_progress)
 PROGRESS_EVERY = 64
-# the cache-loss funnel's kinds of prompt block, each in every report (0 when none)
-FUNNEL_KINDS = (
-    "hit",
-    "never_seen",
-    "never_cached",
-    "evicted",
-    "routed_away_by_load",
-    "breaker",
-    "exploration",
-    "replication",
-)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -604,29 +594,18 @@ class SimCluster:
 
     def _count_funnel(self, att: _Attempt, got: int) -> None:
         """File each prompt block of a completed attempt that got ``got`` blocks from
-        the cache: hit, never seen, never cached, evicted (no live node held it at submit,
-        or the target held it then and lost it before the request ran there), or held by
-        another node only (routed away: by load, or the route's reason)."""
+        the cache into the cache-loss funnel (``kvgate.sim.funnel``)."""
         req = att.outcome.req
-        total = len(req.block_ids)
-        # a hit was seen: a later arrival may have computed it first (it jumped the queue)
-        ideal = max(min(self._ideal.get(req.request_id, 0), total), got)
-        best = max(min(max(att.own_blocks, att.best_other_blocks), ideal), got)
-        own = max(min(att.own_blocks, best), got)  # got <= own <= best
-        stored = max(min(att.stored_blocks, ideal), best)
-        f = self.funnel
-        f["hit"] += got
-        f["never_seen"] += total - ideal
-        # seen in an earlier request, but no node ever cached it before this one was sent
-        f["never_cached"] += max(0, ideal - stored)
-        # no live node held it at submit, or the target did and evicted it meanwhile
-        f["evicted"] += stored - best + own - got
-        away = best - own  # only another node held it
-        if away > 0:
-            if att.reason in ("breaker", "exploration", "replication"):
-                f[att.reason] += away
-            else:
-                f["routed_away_by_load"] += away
+        count_blocks(
+            self.funnel,
+            total=len(req.block_ids),
+            seen=self._ideal.get(req.request_id, 0),
+            own=att.own_blocks,
+            best_other=att.best_other_blocks,
+            stored=att.stored_blocks,
+            got=got,
+            route_reason=att.reason,
+        )
 
     # ------------------------------------------------------------------ faults (scenarios)
     # Inject faults through these wrappers, not through a node's engine: each settles

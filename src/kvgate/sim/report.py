@@ -29,7 +29,8 @@ from math import ceil
 
 from kvgate.core.config import PREFIX_BUCKETS, bucket_of
 from kvgate.engine import EngineProfile, get_profile, prefill_alone_s
-from kvgate.sim.cluster import FUNNEL_KINDS, RequestOutcome, SimCluster
+from kvgate.sim.cluster import RequestOutcome, SimCluster
+from kvgate.sim.funnel import FUNNEL_KINDS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

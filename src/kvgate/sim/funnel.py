@@ -1,0 +1,67 @@
+"""The cache-loss funnel: why each prompt block of a completed request was, or was not,
+found cached. Pure arithmetic on what the simulator saw at submit; the cluster feeds it
+and the report prints its counts (``cache_loss_funnel``).
+
+A completed request's ``total`` blocks split into: ``hit`` (the engine found them),
+``never_seen`` (in no earlier request), ``never_cached`` (only in earlier requests that
+no node had computed when this one was sent), ``evicted`` (no live node held them at
+submit, or the target did and lost them before the request ran there) and, for blocks
+only another node held, the reason the route went elsewhere: ``breaker``,
+``exploration``, ``replication``, or ``routed_away_by_load`` for every other reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+# the funnel's kinds of prompt block, each in every report (0 when none)
+FUNNEL_KINDS = (
+    "hit",
+    "never_seen",
+    "never_cached",
+    "evicted",
+    "routed_away_by_load",
+    "breaker",
+    "exploration",
+    "replication",
+)
+
+# route reasons the funnel files apart when they sent a request away from its cache
+_ROUTE_KINDS = frozenset({"breaker", "exploration", "replication"})
+
+
+def count_blocks(
+    funnel: Counter[str],
+    *,
+    total: int,
+    seen: int,
+    own: int,
+    best_other: int,
+    stored: int,
+    got: int,
+    route_reason: str,
+) -> None:
+    """File the ``total`` prompt blocks of one completed attempt into ``funnel``.
+
+    ``seen``: the leading blocks some earlier request had (the ideal cache's hit);
+    ``own`` / ``best_other``: the longest prefix the target / any other live node really
+    held at submit; ``stored``: the longest some node had cached at some time before
+    submit; ``got``: what the engine found; ``route_reason``: the route's reason.
+    """
+    # a hit was seen: a later arrival may have computed it first (it jumped the queue)
+    ideal = max(min(seen, total), got)
+    best = max(min(max(own, best_other), ideal), got)
+    own = max(min(own, best), got)  # got <= own <= best
+    stored = max(min(stored, ideal), best)
+    funnel["hit"] += got
+    funnel["never_seen"] += total - ideal
+    # seen in an earlier request, but no node ever cached it before this one was sent
+    funnel["never_cached"] += max(0, ideal - stored)
+    # no live node held it at submit, or the target did and evicted it meanwhile
+    funnel["evicted"] += stored - best + own - got
+    away = best - own  # only another node held it
+    if away > 0:
+        funnel[route_reason if route_reason in _ROUTE_KINDS else "routed_away_by_load"] += away
+
+
+__all__ = ["FUNNEL_KINDS", "count_blocks"]
