@@ -80,6 +80,21 @@ def ttft(o: RequestOutcome) -> float | None:
     return o.first_token_s - o.arrived_s
 
 
+def e2e(o: RequestOutcome) -> float | None:
+    if o.status != "completed" or o.finished_s is None:
+        return None
+    return o.finished_s - o.arrived_s
+
+
+def queued(o: RequestOutcome) -> float | None:
+    """Arrival to the node first scheduling the prompt (vLLM's queue time, with the
+    network and any failed attempt before it); None unless it completed with a known
+    start."""
+    if o.status != "completed" or o.prefill_started_s is None:
+        return None
+    return o.prefill_started_s - o.arrived_s
+
+
 def tpot(o: RequestOutcome) -> float | None:
     if o.status != "completed" or o.first_token_s is None or o.finished_s is None:
         return None
@@ -118,11 +133,7 @@ def latency_summary(outcomes: Iterable[RequestOutcome]) -> dict[str, float | Non
     outs = list(outcomes)
     ttfts = [t for o in outs if (t := ttft(o)) is not None]
     tpots = [p for o in outs if (p := tpot(o)) is not None]
-    e2es = [
-        o.finished_s - o.arrived_s
-        for o in outs
-        if o.status == "completed" and o.finished_s is not None
-    ]
+    e2es = [e for o in outs if (e := e2e(o)) is not None]
     return {
         "requests": len(outs),
         "completed": len(ttfts),
@@ -174,11 +185,7 @@ def ttft_parts(
         prompt = sum(o.req.prompt_tokens for _, _, o in group)
         # (wait, queued) of the requests whose prefill start is known (in a simulation
         # every completed one; not in an outcome made up without it)
-        split = [
-            (t - p, o.prefill_started_s - o.arrived_s)
-            for t, p, o in group
-            if o.prefill_started_s is not None
-        ]
+        split = [(t - p, q) for t, p, o in group if (q := queued(o)) is not None]
         return {
             "requests": n,
             "ttft_mean_s": _r(_mean([t for t, _, _ in group])),
@@ -200,7 +207,7 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
     done = [o for o in outs if o.status == "completed"]
     ttfts = [t for o in done if (t := ttft(o)) is not None]
     tpots = [p for o in done if (p := tpot(o)) is not None]
-    e2es = [o.finished_s - o.arrived_s for o in done if o.finished_s is not None]
+    e2es = [e for o in done if (e := e2e(o)) is not None]
     first = min((o.arrived_s for o in outs), default=0.0)
     last = max((o.ended_s or 0.0 for o in outs), default=0.0)
     span = max(last - first, 1e-9)

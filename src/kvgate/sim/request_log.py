@@ -19,19 +19,17 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
 from kvgate.engine import EngineProfile, get_profile, prefill_alone_s
 from kvgate.sim.cluster import RequestOutcome, SimCluster
-from kvgate.sim.report import tpot, ttft
+from kvgate.sim.report import _r, e2e, queued, tpot, ttft
 
-# the keys of every line, in the order written (the run's labels come first)
+# the run a line belongs to: its first keys
+RUN_KEYS = ("policy", "speedup", "seed", "variant")
+# the keys of every line, in the order written
 REQUEST_LOG_KEYS = (
-    "policy",
-    "speedup",
-    "seed",
-    "variant",
+    *RUN_KEYS,
     "request_id",
     "session",
     "tenant",
@@ -55,28 +53,23 @@ REQUEST_LOG_KEYS = (
 )
 
 
-def _r(x: float | None) -> float | None:
-    return None if x is None else round(x, 6)
-
-
 def request_rows(cluster: SimCluster, labels: Mapping[str, object]) -> Iterator[dict[str, object]]:
     """The log's rows of one finished run, in the workload's order; ``labels`` are the
     run's (``policy``, ``speedup``, ``seed``, ``variant``)."""
     profile = get_profile(cluster.config.profile)
     for o in cluster.outcomes.values():
-        yield {key: labels.get(key) for key in REQUEST_LOG_KEYS[:4]} | _request_fields(o, profile)
+        yield {key: labels.get(key) for key in RUN_KEYS} | _request_fields(o, profile)
 
 
 def _request_fields(o: RequestOutcome, profile: EngineProfile) -> dict[str, object]:
     req = o.req
     first = ttft(o)
-    done = first is not None
     return {
         "request_id": req.request_id,
         "session": req.session,
         "tenant": req.tenant,
         "priority": req.priority,
-        "arrived_s": _r(o.arrived_s),
+        "arrived_s": _r(o.arrived_s, 6),
         "prompt_tokens": req.prompt_tokens,
         "output_tokens": req.output_tokens,
         "status": o.status,
@@ -87,16 +80,14 @@ def _request_fields(o: RequestOutcome, profile: EngineProfile) -> dict[str, obje
         "matched_blocks": o.matched_blocks,
         "best_matched_blocks": o.best_matched_blocks,
         "cached_tokens": o.cached_tokens,
-        "ttft_s": _r(first),
-        "queued_s": _r(o.prefill_started_s - o.arrived_s)
-        if done and o.prefill_started_s is not None
-        else None,
+        "ttft_s": _r(first, 6),
+        "queued_s": _r(queued(o), 6),
         # the engine finds at most all but the prompt's last token cached
-        "prefill_alone_s": _r(prefill_alone_s(profile, req.prompt_tokens, o.cached_tokens))
-        if done
-        else None,
-        "tpot_s": _r(tpot(o)),
-        "e2e_s": _r(o.finished_s - o.arrived_s) if done and o.finished_s is not None else None,
+        "prefill_alone_s": None
+        if first is None
+        else _r(prefill_alone_s(profile, req.prompt_tokens, o.cached_tokens), 6),
+        "tpot_s": _r(tpot(o), 6),
+        "e2e_s": _r(e2e(o), 6),
     }
 
 
@@ -105,28 +96,14 @@ class RequestLog:
     written as the run ends, so memory holds one run's outcomes at a time."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
         self._file: IO[str] = path.open("w", encoding="utf-8")
-        self.rows = 0
 
     def write_run(self, cluster: SimCluster, labels: Mapping[str, object]) -> None:
         for row in request_rows(cluster, labels):
             self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
-            self.rows += 1
 
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> RequestLog:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-__all__ = ["REQUEST_LOG_KEYS", "RequestLog", "request_rows"]
+__all__ = ["REQUEST_LOG_KEYS", "RUN_KEYS", "RequestLog", "request_rows"]
