@@ -139,6 +139,6 @@ def test_prefix_rates_are_tracked_only_for_a_policy_that_reads_them() -> None:
             assert isinstance(d, Dispatch)
         probe = RequestArrived(request_id=RequestId("x"), block_ids=(1, 2, 3, 4))
         hot_key = ctl.chain_for(probe)[0][-1]  # the chain's 4th block (hot_prefix_blocks)
-        rate[name] = ctl.hot.rate(hot_key, 0.3)
+        rate[name] = ctl.contexts.hot.rate(hot_key, 0.3)
     assert rate["off"] == 0.0
     assert rate["on"] > 0.0

@@ -2,7 +2,8 @@
 
 * deferred index inserts (``Controller.defer_index_inserts``, on under the gateway's
   driver): decisions and the index equal those of a controller that inserts at once;
-* ``Controller._max_seq_len`` is cached per model and follows node changes.
+* ``NodeTable.max_model_len`` (stage 1's longest admissible request) is cached per
+  model and follows node changes.
 """
 
 from __future__ import annotations
@@ -100,17 +101,18 @@ def test_driver_flushes_after_the_decision_and_the_next_one_sees_the_chain() -> 
 
 def test_max_seq_len_is_cached_and_follows_node_changes() -> None:
     ctl = Controller(ControllerConfig(hasher="trace"), rng=random.Random(1))
-    assert ctl._max_seq_len("m") is None
+    longest = ctl.nodes.max_model_len
+    assert longest("m") is None
     ctl.add_node(NodeSpec(node_id=NodeId("a"), max_model_len=1000), 0.0)
-    assert ctl._max_seq_len("m") == 1000
+    assert longest("m") == 1000
     ctl.add_node(NodeSpec(node_id=NodeId("b"), max_model_len=4000,
                           models=frozenset({"m"})), 0.0)
-    assert ctl._max_seq_len("m") == 4000 and ctl._max_seq_len("other") == 1000
+    assert longest("m") == 4000 and longest("other") == 1000
     ctl.add_node(NodeSpec(node_id=NodeId("b"), max_model_len=500,
                           models=frozenset({"m"})), 0.0)  # spec change
-    assert ctl._max_seq_len("m") == 1000
+    assert longest("m") == 1000
     ctl.remove_node(NodeId("a"), 0.0)
-    assert ctl._max_seq_len("m") == 500 and ctl._max_seq_len("other") is None
+    assert longest("m") == 500 and longest("other") is None
     for i in range(100):  # many model names: bounded, still right
-        assert ctl._max_seq_len(f"x{i}") is None
-    assert len(ctl._max_len_cache) <= 64 and ctl._max_seq_len("m") == 500
+        assert longest(f"x{i}") is None
+    assert len(ctl.nodes._longest) <= 64 and longest("m") == 500

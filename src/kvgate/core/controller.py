@@ -88,13 +88,15 @@ from kvgate.core.config import ControllerConfig
 from kvgate.core.decisions import Decision, Dispatch, Fail, Hold, Preempt, Reject
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
+from kvgate.core.eviction_notices import EvictionNotices
 from kvgate.core.flood_confinement import FloodConfinement
-from kvgate.core.hashing import Hasher, TokenBlockHasher, chain_from_ids, make_hasher
+from kvgate.core.hashing import Hasher, make_hasher
 from kvgate.core.ids import BlockChain, NodeId, RequestId
-from kvgate.core.index import ClusterIndex, HotPrefixTracker
+from kvgate.core.index import ClusterIndex
 from kvgate.core.index_learning import IndexLearning, Learned
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order
 from kvgate.core.refusals import REFUSALS, RefusalBackoff
+from kvgate.core.request_context import RouteContexts, prompt_chain
 from kvgate.core.rng import Rng
 from kvgate.core.routing import RouteContext, RouteDecision, make_policy
 from kvgate.core.stats import ControllerStats, DecisionRecord
@@ -159,11 +161,13 @@ class Controller:
             ClusterIndex(ttl_s=cfg.index_ttl_s, speculative_ttl_s=cfg.speculative_ttl_s),
             precise=cfg.index_mode == "precise",
         )
-        self.hot = HotPrefixTracker(window_s=cfg.hot_window_s)
         self.policy = make_policy(cfg.policy, cfg.policy_params)
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
         # one gateway of several: a pressing tenant is confined to its home node
         self._fleet = cfg.admission.lease.expected_gateways > 1
+        self.contexts = RouteContexts(
+            cfg, self.hasher, hot_rate=self.policy.uses_hot_rate, fleet=self._fleet
+        )
         # where a tenant pressing its quota is kept, and what the others route around
         self.floods = FloodConfinement(
             self.nodes, self.admission.pressed, window_s=cfg.tenant_confine_s, fleet=self._fleet
@@ -174,15 +178,10 @@ class Controller:
         self._retries_in_flight = 0
         self._ejected_until: dict[NodeId, float] = {}
         self.refusals = RefusalBackoff()  # nodes that keep refusing, left out a while
-        # announced bulk evictions not done yet, per node (absent: none): the node's
-        # cache stays discounted until the last one is done
-        self._evictions_pending: dict[NodeId, int] = {}
+        # announced bulk evictions not done yet: the node's cache discounted meanwhile
+        self.evictions = EvictionNotices(self.nodes, cfg.evicting_cache_weight)
         self._aborts: dict[RequestId, NodeId] = {}  # see take_aborts
         self._deferred: list[Decision] = []  # decisions made inside a single-result call
-        # model -> the largest max_model_len among the nodes serving it (None: no node),
-        # valid while the node table's version (membership, spec, health) is unchanged
-        self._max_len_cache: dict[str, int | None] = {}
-        self._max_len_version = -1
 
     @property
     def index(self) -> ClusterIndex:
@@ -230,7 +229,7 @@ class Controller:
             self.policy.on_node_removed(node_id)
         self._ejected_until.pop(node_id, None)
         self.refusals.forget(node_id)
-        self._evictions_pending.pop(node_id, None)  # a node added again starts afresh
+        self.evictions.end(node_id)  # a node added again starts afresh
         self.learning.set_routing_learns(node_id, False)  # so does its learning mode
         self._capacity_changed(now)
 
@@ -324,15 +323,11 @@ class Controller:
         what it caches from now on counts in full again."""
         if self.index.has_node(node_id):
             self.index.clear_node(node_id)
-        self._end_evictions(node_id)
+        self.evictions.end(node_id)
 
     def on_eviction_warning(self, node_id: NodeId, now: float) -> None:
         """The node announced a bulk eviction: stop attracting traffic with its cache."""
-        state = self.nodes.get(node_id)
-        if state is not None:
-            pending = self._evictions_pending
-            pending[node_id] = pending.get(node_id, 0) + 1
-            state.cache_weight = self.config.evicting_cache_weight
+        if self.evictions.warned(node_id):
             self.stats.eviction_warnings += 1
 
     def on_eviction_done(self, node_id: NodeId, now: float, tokens_evicted: int = 0) -> None:
@@ -347,38 +342,12 @@ class Controller:
         if tokens_evicted > 0 and self.config.index_mode != "precise":
             blocks = tokens_evicted // self.hasher.tokens_per_block
             self.stats.eviction_blocks_forgotten += self.index.forget_oldest(node_id, blocks)
-        left = self._evictions_pending.get(node_id, 0) - 1
-        if left > 0:
-            self._evictions_pending[node_id] = left
-        else:  # the last, or a done whose warning we missed (clamped at none)
-            self._end_evictions(node_id)
-
-    def _end_evictions(self, node_id: NodeId) -> None:
-        self._evictions_pending.pop(node_id, None)
-        state = self.nodes.get(node_id)
-        if state is not None:
-            state.cache_weight = 1.0
+        self.evictions.done(node_id)
 
     # ------------------------------------------------------------------ requests
     def chain_for(self, req: RequestArrived) -> tuple[BlockChain, int]:
         """The request's block chain and its prompt token count (estimated if unknown)."""
-        h = self.hasher
-        if req.block_ids is not None:
-            chain = chain_from_ids(req.block_ids)
-            tokens = req.prompt_tokens
-            if tokens is None:
-                tokens = len(chain) * h.tokens_per_block
-        elif req.messages is not None:
-            chain = h.chain_for_messages(req.messages, req.model)
-            tokens = req.prompt_tokens or h.estimate_tokens_messages(req.messages)
-        elif req.prompt_token_ids is not None and isinstance(h, TokenBlockHasher):
-            chain = h.chain_for_tokens(req.prompt_token_ids, model=req.model)
-            tokens = len(req.prompt_token_ids)
-        else:
-            assert req.prompt is not None
-            chain = h.chain_for_prompt(req.prompt, req.model)
-            tokens = req.prompt_tokens or h.estimate_tokens_prompt(req.prompt)
-        return chain, tokens
+        return prompt_chain(self.hasher, req)
 
     def on_arrival(self, req: RequestArrived, now: float) -> Decision:
         rid = req.request_id
@@ -403,7 +372,7 @@ class Controller:
                 bypass=req.bypass,
                 prompt_tokens=need,
                 output_tokens=output,
-                max_seq_len=self._max_seq_len(req.model),
+                max_seq_len=self.nodes.max_model_len(req.model),
                 prompt_estimated=estimated,
             ),
             now,
@@ -411,7 +380,7 @@ class Controller:
         if isinstance(verdict, Rejected):
             self.stats.rejects[verdict.reason.value] += 1
             return Reject(request_id=rid, rejected=verdict)
-        ctx = self._context(
+        ctx = self.contexts.build(
             chain, tokens, req, now, math.ceil(need / ESTIMATE_SLACK) if estimated else need
         )
         record = _Request(
@@ -421,52 +390,6 @@ class Controller:
         if isinstance(verdict, Queued):
             return Hold(request_id=rid, deadline=verdict.deadline)
         return self._dispatch_or_reject(record, verdict.ticket, now)
-
-    def _context(
-        self, chain: BlockChain, tokens: int, req: RequestArrived, now: float, context_tokens: int
-    ) -> RouteContext:
-        hot_key: int | None = None
-        hot_blocks = 0
-        rate = 0.0
-        if chain:
-            hot_blocks = min(self.config.hot_prefix_blocks, len(chain))
-            hot_key = chain[hot_blocks - 1]
-            if self.policy.uses_hot_rate:
-                self.hot.record(hot_key, now)
-                rate = self.hot.rate(hot_key, now)
-        return RouteContext(
-            chain=chain,
-            prompt_tokens=tokens,
-            tokens_per_block=self.hasher.tokens_per_block,
-            max_tokens=req.max_tokens,
-            context_tokens=context_tokens,
-            model=req.model,
-            hot_key=hot_key,
-            hot_blocks=hot_blocks,
-            hot_rate=rate,
-            fleet=self._fleet,
-            request_id=req.request_id,
-            # P0's first token is owed within the P0 TTFT SLO from its arrival
-            ttft_target_s=self.config.admission.slo.p0_ttft_p99_s
-            if req.priority == 0 and not req.bypass
-            else 0.0,
-        )
-
-    def _max_seq_len(self, model: str) -> int | None:
-        """The largest ``max_model_len`` among all nodes serving ``model`` (healthy or
-        not), cached per model until the node table's ``version`` moves."""
-        cache = self._max_len_cache
-        if self._max_len_version != self.nodes.version:
-            cache.clear()
-            self._max_len_version = self.nodes.version
-        elif model in cache:
-            return cache[model]
-        lens = [s.spec.max_model_len for s in self.nodes if s.serves(model)]
-        value = max(lens) if lens else None
-        if len(cache) >= 64:  # model names come from requests: keep the cache bounded
-            cache.clear()
-        cache[model] = value
-        return value
 
     # ------------------------------------------------------------------ routing
     def candidates(

@@ -169,10 +169,13 @@ class NodeTable:
         self._load_log: list[NodeState] = []  # the last load changes, oldest first
         # model ("" = any) -> (eligible nodes in table order, their smallest max_model_len)
         self._eligible: dict[str, tuple[tuple[NodeState, ...], int]] = {}
+        # model -> the largest max_model_len among all nodes serving it (None: no node)
+        self._longest: dict[str, int | None] = {}
 
     def _changed(self) -> None:
         self.version += 1
         self._eligible.clear()
+        self._longest.clear()
 
     # --- membership -----------------------------------------------------------------
     def add(self, spec: NodeSpec) -> NodeState:
@@ -234,6 +237,20 @@ class NodeTable:
                 self._eligible.clear()
             self._eligible[model] = hit
         return hit
+
+    def max_model_len(self, model: str) -> int | None:
+        """The largest ``max_model_len`` among all nodes serving ``model``, healthy or not
+        (None: no node serves it): the longest request any of them could ever take.
+        Cached like :meth:`eligible`."""
+        cache = self._longest
+        if model in cache:
+            return cache[model]
+        value = max((s.spec.max_model_len for s in self._by_id.values() if s.serves(model)),
+                    default=None)
+        if len(cache) >= _ELIGIBLE_MODELS_MAX:  # model names come from requests
+            cache.clear()
+        cache[model] = value
+        return value
 
     def get(self, node_id: NodeId) -> NodeState | None:
         return self._by_id.get(node_id)
