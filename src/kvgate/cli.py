@@ -24,7 +24,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Route a few chat requests through kvgate's core on 4 in-memory nodes "
         "and print each decision with its reason and score parts (deterministic).",
     )
-    from kvgate.commands.simulate import add_simulate_parser
+    from kvgate.commands.simulate_args import add_simulate_parser
     from kvgate.commands.up import add_up_parser
     from kvgate.engine.server import add_engine_parser
     from kvgate.gateway.serve import add_serve_parser

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.cli import main
-from kvgate.commands.simulate import _config, _load_workload, add_simulate_parser
+from kvgate.commands.simulate import _config, _load_workload
+from kvgate.commands.simulate_args import add_simulate_parser
 
 
 def test_simulate_prints_a_table_and_writes_json(

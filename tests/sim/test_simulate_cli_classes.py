@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.cli import main
-from kvgate.commands.simulate import _load_workload, add_simulate_parser
+from kvgate.commands.simulate import _load_workload
+from kvgate.commands.simulate_args import add_simulate_parser
 from kvgate.sim.workload import Workload
 
 CHAT = ["--workload", "chat", "--limit", "300"]

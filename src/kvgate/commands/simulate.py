@@ -12,45 +12,36 @@ import argparse
 import json
 import math
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from kvgate.commands.argtypes import (
     check_closed_loop,
     check_output_file,
-    distinct_fractions,
-    positive_float,
-    positive_int,
 )
 from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
 from kvgate.commands.sim_progress import SimProgress
 from kvgate.commands.sim_replays import check_replay_args, orderings, run_point
 from kvgate.commands.sim_table import print_report
 from kvgate.commands.simulate_args import (
-    burstiness,
     check_params_run,
     check_run_options,
     check_saturation_args,
-    priority_shares,
-    tenant_shares,
 )
 from kvgate.core.admission import AdmissionConfig, LeaseConfig
 from kvgate.core.config import ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.routing import make_policy
-from kvgate.engine.profiles import DEFAULT_PROFILE, PROFILES
 from kvgate.sim.cluster import ClusterConfig, SimCluster
 from kvgate.sim.ordering import ordering, tally
 from kvgate.sim.report import Slo
 from kvgate.sim.request_log import RequestLog
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
 from kvgate.sim.scenario_checks import criteria, measure
-from kvgate.sim.scenarios import SCENARIOS, describe
+from kvgate.sim.scenarios import SCENARIOS
 from kvgate.sim.synthetic import (
     Arrivals,
     agent_loops,
@@ -67,7 +58,6 @@ from kvgate.sim.workload import (
     scale_rate,
 )
 
-SYNTHETIC = ("gsp", "chat", "agent", "zipf")
 # arrivals per second when --rate is not given: requests (gsp, zipf), sessions (chat),
 # tasks (agent)
 DEFAULT_RATES = {"gsp": 16.0, "chat": 0.5, "agent": 0.2, "zipf": 4.0}
@@ -76,225 +66,6 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # formats matplotlib writes that we do
 # generator of its own, so the workload's draws, and every run without those options,
 # stay as they were
 CLASS_SEED_OFFSET = 1_000_003
-
-
-def _scenarios_epilog() -> str:
-    lines = ["scenarios (--scenario), each with its pass criteria:"]
-    for name in SCENARIOS:
-        lines.append(
-            textwrap.fill(describe(name), initial_indent=f"  {name}: ", subsequent_indent="    ")
-        )
-    return "\n".join(lines)
-
-
-def add_simulate_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "simulate",
-        help="compare routing policies on a trace or synthetic workload (virtual time)",
-        description=textwrap.fill(
-            "Replay a workload through N simulated nodes and G gateways running "
-            "kvgate's real scheduling core, once per policy, and print a comparison table; "
-            "when kvgate runs beside other policies, lines under the table check it against "
-            "them (TTFT p99 and mean, goodput, load max/mean, hit ratio) and say where a "
-            "baseline wins. Under a scenario, lines check each policy against the "
-            "scenario's pass criteria."
-        ),
-        epilog=_scenarios_epilog(),
-        # the epilog lists one scenario per paragraph, so keep its line breaks
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    w = p.add_argument_group("workload")
-    w.add_argument(
-        "--trace", type=Path, help="Mooncake-format JSONL trace to replay (default: --workload)"
-    )
-    w.add_argument(
-        "--workload",
-        choices=SYNTHETIC,
-        default="chat",
-        help="synthetic workload when no --trace is given (default chat)",
-    )
-    w.add_argument(
-        "--limit",
-        type=positive_int,
-        help="use only the first N requests of the workload (default: all)",
-    )
-    w.add_argument(
-        "--speedup", type=positive_float, default=1.0, help="arrival speed-up factor (default 1.0)"
-    )
-    w.add_argument(
-        "--bucket",
-        choices=("spread", "burst", "jitter"),
-        default=None,
-        help="replay the requests sharing a bucketed trace timestamp at once (burst), evenly "
-        "spread to the next timestamp (spread), or at random offsets drawn from --seed "
-        "(jitter: a different replay of the same trace per seed) (default spread)",
-    )
-    w.add_argument(
-        "--rate",
-        type=positive_float,
-        default=None,
-        help="synthetic arrivals per second: requests (gsp, zipf), sessions (chat) or "
-        "tasks (agent) (default gsp 16, chat 0.5, agent 0.2, zipf 4)",
-    )
-    w.add_argument(
-        "--arrivals",
-        choices=("poisson", "bursty"),
-        default=None,
-        help="synthetic arrival process of the requests (gsp, zipf), sessions (chat) or "
-        "tasks (agent): Poisson at --rate, or bursty, on/off periods (5 s on on average) "
-        "at --burstiness times --rate with the same mean rate (default poisson; a trace "
-        "has its own timestamps)",
-    )
-    w.add_argument(
-        "--burstiness",
-        type=burstiness,
-        default=None,
-        metavar="B",
-        help="--arrivals bursty: the peak-to-mean rate ratio, > 1 (required with bursty; "
-        "default: none)",
-    )
-    w.add_argument(
-        "--tenants",
-        type=tenant_shares,
-        default=None,
-        metavar="NAME=SHARE,...",
-        help="assign each request a tenant drawn by these relative shares, e.g. "
-        "alpha=3,beta=1 (a synthetic session keeps one tenant; trace requests draw one "
-        "each); drawn from --seed by a generator of its own (default: one tenant, "
-        "'default')",
-    )
-    w.add_argument(
-        "--priorities",
-        type=priority_shares,
-        default=None,
-        metavar="P0=SHARE,P1=SHARE,P2=SHARE",
-        help="assign each request a priority class drawn by these relative shares, e.g. "
-        "P0=0.2,P1=0.5,P2=0.3 (or 0=0.2,...; a class left out gets none; a session keeps "
-        "one class, trace requests draw one each) (default: every request P1)",
-    )
-    w.add_argument(
-        "--closed-loop",
-        action="store_true",
-        help="chat and agent: send a session's next request only once the previous one "
-        "has ended (answered, failed or refused), plus its think time (an agent's tool "
-        "gap) divided by --speedup (default: open loop, at the planned times; "
-        "--find-saturation then searches on the open-loop arrivals)",
-    )
-    c = p.add_argument_group("cluster")
-    c.add_argument(
-        "--nodes", type=positive_int, default=8, help="simulated inference nodes (default 8)"
-    )
-    c.add_argument(
-        "--gateways",
-        type=positive_int,
-        default=1,
-        help="gateways, each with its own core and a delayed view, sharing one "
-        "coordinator, configured as a fleet of that size (expected_gateways) (default 1)",
-    )
-    c.add_argument(
-        "--profile",
-        choices=sorted(PROFILES),
-        default=DEFAULT_PROFILE,
-        help=f"engine timing profile (default {DEFAULT_PROFILE})",
-    )
-    c.add_argument(
-        "--cache-blocks",
-        type=positive_int,
-        default=1000,
-        help="KV cache per node in blocks of the workload's block size (default 1000)",
-    )
-    c.add_argument(
-        "--node-capacity", type=positive_int, default=64, help="requests per node in C (default 64)"
-    )
-    c.add_argument(
-        "--budget", type=positive_int, help="admission budget C (default: nodes x capacity)"
-    )
-    c.add_argument(
-        "--index-mode",
-        choices=("approximate", "precise"),
-        default="approximate",
-        help="cache index learned from the gateway's own routing (approximate) or from "
-        "the nodes' KV events (precise) (default approximate)",
-    )
-    r = p.add_argument_group("run")
-    r.add_argument(
-        "--policies", default="all", help="comma-separated policy names, or 'all' (default)"
-    )
-    r.add_argument(
-        "--scenario",
-        choices=("none", *SCENARIOS),
-        default="none",
-        help="run a gray scenario and check its pass criteria (see below; default none)",
-    )
-    r.add_argument(
-        "--seed", type=int, default=0, help="seed of the workload and the policies (default 0)"
-    )
-    r.add_argument(
-        "--slo-ttft", type=positive_float, default=5.0, help="goodput SLO TTFT, s (default 5)"
-    )
-    r.add_argument(
-        "--slo-tpot", type=positive_float, default=0.1, help="goodput SLO TPOT, s (default 0.1)"
-    )
-    r.add_argument(
-        "--find-saturation",
-        action="store_true",
-        help="find round robin's saturation speed-up first (default: no search)",
-    )
-    r.add_argument(
-        "--saturation",
-        type=positive_float,
-        default=None,
-        help="round robin's saturation speed-up if already known, for --at-saturation "
-        "(in place of --find-saturation's search; default: none)",
-    )
-    r.add_argument(
-        "--at-saturation",
-        type=distinct_fractions,
-        default=None,
-        help="comma-separated fractions of round robin's saturation speed-up to run at "
-        "(default: none, one run at --speedup)",
-    )
-    r.add_argument(
-        "--replays",
-        type=positive_int,
-        default=1,
-        help="run each comparison N times, with seeds --seed to --seed + N - 1 (a trace's "
-        "later replays with --bucket jitter), and print each policy's means, in how "
-        "many replays each check held, and kvgate's paired difference with the policy "
-        "each check names, with a 95%% interval (default 1)",
-    )
-    r.add_argument(
-        "--policy-param",
-        action="append",
-        default=[],
-        metavar="POLICY.NAME=VALUE",
-        help="a routing policy's parameter, e.g. kvgate.affinity_slack_s=0 "
-        "(repeatable; the other policies keep their defaults)",
-    )
-    r.add_argument(
-        "--json", type=Path, help="write the whole report as JSON to this file (default: none)"
-    )
-    r.add_argument(
-        "--requests",
-        type=Path,
-        metavar="FILE.jsonl",
-        help="write one JSON line per request of every run (its policy, speed-up and "
-        "seed; the node, the route's reason and matched blocks, cached tokens, TTFT "
-        "and its parts): which requests make a tail (default: none)",
-    )
-    r.add_argument(
-        "--plot",
-        type=Path,
-        help="draw TTFT distributions and hit ratios to this file: .png, .svg or .pdf "
-        "(default: none)",
-    )
-    r.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="print one 'simulating ...' line per run on stderr instead of a progress "
-        "bar of each run's requests (default: the bar on a terminal, the lines "
-        "elsewhere)",
-    )
 
 
 def _load_workload(
@@ -683,4 +454,4 @@ def run_simulate(args: argparse.Namespace) -> int:
     return EXIT_BROKEN_PIPE if broken else 0
 
 
-__all__ = ["add_simulate_parser", "run_simulate"]
+__all__ = ["run_simulate"]
