@@ -245,8 +245,9 @@ class NodeTable:
         cache = self._longest
         if model in cache:
             return cache[model]
-        value = max((s.spec.max_model_len for s in self._by_id.values() if s.serves(model)),
-                    default=None)
+        value = max(
+            (s.spec.max_model_len for s in self._by_id.values() if s.serves(model)), default=None
+        )
         if len(cache) >= _ELIGIBLE_MODELS_MAX:  # model names come from requests
             cache.clear()
         cache[model] = value
