@@ -135,7 +135,6 @@ class _Attempt:
     gateway: int
     node: int
     attempt: int
-    reason: str = ""  # the route reason, for the cache-loss funnel
     own_blocks: int = 0  # longest prefix the target node itself really held at submit
     best_other_blocks: int = 0  # longest prefix any other live node really held at submit
     stored_blocks: int = 0  # longest prefix some node had cached at some time before submit
@@ -360,9 +359,7 @@ class SimCluster:
         out.best_matched_blocks = d.route.best_matched_blocks
         node_index = int(d.node_id.rsplit("-", 1)[1])
         eid = _engine_id(d.request_id, d.attempt)
-        att = _Attempt(
-            outcome=out, gateway=g, node=node_index, attempt=d.attempt, reason=d.route.reason.value
-        )
+        att = _Attempt(outcome=out, gateway=g, node=node_index, attempt=d.attempt)
         self._attempts[eid] = att
         self.loop.after(self.config.network_delay_s, lambda: self._submit(eid))
         inflight = sum(c.in_flight() for c in self.gateways)
@@ -594,7 +591,8 @@ class SimCluster:
 
     def _count_funnel(self, att: _Attempt, got: int) -> None:
         """File each prompt block of a completed attempt that got ``got`` blocks from
-        the cache into the cache-loss funnel (``kvgate.sim.funnel``)."""
+        the cache into the cache-loss funnel (``kvgate.sim.funnel``). The completed
+        attempt is the request's last one sent: its route is the outcome's."""
         req = att.outcome.req
         count_blocks(
             self.funnel,
@@ -604,7 +602,7 @@ class SimCluster:
             best_other=att.best_other_blocks,
             stored=att.stored_blocks,
             got=got,
-            route_reason=att.reason,
+            route_reason=att.outcome.route_reason,
         )
 
     # ------------------------------------------------------------------ faults (scenarios)
