@@ -107,6 +107,50 @@ def json_response(
     )
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+# A client's X-Request-Id is kept (echoed, forwarded, logged) only when it is at most
+# this many characters of printable ASCII; otherwise the request gets a generated id.
+MAX_REQUEST_ID_LEN = 128
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's X-Request-Id if usable (see MAX_REQUEST_ID_LEN), else None: a header
+    that is not valid UTF-8 (aiohttp hands it over with surrogate escapes), holds
+    control characters or is too long gets a generated id, as no id at all does (vLLM
+    takes any X-Request-Id and never refuses a request for it, so neither do we)."""
+    if not value:
+        return None
+    value = value.strip()
+    if not value or len(value) > MAX_REQUEST_ID_LEN:
+        return None
+    if not value.isascii() or not value.isprintable():
+        return None
+    return value
+
+
+def http_exception_response(exc: web.HTTPException) -> web.Response:
+    """aiohttp's own HTTP errors (404 unknown URL, 405 method, 413 body too large ...)
+    raise text/plain answers: the same error in OpenAI's JSON shape, for both apps."""
+    status = exc.status
+    headers: dict[str, str] = {}
+    if status == 404:
+        body = error_body("Unknown request URL. Please check the URL and method.",
+                          "invalid_request_error", None, "unknown_url")
+    elif status == 405:
+        allow = exc.headers.get("Allow", "")
+        body = error_body(f"Method not allowed. Allowed: {allow}.",
+                          "invalid_request_error", None, "method_not_allowed")
+        if allow:
+            headers["Allow"] = allow
+    elif status == 413:
+        body = invalid_request_body("Request body too large.", code="request_too_large")
+    elif status >= 500:
+        body = server_error_body()
+    else:
+        body = error_body(exc.reason or "Bad request.", "invalid_request_error")
+    return json_response(status, body, headers)
+
+
 async def read_body_within(
     request: web.Request, timeout_s: float, timed_out: Callable[[], Exception]
 ) -> bytes:

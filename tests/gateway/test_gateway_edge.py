@@ -292,3 +292,40 @@ def test_log_every_says_how_many_lines_it_left_out(caplog: pytest.LogCaptureFixt
         "closing 0",
         "closing 5 (and 4 more like it since the last one)",
     ]
+
+
+def test_client_request_id_keeps_only_short_printable_ascii() -> None:
+    # one rule for both apps (gateway and engine): anything else gets a generated id
+    from kvgate.edge import MAX_REQUEST_ID_LEN, client_request_id
+
+    assert client_request_id("trace-42") == "trace-42"
+    assert client_request_id("  trace 42 ") == "trace 42"
+    assert client_request_id("x" * MAX_REQUEST_ID_LEN) == "x" * MAX_REQUEST_ID_LEN
+    for bad in (None, "", "   ", "x" * (MAX_REQUEST_ID_LEN + 1), "caf\u00e9", "a\x01b",
+                "bad\udcff"):
+        assert client_request_id(bad) is None, bad
+
+
+def test_aiohttp_http_errors_become_openai_bodies() -> None:
+    from aiohttp import web
+
+    from kvgate.edge import http_exception_response
+
+    def body(exc: web.HTTPException) -> tuple[int, dict[str, Any], str | None]:
+        resp = http_exception_response(exc)
+        assert resp.content_type == "application/json"
+        assert isinstance(resp.body, bytes)
+        return resp.status, json.loads(resp.body)["error"], resp.headers.get("Allow")
+
+    assert body(web.HTTPNotFound())[:2] == (404, {
+        "message": "Unknown request URL. Please check the URL and method.",
+        "type": "invalid_request_error", "param": None, "code": "unknown_url"})
+    status, err, allow = body(web.HTTPMethodNotAllowed("PUT", ["GET", "POST"]))
+    assert (status, err["code"], allow) == (405, "method_not_allowed", "GET,POST")
+    assert err["message"] == "Method not allowed. Allowed: GET,POST."
+    status, err, _ = body(web.HTTPRequestEntityTooLarge(max_size=10, actual_size=20))
+    assert (status, err["code"]) == (413, "request_too_large")
+    status, err, _ = body(web.HTTPServiceUnavailable())
+    assert status == 503 and err["type"] != "invalid_request_error"
+    status, err, _ = body(web.HTTPBadRequest(reason="nope"))
+    assert (status, err["message"], err["type"]) == (400, "nope", "invalid_request_error")

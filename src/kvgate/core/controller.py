@@ -586,16 +586,7 @@ class Controller:
         node = record.node
         self.stats.failures[failure.value] += 1
         if node is not None:
-            self.nodes.on_done(
-                node,
-                sent_at=record.sent_at,
-                now=now,
-                key=record.request_id,
-                context_tokens=record.ctx.prompt_tokens,
-                tenant=record.arrived.tenant,
-            )
-            if self._is_current(node):
-                self.policy.on_finished(node.spec.node_id, now, record.request_id)
+            if self._release_node(record, node, now):
                 self._note_node_failure(node, failure, now)
                 if failure in REFUSALS and node.reported_waiting == 0:
                     # refusing while it says nothing waits there: not busy, broken (a
@@ -646,6 +637,22 @@ class Controller:
         out.extend(self._close(record, now, node_done=False))
         return out
 
+    def _release_node(self, record: _Request, node: NodeState, now: float) -> bool:
+        """``record``'s attempt on ``node`` is over: the node's load forgets it and, when
+        the node is still in the table, so does the policy. Whether it is."""
+        self.nodes.on_done(
+            node,
+            sent_at=record.sent_at,
+            now=now,
+            key=record.request_id,
+            context_tokens=record.ctx.prompt_tokens,
+            tenant=record.arrived.tenant,
+        )
+        if not self._is_current(node):
+            return False
+        self.policy.on_finished(node.spec.node_id, now, record.request_id)
+        return True
+
     def _is_current(self, node: NodeState) -> bool:
         """Whether ``node`` is still in the table: once removed, a node added back under
         its id is a new one, which the old one's requests must not account to."""
@@ -663,16 +670,7 @@ class Controller:
             self._aborts.pop(record.request_id, None)
         node = record.node
         if node_done and node is not None:
-            self.nodes.on_done(
-                node,
-                sent_at=record.sent_at,
-                now=now,
-                key=record.request_id,
-                context_tokens=record.ctx.prompt_tokens,
-                tenant=record.arrived.tenant,
-            )
-            if self._is_current(node):
-                self.policy.on_finished(node.spec.node_id, now, record.request_id)
+            self._release_node(record, node, now)
         if record.attempts == 2 and node_done:
             self._retries_in_flight = max(0, self._retries_in_flight - 1)
         if record.ticket is None:

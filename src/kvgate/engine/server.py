@@ -51,7 +51,15 @@ from typing import Any, Literal
 import zmq
 from aiohttp import web
 
-from kvgate.edge import EdgeRunner, expect_handler, read_body_within, reset_transport
+from kvgate.edge import (
+    REQUEST_ID_HEADER,
+    EdgeRunner,
+    client_request_id,
+    expect_handler,
+    http_exception_response,
+    read_body_within,
+    reset_transport,
+)
 from kvgate.edge import json_response as _json  # the gateway's compact JSON answers
 from kvgate.engine.api import EngineConfig, EngineRequest, FinishedRequest, RejectedRequest
 from kvgate.engine.engine import SimEngine
@@ -83,11 +91,9 @@ from kvgate.protocol import (
     KVEvent,
     ProtocolError,
     RequestTooLargeError,
-    error_body,
     invalid_request_body,
     not_found_body,
     overloaded_body,
-    server_error_body,
 )
 from kvgate.protocol.errors import BodyTimeoutError
 from kvgate.protocol.openai_schema import parse_json_object
@@ -104,11 +110,7 @@ __all__ = [
 log = logging.getLogger("kvgate.engine.server")
 
 REJECT_HEADER = "X-Kvgate-Reject"
-REQUEST_ID_HEADER = "X-Request-Id"
 _MIN_SLEEP_S = 0.001
-# The gateway's rule for a client's X-Request-Id (kvgate.gateway.proxy, which the
-# engine does not import): at most 128 characters of printable ASCII.
-MAX_REQUEST_ID_LEN = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,19 +124,6 @@ class _Failed:
 _Item = int | FinishedRequest | RejectedRequest | _Failed
 
 
-def _client_request_id(value: str) -> str | None:
-    """The client's X-Request-Id if usable (see MAX_REQUEST_ID_LEN), else None: a header
-    that is not valid UTF-8 (aiohttp hands it over with surrogate escapes), holds
-    control characters or is too long gets a generated id, as no id at all does (vLLM
-    takes any X-Request-Id and never refuses a request for it)."""
-    value = value.strip()
-    if not value or len(value) > MAX_REQUEST_ID_LEN:
-        return None
-    if not value.isascii() or not value.isprintable():
-        return None
-    return value
-
-
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -144,29 +133,15 @@ def _body_timed_out() -> BodyTimeoutError:
 
 @web.middleware
 async def _http_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
-    """aiohttp's own 404 (unknown URL) and 405 (method) are raised, as text/plain:
-    answer them in OpenAI's JSON shape, as the gateway does. Responses the handlers
-    return (their own JSON errors included) pass through untouched."""
+    """aiohttp's own 404 (unknown URL), 405 (method) and the like are raised, as
+    text/plain: answer them in OpenAI's JSON shape, as the gateway does. Responses the
+    handlers return (their own JSON errors included) pass through untouched."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        headers: dict[str, str] = {}
-        if exc.status == 404:
-            body = error_body("Unknown request URL. Please check the URL and method.",
-                              "invalid_request_error", None, "unknown_url")
-        elif exc.status == 405:
-            allow = exc.headers.get("Allow", "")
-            body = error_body(f"Method not allowed. Allowed: {allow}.",
-                              "invalid_request_error", None, "method_not_allowed")
-            if allow:
-                headers["Allow"] = allow
-        elif exc.status >= 500:
-            body = server_error_body()
-        else:
-            body = error_body(exc.reason, "invalid_request_error")
-        return _json(exc.status, body, headers)
+        return http_exception_response(exc)
 
 
 def _reject_response(kind: RejectKind, reason: str, headers: dict[str, str]) -> web.Response:
@@ -492,7 +467,7 @@ class EngineServer:
         fresh one. Claimed by the submission that follows with no await between (an id
         found free could otherwise be taken twice)."""
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        given = _client_request_id(request.headers.get(REQUEST_ID_HEADER, ""))
+        given = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         if given is not None:
             rid = given if given.startswith(prefix) else prefix + given
             if rid not in self._pending and self.engine.request_status(rid) is None:

@@ -28,7 +28,13 @@ from aiohttp import web
 from kvgate.core.admission import Rejected
 from kvgate.core.decisions import Fail
 from kvgate.core.errors import AuthError, KvgateError
-from kvgate.edge import ExpectCheck, json_response
+from kvgate.edge import (
+    REQUEST_ID_HEADER,
+    ExpectCheck,
+    client_request_id,
+    http_exception_response,
+    json_response,
+)
 from kvgate.protocol import (
     ProtocolError,
     error_body,
@@ -42,7 +48,6 @@ log = logging.getLogger("kvgate.gateway")
 
 NODE_HEADER = "X-Kvgate-Node"
 REASON_HEADER = "X-Kvgate-Route-Reason"
-REQUEST_ID_HEADER = "X-Request-Id"
 SHOULD_RETRY_HEADER = "x-should-retry"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -137,38 +142,16 @@ def error_response(exc: BaseException) -> web.Response:
             exc.http_status, error_body(exc.message, exc.error_type, exc.param, exc.code)
         )
     if isinstance(exc, web.HTTPException):
-        return _http_exception_response(exc)
+        return http_exception_response(exc)
     if isinstance(exc, ConnectionResetError):  # the client is gone; nobody reads this
         return web.Response(status=499)
     log.error("unhandled error in the gateway", exc_info=exc)
     return json_response(500, server_error_body())
 
 
-def _http_exception_response(exc: web.HTTPException) -> web.Response:
-    status = exc.status
-    headers: dict[str, str] = {}
-    if status == 404:
-        body = error_body("Unknown request URL. Please check the URL and method.",
-                          "invalid_request_error", None, "unknown_url")
-    elif status == 405:
-        body = error_body(f"Method not allowed. Allowed: {exc.headers.get('Allow', '')}.",
-                          "invalid_request_error", None, "method_not_allowed")
-        if "Allow" in exc.headers:
-            headers["Allow"] = exc.headers["Allow"]
-    elif status == 413:
-        body = invalid_request_body(
-            "Request body too large.", code="request_too_large"
-        )
-    elif status >= 500:
-        body = server_error_body()
-    else:
-        body = error_body(exc.reason or "Bad request.", "invalid_request_error")
-    return json_response(status, body, headers)
-
-
 def _with_request_id(request: web.Request, resp: web.Response) -> web.Response:
-    rid = request.headers.get(REQUEST_ID_HEADER)
-    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
+    rid = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+    if rid is not None:
         resp.headers[REQUEST_ID_HEADER] = rid
     return resp
 

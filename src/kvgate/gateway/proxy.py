@@ -30,9 +30,10 @@ from kvgate.core.admission.types import NUM_CLASSES, shutting_down_rejection
 from kvgate.core.errors import ClientRequestError
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
+from kvgate.edge import REQUEST_ID_HEADER, client_request_id
 from kvgate.gateway.body import check_json_body_type, read_body
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.errors import REQUEST_ID_HEADER, reject_response
+from kvgate.gateway.errors import reject_response
 from kvgate.gateway.identity import PRIORITY_HEADER, Authenticator
 from kvgate.gateway.node_watcher import NodeWatcher
 from kvgate.gateway.relay import Flight, Relay
@@ -48,7 +49,6 @@ EXCLUDE_HEADER = "X-Kvgate-Exclude-Node"
 # Client headers worth passing to the engine (tracing and vLLM's session affinity).
 FORWARDED_HEADERS = ("X-Session-ID", "traceparent", "tracestate", "baggage")
 SALT_ROLE = "\x00cache_salt"
-MAX_REQUEST_ID_LEN = 128
 
 
 class RequestIds:
@@ -129,7 +129,7 @@ class CompletionsHandler:
                 code="model_not_found",
             )
         rid = request_ids.next()
-        client_rid = _client_request_id(request.headers.get(REQUEST_ID_HEADER)) or rid
+        client_rid = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or rid
         prompt_form = _prompt_form(parsed)
         arrived = RequestArrived(
             request_id=rid,
@@ -212,12 +212,3 @@ def _excluded(header: str | None) -> frozenset[NodeId]:
     if not header:
         return frozenset()
     return frozenset(NodeId(p.strip()) for p in header.split(",") if p.strip())
-
-
-def _client_request_id(value: str | None) -> str | None:
-    """The client's X-Request-Id if it is short and printable ASCII, else None."""
-    if not value or len(value) > MAX_REQUEST_ID_LEN:
-        return None
-    if not value.isascii() or not value.isprintable():
-        return None
-    return value

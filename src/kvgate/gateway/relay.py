@@ -50,14 +50,13 @@ from kvgate.core.decisions import Decision, Dispatch, Fail, Reject
 from kvgate.core.errors import InvariantViolation
 from kvgate.core.events import RequestArrived
 from kvgate.core.ids import NodeId, RequestId
-from kvgate.edge import LogEvery, json_response, reset_transport
+from kvgate.edge import REQUEST_ID_HEADER, LogEvery, json_response, reset_transport
 from kvgate.gateway.driver import Driver
 from kvgate.gateway.errors import (
     ANSWERED,
     CLIENT_GONE,
     NODE_HEADER,
     REASON_HEADER,
-    REQUEST_ID_HEADER,
     SHOULD_RETRY_HEADER,
     fail_response,
     reject_response,
