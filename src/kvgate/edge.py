@@ -23,6 +23,10 @@ protocol factory overridden) fixes all three:
   (``RequestPayloadError``: the handler answers 400 at once); after the answer to a
   request whose body failed (that, a bad encoding, or a body timeout: see
   ``body.py``) the connection is closed, its framing being lost.
+
+Beside it, what both apps answer alike: compact JSON responses (``json_response``),
+aiohttp's own HTTP errors in OpenAI's shape (``http_exception_response``), and the
+rule for a client's X-Request-Id (``client_request_id``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ import time
 from typing import Any
 
 import pytest
-from aiohttp import http_parser
+from aiohttp import http_parser, web
 
+from kvgate.edge import MAX_REQUEST_ID_LEN, client_request_id, http_exception_response
 from kvgate.testing import raw_exchange
 
 CHAT = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}]}'
@@ -296,8 +297,6 @@ def test_log_every_says_how_many_lines_it_left_out(caplog: pytest.LogCaptureFixt
 
 def test_client_request_id_keeps_only_short_printable_ascii() -> None:
     # one rule for both apps (gateway and engine): anything else gets a generated id
-    from kvgate.edge import MAX_REQUEST_ID_LEN, client_request_id
-
     assert client_request_id("trace-42") == "trace-42"
     assert client_request_id("  trace 42 ") == "trace 42"
     assert client_request_id("x" * MAX_REQUEST_ID_LEN) == "x" * MAX_REQUEST_ID_LEN
@@ -307,10 +306,6 @@ def test_client_request_id_keeps_only_short_printable_ascii() -> None:
 
 
 def test_aiohttp_http_errors_become_openai_bodies() -> None:
-    from aiohttp import web
-
-    from kvgate.edge import http_exception_response
-
     def body(exc: web.HTTPException) -> tuple[int, dict[str, Any], str | None]:
         resp = http_exception_response(exc)
         assert resp.content_type == "application/json"
