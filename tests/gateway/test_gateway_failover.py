@@ -11,6 +11,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvgate.core.admission import BreakerState, FailureKind
 from kvgate.gateway.upstream import classify_status
+from kvgate.protocol.node_reject import REJECT_HEADER, RejectKind
 
 
 def _req(i: int, **extra: Any) -> dict[str, Any]:
@@ -23,6 +24,19 @@ def test_status_classes() -> None:
     assert classify_status(422, none) is FailureKind.CLIENT_ERROR
     assert classify_status(429, none) is FailureKind.RATE_LIMITED  # the node sheds load
     assert classify_status(500, none) is FailureKind.UPSTREAM_ERROR
+
+
+def test_a_nodes_refusal_header_says_where_the_request_may_go() -> None:
+    def refused(kind: str) -> FailureKind:
+        return classify_status(503, CIMultiDictProxy(CIMultiDict({REJECT_HEADER: kind})))
+
+    # the values the engine sends, read by the gateway through the same names
+    assert refused(RejectKind.RETRY_ELSEWHERE.value) is FailureKind.RETRY_ELSEWHERE
+    assert refused(RejectKind.POOL_OVERLOADED.value) is FailureKind.POOL_OVERLOADED
+    assert refused(" Pool-Overloaded ") is FailureKind.POOL_OVERLOADED  # case, spaces
+    # a 503 without a kind the gateway knows is vLLM's own 503
+    assert refused("something-else") is FailureKind.HTTP_503
+    assert classify_status(503, CIMultiDictProxy(CIMultiDict())) is FailureKind.HTTP_503
 
 
 def test_a_clients_bad_requests_do_not_open_the_cluster_breaker(kit: Any) -> None:

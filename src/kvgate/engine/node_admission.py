@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from kvgate.protocol.node_reject import RejectKind
+
 __all__ = [
     "AdmissionQueue",
     "AdmissionStatus",
@@ -55,14 +57,6 @@ class AdmissionStatus(enum.Enum):
     ACCEPTED = "accepted"
     QUEUED = "queued"
     REJECTED = "rejected"
-
-
-class RejectKind(enum.Enum):
-    """Why a node refused; the values are the `X-Kvgate-Reject` header values."""
-
-    RETRY_ELSEWHERE = "retry-elsewhere"  # this node is busy or down; another may serve it
-    POOL_OVERLOADED = "pool-overloaded"  # memory-saturated; do not retry elsewhere
-    BAD_REQUEST = "bad-request"  # the request can never run here (too long)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -64,7 +64,7 @@ from kvgate.edge import json_response as _json  # the gateway's compact JSON ans
 from kvgate.engine.api import EngineConfig, EngineRequest, FinishedRequest, RejectedRequest
 from kvgate.engine.engine import SimEngine
 from kvgate.engine.kv_events import KvEvent
-from kvgate.engine.node_admission import NodeAdmission, RejectKind
+from kvgate.engine.node_admission import NodeAdmission
 from kvgate.engine.profiles import get_profile
 from kvgate.engine.server_cli import add_engine_parser, config_from_args
 from kvgate.engine.server_config import EngineServerConfig, FaultSpec, WireFaults
@@ -96,6 +96,7 @@ from kvgate.protocol import (
     overloaded_body,
 )
 from kvgate.protocol.errors import BodyTimeoutError
+from kvgate.protocol.node_reject import REJECT_HEADER, RejectKind
 from kvgate.protocol.openai_schema import parse_json_object
 from kvgate.protocol.sse import DONE_EVENT, encode_json_event, error_event
 
@@ -109,7 +110,6 @@ __all__ = [
 
 log = logging.getLogger("kvgate.engine.server")
 
-REJECT_HEADER = "X-Kvgate-Reject"
 _MIN_SLEEP_S = 0.001
 
 

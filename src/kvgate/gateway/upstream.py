@@ -48,8 +48,7 @@ from yarl import URL
 from kvgate.core.admission import FailureKind
 from kvgate.gateway.config import NodesConfig, UpstreamConfig
 from kvgate.gateway.lean_http import LeanClient, Target, UpstreamConnectError
-
-REJECT_HEADER = "X-Kvgate-Reject"
+from kvgate.protocol.node_reject import REJECT_HEADER, RejectKind
 
 
 class UpstreamResponse(Protocol):
@@ -76,9 +75,9 @@ def classify_status(status: int, headers: Mapping[str, str]) -> FailureKind:
     """The failure kind of a non-2xx answer from a node."""
     if status == 503:
         reject = headers.get(REJECT_HEADER, "").strip().lower()
-        if reject == "pool-overloaded":
+        if reject == RejectKind.POOL_OVERLOADED.value:
             return FailureKind.POOL_OVERLOADED
-        if reject == "retry-elsewhere":
+        if reject == RejectKind.RETRY_ELSEWHERE.value:
             return FailureKind.RETRY_ELSEWHERE
         return FailureKind.HTTP_503
     if status == 429:

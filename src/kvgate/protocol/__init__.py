@@ -6,6 +6,7 @@
 * :mod:`.openai_schema`: ``/v1/completions`` and ``/v1/chat/completions`` bodies;
 * :mod:`.sse`: the incremental SSE parser and OpenAI stream helpers;
 * :mod:`.errors`: :class:`ProtocolError` and OpenAI-shaped error bodies.
+* :mod:`.node_reject`: the ``X-Kvgate-Reject`` header a node refuses with, and its kinds.
 """
 
 from kvgate.protocol.errors import (
