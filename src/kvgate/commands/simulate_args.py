@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.commands.argtypes import distinct_fractions, positive_float, positive_int
+from kvgate.core.config import INDEX_MODES
 from kvgate.engine.profiles import DEFAULT_PROFILE, PROFILES
 from kvgate.sim.scenarios import SCENARIOS, describe
 from kvgate.sim.workload import PRIORITIES
@@ -308,7 +309,7 @@ def add_simulate_parser(sub: Any) -> None:
     )
     c.add_argument(
         "--index-mode",
-        choices=("approximate", "precise"),
+        choices=INDEX_MODES,
         default="approximate",
         help="cache index learned from the gateway's own routing (approximate) or from "
         "the nodes' KV events (precise) (default approximate)",

@@ -53,6 +53,7 @@ from kvgate.commands.engine_processes import (
     wait_healthy,
 )
 from kvgate.commands.pipes import silence_stdout
+from kvgate.core.config import INDEX_MODES
 from kvgate.core.errors import ConfigError, KvgateError
 from kvgate.core.hashing import make_hasher
 from kvgate.gateway.app import GatewayServer, start_gateway
@@ -191,7 +192,7 @@ async def start_cluster(
         raise ConfigError("engine_speedup must be > 0")
     if not model.strip():
         raise ConfigError("model must not be empty")
-    if index_mode not in ("approximate", "precise"):
+    if index_mode not in INDEX_MODES:
         raise ConfigError(f"index_mode must be 'approximate' or 'precise', got {index_mode!r}")
     precise = index_mode == "precise"
     token = admin_token or secrets.token_urlsafe(24)
@@ -347,7 +348,7 @@ def add_up_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--index-mode",
-        choices=("approximate", "precise"),
+        choices=INDEX_MODES,
         default="approximate",
         help="how the gateway learns where prompts are cached: approximate, from its own "
         "routing (default), or precise, from the engines' KV cache events over ZMQ",

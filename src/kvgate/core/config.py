@@ -5,13 +5,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from kvgate.core.admission import AdmissionConfig
 from kvgate.core.errors import ConfigError
 
 # Prompt-length buckets (tokens) for hit ratios, as the design brief asks: <1k, 1k-4k,
 # 4k-16k, >=16k. Each bound is the exclusive upper edge of its bucket.
+# how the cache index learns: approximate from our own routing, precise from KV events
+IndexMode = Literal["approximate", "precise"]
+INDEX_MODES: tuple[str, ...] = get_args(IndexMode)
+
 PREFIX_BUCKETS: tuple[tuple[str, int], ...] = (
     ("lt1k", 1024),
     ("1k_4k", 4096),
@@ -33,7 +37,7 @@ class ControllerConfig:
     hasher: str = "text"
     hasher_params: Mapping[str, object] = field(default_factory=dict)
     # index: approximate learns from our own routing; precise from engine KV events
-    index_mode: Literal["approximate", "precise"] = "approximate"
+    index_mode: IndexMode = "approximate"
     index_ttl_s: float | None = 600.0
     speculative_ttl_s: float = 2.0
     # routing

@@ -44,7 +44,7 @@ from kvgate.core.admission import (
     RetryBudget,
     SloConfig,
 )
-from kvgate.core.config import ControllerConfig
+from kvgate.core.config import INDEX_MODES, ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.finite import first_nonfinite
 from kvgate.gateway.redact import redact_url
@@ -280,7 +280,7 @@ class RoutingConfig:
         _positive("routing", default_max_tokens=self.default_max_tokens,
                   stale_after_s=self.stale_after_s, eject_s=self.eject_s,
                   eject_after_failures=self.eject_after_failures)
-        if self.index_mode not in ("approximate", "precise"):
+        if self.index_mode not in INDEX_MODES:
             raise ConfigError(
                 f"routing.index_mode must be 'approximate' or 'precise', got {self.index_mode!r}",
                 param="index_mode",
