@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvgate.engine import (
@@ -25,6 +27,7 @@ def load(**kw: float) -> NodeLoad:
         num_waiting_ahead=0,
         num_queued_ahead=0,
         can_preempt=False,
+        can_displace=False,
     )
     base.update(kw)
     return NodeLoad(**base)  # type: ignore[arg-type]
@@ -43,6 +46,7 @@ def load(**kw: float) -> NodeLoad:
         ({"num_waiting_ahead": 5}, 64, AdmissionStatus.REJECTED, RejectKind.RETRY_ELSEWHERE),
         ({"kv_usage": 0.94}, 64, AdmissionStatus.REJECTED, RejectKind.RETRY_ELSEWHERE),
         ({"kv_usage": 0.95}, 64, AdmissionStatus.REJECTED, RejectKind.POOL_OVERLOADED),
+        ({"kv_usage": 0.95, "can_displace": True}, 64, AdmissionStatus.QUEUED, None),
     ],
 )
 def test_decision_table(
@@ -178,3 +182,38 @@ def test_under_priority_a_high_priority_arrival_is_accepted_despite_kv_pressure(
     assert engine.metrics().kv_cache_usage_perc == 0.9
     assert engine.submit(kit.req("same", 4, base=200, priority=2), 0.01).queued
     assert engine.submit(kit.req("vip", 4, base=300, priority=0), 0.01).accepted
+
+
+def test_a_full_queue_makes_room_for_a_better_priority_by_displacing_the_worst_newest(
+    kit,
+) -> None:
+    engine = small(kit, policy="priority")  # queue_max 2, one running slot
+    engine.submit(kit.req("run", 36, base=100, max_tokens=3, priority=2), 0.0)
+    out = engine.step(0.0)  # the only slot is taken: everything else queues
+    assert out is not None
+    for name in ("old", "new"):
+        assert engine.submit(kit.req(name, 4, base=hash_base(name), priority=2), 0.01).queued
+    peer = engine.submit(kit.req("peer", 4, base=hash_base("peer"), priority=2), 0.01)
+    assert (peer.reject_kind, peer.reason) == (
+        RejectKind.RETRY_ELSEWHERE,
+        "admission queue full (2 requests)",
+    )  # an equal priority displaces nobody
+    assert engine.submit(kit.req("vip", 4, base=hash_base("vip"), priority=0), 0.01).queued
+    assert engine.request_status("new") is None
+    m = engine.metrics()
+    assert (m.num_requests_queued, m.num_requests_rejected) == (2, 2)
+    outs, _ = kit.drive(engine, out.end)
+    displaced = RejectedRequest(
+        request_id="new",
+        reject_kind=RejectKind.RETRY_ELSEWHERE,
+        reason="displaced by a higher-priority request",
+    )
+    assert outs[0].rejected == (displaced,)  # the next step reports it, as a TTL drop
+    assert all(o.rejected == () for o in outs[1:])  # and only once
+    assert [f.request_id for o in outs for f in o.finished] == ["run", "vip", "old"]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_queue_ttl_is_refused_by_name(value: float) -> None:
+    with pytest.raises(ValueError, match=r"NodeAdmissionConfig\.queue_ttl_s must be a finite"):
+        NodeAdmissionConfig(queue_ttl_s=value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -202,3 +203,13 @@ def test_a_forced_flush_leaves_blocks_in_use_and_goes_at_once_unannounced(kit: A
     with pytest.raises(ValueError):
         engine.flush(0.0, 3.0)
     assert kit.tiny_engine().flush(1.0, 0.0) == 0  # nothing cached
+
+
+@pytest.mark.parametrize(
+    "field", ["announce_lead_s", "batch_fraction", "batch_interval_s", "bulk_window_s"]
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_setting_is_refused_by_name(field: str, value: float) -> None:
+    # a NaN lead passed the range check and left the announced eviction never starting
+    with pytest.raises(ValueError, match=rf"EvictionConfig\.{field} must be a finite number"):
+        EvictionConfig(**{field: value})  # type: ignore[arg-type]

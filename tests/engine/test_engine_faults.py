@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvgate.engine import AllBlocksCleared, EvictionAnnounced, EvictionDone, RejectKind
@@ -86,3 +88,11 @@ def test_reset_prefix_cache_only_when_idle(kit) -> None:
     engine.take_events()
     assert engine.reset_prefix_cache()
     assert engine.take_events() == [AllBlocksCleared()]
+
+
+@pytest.mark.parametrize("factor", [math.inf, math.nan])
+def test_a_non_finite_slow_factor_is_refused(kit, factor: float) -> None:
+    engine = kit.tiny_engine()
+    with pytest.raises(ValueError, match="slow factor must be a finite number"):
+        engine.slow(factor)  # an infinite step would never end
+    assert engine.faults.slow_factor == 1.0

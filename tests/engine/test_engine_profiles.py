@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvgate.engine import (
@@ -91,3 +93,12 @@ def test_prefill_alone_runs_in_budget_sized_chunks_after_the_cache() -> None:
 def test_prefill_alone_needs_a_token_left_to_compute(prompt: int, cached: int) -> None:
     with pytest.raises(ValueError, match="cached < prompt"):
         prefill_alone_s(get_profile("a100-8b"), prompt, cached)
+
+
+@pytest.mark.parametrize("field", ["t0_s", "a_s_per_token", "c_s_per_pair", "k_s_per_ctx_token"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_cost_is_refused_by_name(field: str, value: float) -> None:
+    costs = dict.fromkeys(["t0_s", "a_s_per_token", "c_s_per_pair", "k_s_per_ctx_token"], 0.0)
+    costs[field] = value
+    with pytest.raises(ValueError, match=rf"EngineProfile\.{field} must be a finite number"):
+        EngineProfile(name="x", **costs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvgate.engine import (
@@ -308,6 +310,40 @@ def test_running_victim_under_priority_is_the_lowest_priority_not_the_newest(kit
     assert finished == ["new-high", "old-low"]
 
 
+def test_a_waiting_request_preempts_nobody_when_all_it_may_preempt_would_not_make_room(
+    kit,
+) -> None:
+    engine = kit.tiny_engine(scheduling_policy="priority")
+    # one token short of a block boundary: their decodes need no new block for now
+    engine.submit(kit.req("high", 23, base=100, max_tokens=3, priority=0), 0.0)  # 6 blocks
+    engine.submit(kit.req("low", 11, base=200, max_tokens=3, priority=2), 0.0)  # 3 blocks
+    out = engine.step(0.0)
+    assert out is not None and engine.pool.num_free_blocks == 1
+    # "urgent" needs 5 blocks: the free one plus low's 3 are not enough
+    engine.submit(kit.req("urgent", 20, base=300, priority=0, arrival=out.end), out.end)
+    out = engine.step(out.end)
+    assert out is not None
+    assert (out.preempted, dict(out.tokens)) == ((), {"high": 1, "low": 1})
+    assert engine.request_status("urgent") is ReqStatus.WAITING
+
+
+def test_blocks_a_victim_shares_with_a_better_priority_request_are_no_room(kit) -> None:
+    engine = kit.tiny_engine(scheduling_policy="priority")
+    # 13 tokens: 3 full blocks and a tail with room for the 3 decodes of this test
+    engine.submit(kit.req("high", 13, base=100, max_tokens=3, priority=0), 0.0)
+    out = engine.step(0.0)
+    assert out is not None
+    engine.submit(kit.req("low", 13, base=100, max_tokens=3, priority=2), out.end)
+    out = engine.step(out.end)  # low hits high's 3 prompt blocks and adds its own tail
+    assert out is not None and engine.pool.num_free_blocks == 5
+    assert refs(engine)[:5] == [2, 2, 2, 1, 1]
+    # "urgent" needs 7 blocks: preempting low would free its tail only, 6 in all
+    engine.submit(kit.req("urgent", 27, base=300, priority=0, arrival=out.end), out.end)
+    out = engine.step(out.end)
+    assert out is not None
+    assert (out.preempted, dict(out.tokens)) == ((), {"high": 1, "low": 1})
+
+
 def test_block_hash_count_must_match_the_full_blocks(kit) -> None:
     engine = kit.tiny_engine()
     bad = EngineRequest(
@@ -318,6 +354,13 @@ def test_block_hash_count_must_match_the_full_blocks(kit) -> None:
     engine.submit(kit.req("dup", 4, base=1), 0.0)
     with pytest.raises(ValueError, match="already in flight"):
         engine.submit(kit.req("dup", 4, base=1), 0.0)
+
+
+@pytest.mark.parametrize("arrival", [math.nan, math.inf])
+def test_a_request_with_a_non_finite_arrival_is_refused(arrival: float) -> None:
+    # arrival orders the "priority" waiting queue: a NaN there breaks the sort
+    with pytest.raises(ValueError, match=r"EngineRequest\.arrival must be a finite number"):
+        EngineRequest(request_id="r", prompt_tokens=4, max_tokens=1, arrival=arrival)
 
 
 def test_abort_frees_blocks_but_keeps_them_cached(kit) -> None:

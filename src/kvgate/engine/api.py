@@ -7,13 +7,14 @@ Everything here is a frozen value. `EngineRequest` is what a driver submits,
 at `end`), `EngineMetrics` is a snapshot with vLLM's metric meanings
 (research/engine-integration.md 4.1). Every submitted request ends in exactly
 one terminal outcome: rejected at submit (a REJECTED `NodeAdmission`),
-expired in the admission queue (`StepOutput.rejected`), finished
+expired in or displaced from the admission queue (`StepOutput.rejected`), finished
 (`StepOutput.finished`), aborted (`SimEngine.abort` returned True) or failed
 (returned by `SimEngine.crash`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -110,6 +111,10 @@ class EngineRequest:
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        # arrival orders the "priority" queue; a NaN there breaks the sort. Only this
+        # float is checked: a scan of the whole request would walk its token ids.
+        if not math.isfinite(self.arrival):
+            raise ValueError(f"EngineRequest.arrival must be a finite number, got {self.arrival}")
         if self.prompt_tokens < 1:
             raise ValueError("prompt_tokens must be >= 1")
         if self.max_tokens < 1:
@@ -134,7 +139,8 @@ class FinishedRequest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RejectedRequest:
-    """A queued request dropped by the node (TTL expiry) before any work started."""
+    """A queued request dropped by the node (TTL expiry, or displaced by a
+    higher-priority arrival) before any work started."""
 
     request_id: str
     reject_kind: RejectKind
@@ -151,7 +157,8 @@ class StepOutput:
         first_token_ids: requests whose first output token this step produced.
         tokens: request id -> output tokens produced this step (1 per sequence).
         finished: requests completed this step (their blocks are freed).
-        rejected: admission-queue entries that expired before any work started.
+        rejected: admission-queue entries that expired, or were displaced by a
+            higher-priority submit since the last step, before any work started.
         preempted: running requests sent back to waiting (recomputed later).
         num_prefill_tokens: uncached prompt (or recompute) tokens computed.
         num_decode_seqs: sequences that decoded one token.
@@ -193,7 +200,7 @@ class EngineMetrics:
     generation_tokens: int
     num_requests_finished: int
     num_requests_aborted: int
-    num_requests_rejected: int  # at submit or by TTL
+    num_requests_rejected: int  # at submit, by TTL or displaced
     num_requests_failed: int
     num_gpu_blocks: int
     block_size: int

@@ -13,8 +13,9 @@ reads a clock or draws a random number; the same calls give the same results.
 
 `step(now)`:
 1. runs due bulk-eviction batches, expires admission-queue entries past their
-   TTL (reported in `rejected`), moves admissible queued requests to the
-   scheduler (node_admission.py);
+   TTL (reported in `rejected`, as entries displaced by a submit since the last
+   step are), moves admissible queued requests to the scheduler
+   (node_admission.py);
 2. `Scheduler.schedule()` plans decodes + prefill chunks (scheduler.py), then
    `commit()` caches the blocks the plan fills (`BlockStored` now, at
    schedule time, as vLLM does);
@@ -78,7 +79,7 @@ class SimEngine:
         self._queue: AdmissionQueue[SeqState] = AdmissionQueue(self.config.admission.queue_ttl_s)
         self._faults = FaultState()
         self._seqs: dict[str, SeqState] = {}  # in flight: queued, waiting or running
-        self._expired: list[RejectedRequest] = []  # TTL drops not yet reported
+        self._dropped: list[RejectedRequest] = []  # queue drops not yet reported
         self._num_submitted = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -129,12 +130,17 @@ class SimEngine:
         if decision.accepted:
             self._sched.waiting.push(seq)
         else:
+            if len(self._queue) >= self.config.admission.queue_max:
+                # full, and req outranks the worst queued class: its newest entry makes room
+                displaced = self._queue.displace()
+                self._drop_queued(displaced, "displaced by a higher-priority request")
             seq.status = ReqStatus.QUEUED
             self._queue.push(req.request_id, req.priority, seq, now)
         return decision
 
     def _load_for(self, priority: int) -> NodeLoad:
         running = self._sched.running
+        worst_queued = self._queue.worst_priority()
         return NodeLoad(
             num_running=len(running),
             max_num_seqs=self.profile.max_num_seqs,
@@ -143,21 +149,14 @@ class SimEngine:
             num_queued_ahead=self._queue.num_at_or_better(priority),
             can_preempt=self.config.scheduling_policy == "priority"
             and any(s.request.priority > priority for s in running),
+            can_displace=worst_queued is not None and worst_queued > priority,
         )
 
     def _refresh_queue(self, now: float) -> None:
         """Expire queued entries past their TTL, then move admissible ones in."""
+        ttl = self.config.admission.queue_ttl_s
         for seq in self._queue.expire(now):
-            del self._seqs[seq.request_id]
-            self._num_rejected += 1
-            ttl = self.config.admission.queue_ttl_s
-            self._expired.append(
-                RejectedRequest(
-                    request_id=seq.request_id,
-                    reject_kind=RejectKind.RETRY_ELSEWHERE,
-                    reason=f"queued at the node for {ttl:g} s without starting",
-                )
-            )
+            self._drop_queued(seq, f"queued at the node for {ttl:g} s without starting")
         while (head := self._queue.peek()) is not None:
             priority, seq = head
             if not can_enter_scheduler(self.config.admission, self._load_for(priority)):
@@ -165,6 +164,17 @@ class SimEngine:
             self._queue.pop()
             seq.status = ReqStatus.WAITING
             self._sched.waiting.push(seq)
+
+    def _drop_queued(self, seq: SeqState, reason: str) -> None:
+        """End a request taken out of the admission queue: no work has started on it,
+        so another node may take it; reported in the next step's `rejected`."""
+        del self._seqs[seq.request_id]
+        self._num_rejected += 1
+        self._dropped.append(
+            RejectedRequest(
+                request_id=seq.request_id, reject_kind=RejectKind.RETRY_ELSEWHERE, reason=reason
+            )
+        )
 
     # ----------------------------------------------------------------- step
     def step(self, now: float) -> StepOutput | None:
@@ -199,7 +209,7 @@ class SimEngine:
             self._faults.crashed
             or len(self._sched.waiting)
             or len(self._queue)
-            or self._expired
+            or self._dropped
             or self._evictor.next_due() is not None
         ):
             return None
@@ -308,7 +318,7 @@ class SimEngine:
             first_token_ids=tuple(first),
             tokens=tokens,
             finished=tuple(finished),
-            rejected=self._take_expired(),
+            rejected=self._take_dropped(),
             preempted=tuple(s.request_id for s in plan.preempted),
             num_prefill_tokens=plan.num_tokens - len(plan.decodes),
             num_decode_seqs=len(plan.decodes),
@@ -316,15 +326,15 @@ class SimEngine:
 
     def _timer_only_output(self, now: float, plan: Plan | None = None) -> StepOutput | None:
         preempted = tuple(s.request_id for s in plan.preempted) if plan is not None else ()
-        if not self._expired and not preempted:
+        if not self._dropped and not preempted:
             return None
         return StepOutput(
-            start=now, duration_s=0.0, rejected=self._take_expired(), preempted=preempted
+            start=now, duration_s=0.0, rejected=self._take_dropped(), preempted=preempted
         )
 
-    def _take_expired(self) -> tuple[RejectedRequest, ...]:
-        expired, self._expired = tuple(self._expired), []
-        return expired
+    def _take_dropped(self) -> tuple[RejectedRequest, ...]:
+        dropped, self._dropped = tuple(self._dropped), []
+        return dropped
 
     # ---------------------------------------------------------- client side
     def abort(self, request_id: str, now: float) -> bool:

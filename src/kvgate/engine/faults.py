@@ -24,6 +24,7 @@ not to the pure model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvgate.engine.node_admission import NodeAdmission, RejectKind
@@ -40,8 +41,8 @@ class FaultState:
     reject_all: bool = False
 
     def set_slow(self, factor: float) -> None:
-        if not factor > 0:
-            raise ValueError(f"slow factor must be > 0, got {factor}")
+        if not (math.isfinite(factor) and factor > 0):  # an inf step would never end
+            raise ValueError(f"slow factor must be a finite number > 0, got {factor}")
         self.slow_factor = factor
 
     def submit_refusal(self) -> NodeAdmission | None:

@@ -19,9 +19,14 @@ its real-time state when a request arrives:
    `queue_ttl_s` after it arrived is dropped and reported as REJECTED /
    RETRY_ELSEWHERE, so the gateway may retry it on another node (no work has
    started on it).
-3. REJECTED when the queue is full: POOL_OVERLOADED if kv usage >= kv_overload
-   (memory-saturated: the cluster budget is over-committed, retrying
-   elsewhere only spreads the overload), RETRY_ELSEWHERE otherwise.
+   When the queue is full, a newcomer that outranks its lowest-priority class
+   displaces that class's newest entry (reported as a TTL drop is, REJECTED /
+   RETRY_ELSEWHERE) and is QUEUED: the bound holds, and a flood of low-priority
+   requests cannot shut out a high-priority one.
+3. REJECTED when the queue is full and the newcomer displaces nobody:
+   POOL_OVERLOADED if kv usage >= kv_overload (memory-saturated: the cluster
+   budget is over-committed, retrying elsewhere only spreads the overload),
+   RETRY_ELSEWHERE otherwise.
 
 Requests longer than the model allows are REJECTED as BAD_REQUEST (never
 retryable). Defaults: kv_accept 0.8 and kv_overload 0.95 leave the last 5 % of
@@ -38,6 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from kvgate.core.finite import first_nonfinite
 from kvgate.protocol.node_reject import RejectKind
 
 __all__ = [
@@ -70,6 +76,10 @@ class NodeAdmissionConfig:
     queue_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if (bad := first_nonfinite(self)) is not None:  # before the range checks: NaN passes them
+            raise ValueError(
+                f"NodeAdmissionConfig.{bad[0]} must be a finite number, got {bad[1]}"
+            )
         if not 0.0 <= self.kv_accept <= self.kv_overload <= 1.0:
             raise ValueError("need 0 <= kv_accept <= kv_overload <= 1")
         if self.waiting_accept < 0 or self.queue_max < 0 or self.queue_ttl_s <= 0:
@@ -107,7 +117,7 @@ QUEUED = NodeAdmission(status=AdmissionStatus.QUEUED)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeLoad:
-    """The real-time facts rule 1 needs, seen from one request's priority."""
+    """The real-time facts rules 1-3 need, seen from one request's priority."""
 
     num_running: int
     max_num_seqs: int
@@ -115,6 +125,7 @@ class NodeLoad:
     num_waiting_ahead: int  # waiting requests the scheduler would serve before it
     num_queued_ahead: int  # admission-queue entries of the same or better priority
     can_preempt: bool  # "priority" policy and a running request of worse priority
+    can_displace: bool  # an admission-queue entry of worse priority (rule 2)
 
 
 def can_enter_scheduler(cfg: NodeAdmissionConfig, load: NodeLoad) -> bool:
@@ -128,10 +139,12 @@ def can_enter_scheduler(cfg: NodeAdmissionConfig, load: NodeLoad) -> bool:
 
 
 def decide_admission(cfg: NodeAdmissionConfig, load: NodeLoad, num_queued: int) -> NodeAdmission:
-    """Rules 1-3 for a new arrival; `num_queued` is the admission queue's length."""
+    """Rules 1-3 for a new arrival; `num_queued` is the admission queue's length.
+
+    QUEUED with the queue full means the caller displaces an entry (rule 2)."""
     if load.num_queued_ahead == 0 and can_enter_scheduler(cfg, load):
         return ACCEPTED
-    if num_queued < cfg.queue_max:
+    if num_queued < cfg.queue_max or load.can_displace:
         return QUEUED
     if load.kv_usage >= cfg.kv_overload:
         return NodeAdmission.reject(
@@ -175,6 +188,10 @@ class AdmissionQueue(Generic[T]):
     def num_at_or_better(self, priority: int) -> int:
         return sum(len(q) for p, q in self._fifos.items() if p <= priority)
 
+    def worst_priority(self) -> int | None:
+        """The largest priority value queued (the class displaced first), if any."""
+        return max(self._fifos, default=None)
+
     def peek(self) -> tuple[int, T] | None:
         """(priority, item) of the entry that would be dequeued next."""
         if not self._fifos:
@@ -183,9 +200,16 @@ class AdmissionQueue(Generic[T]):
         return priority, self._fifos[priority][0][1].item
 
     def pop(self) -> T:
-        priority = min(self._fifos)
+        return self._take(min(self._fifos), oldest=True)
+
+    def displace(self) -> T:
+        """Remove and return the newest entry of the worst priority class (the one
+        that has waited least among those served last)."""
+        return self._take(max(self._fifos), oldest=False)
+
+    def _take(self, priority: int, *, oldest: bool) -> T:
         fifo = self._fifos[priority]
-        key, entry = fifo.popleft()
+        key, entry = fifo.popleft() if oldest else fifo.pop()
         if not fifo:
             del self._fifos[priority]
         del self._where[key]

@@ -21,8 +21,10 @@ cannot grow preempts the newest running sequence (fcfs; vLLM v1 LIFO) or the
 lowest-priority, newest one ("priority"), possibly itself; the victim's
 blocks are freed (cached ones stay findable, so its recompute may hit) and it
 returns to the waiting queue. Under "priority" a waiting sequence that does
-not fit may also preempt a running one of strictly worse priority. A victim
-already planned in this step is taken out of the plan again.
+not fit may also preempt running ones of strictly worse priority (worst,
+newest first), but only when preempting all of them would make it fit: a
+victim is never preempted for nothing. A victim already planned in this step
+is taken out of the plan again.
 
 Blocks are registered in the prefix cache (and `BlockStored` emitted) only by
 `commit()`, after the plan is final: a victim's blocks were never computed,
@@ -35,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgate.engine.api import SchedulingPolicy
-from kvgate.engine.block_pool import BlockPool
+from kvgate.engine.block_pool import BlockPool, KVBlock
 from kvgate.engine.profiles import EngineProfile
 from kvgate.engine.sequence import ReqStatus, SeqState, WaitingQueue
 
@@ -139,11 +141,9 @@ class Scheduler:
             num_computed = len(hits) * block_size
             num_new = min(seq.num_tokens - num_computed, limit - plan.num_tokens)
             need = _blocks_for(num_computed + num_new, block_size) - len(hits)
-            if not self.pool.can_allocate(need, hits):
-                victim = self._victim() if self.policy == "priority" else None
-                if victim is not None and victim.request.priority > seq.request.priority:
-                    self._preempt(victim, plan)
-                    continue
+            if not self.pool.can_allocate(need, hits) and not self._make_room(
+                seq, need, hits, plan
+            ):
                 break
             self.pool.touch(hits)
             new_blocks = self.pool.allocate(need)
@@ -159,6 +159,35 @@ class Scheduler:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_computed
             plan.add(ScheduledChunk(seq, num_new, num_computed))
+
+    def _make_room(self, seq: SeqState, need: int, hits: list[KVBlock], plan: Plan) -> bool:
+        """Under "priority", preempt running sequences of strictly worse priority than
+        the waiting `seq` (worst, newest first) until `need` new blocks fit beside its
+        prefix `hits`; False, and nobody preempted, when even all of them would not do."""
+        priority = seq.request.priority
+        victim = self._victim() if self.policy == "priority" else None
+        if victim is None or victim.request.priority <= priority:
+            return False  # the common case, checked first: nobody to preempt
+        # can_allocate counts the free blocks; add what every possible victim would free
+        if not self.pool.can_allocate(need - self._reclaimable(priority, hits), hits):
+            return False
+        while not self.pool.can_allocate(need, hits):
+            victim = self._victim()
+            assert victim is not None and victim.request.priority > priority  # counted above
+            self._preempt(victim, plan)
+        return True
+
+    def _reclaimable(self, priority: int, hits: list[KVBlock]) -> int:
+        """Blocks that preempting every running sequence of strictly worse `priority`
+        would free: those no other sequence references (a shared prefix block stays in
+        use), less the waiting sequence's prefix `hits`, which it takes back."""
+        refs: dict[KVBlock, int] = {}
+        for s in self.running:
+            if s.request.priority > priority:
+                for block in s.blocks:
+                    refs[block] = refs.get(block, 0) + 1
+        kept = set(hits)
+        return sum(1 for b, n in refs.items() if b.ref_cnt == n and b not in kept)
 
     def _grow(self, seq: SeqState, num_new: int, plan: Plan) -> bool:
         """Give a running sequence room for `num_new` more tokens, preempting if needed."""
