@@ -140,6 +140,25 @@ def test_a_latency_with_nothing_behind_it_ranks_last() -> None:
     assert "FAIL ttft_p99_s                none  does not beat 2.000" in text
 
 
+def test_a_hit_ratio_with_nothing_behind_it_holds_no_check() -> None:
+    """A policy that completed no request has no hit ratio (null): it used to read 0.0
+    and pass ">= 0.0000 (80 % of the pooled-LRU bound)" on a trace whose bound is 0."""
+    shed = _row(1.0, 0.5, 3.0, 0.0) | {"hit_ratio": None}
+    ours = _row(1.0, 0.5, 3.0, 0.18)
+    rep = {"policies": {"kvgate": shed, "sglang_cache_aware": ours}}
+    result = ordering(rep | {"bounds": {"pooled_lru_hit_ratio": 0.0}})
+    assert result is not None
+    assert not result["checks"]["hit_ratio"]["ok"]
+    assert not result["checks"]["hit_ratio_vs_pooled_lru"]["ok"]
+    text = format_ordering(result)
+    assert "FAIL hit_ratio                 none  < 0.1800 (the best cache-aware baseline" in text
+    # a rival with nothing measured ranks last: any measured hit ratio beats it
+    won = ordering(_report(kvgate=ours, sglang_cache_aware=shed, preble_e2=shed))
+    assert won is not None and won["checks"]["hit_ratio"]["ok"]
+    assert "(the best cache-aware baseline, sglang_cache_aware)" in format_ordering(won)
+    assert ">= none" in format_ordering(won)
+
+
 def _parts(prefill: float, wait: float, over: int = 0, cached: float = 0.0, n: int = 121,
            queued: float | None = None):  # fmt: skip
     """One group of ``ttft_parts``; with ``queued``, the wait's split (slowed: the rest)."""

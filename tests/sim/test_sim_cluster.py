@@ -20,6 +20,7 @@ from kvgate.sim.loop import EventLoop
 from kvgate.sim.report import SLO_MISS_KINDS, Slo
 from kvgate.sim.runner import SeededRng, compare, resolve_policies, run_policy
 from kvgate.sim.synthetic import multi_turn_chat, shared_prefix_groups
+from kvgate.sim.workload import SimRequest, Workload
 
 
 def small_config(**kw: object) -> ClusterConfig:
@@ -443,3 +444,53 @@ def test_funnel_keeps_the_targets_own_prefix_apart(
     )
     assert {k: v for k, v in funnel.items() if v} == {"never_seen": 2, **expected}
     assert set(funnel) <= set(FUNNEL_KINDS)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("gateways", 0, "gateways must be >= 1"),
+        ("nodes", 0, "nodes must be >= 1"),
+        ("report_interval_s", 0.0, "report_interval_s must be a finite number > 0"),
+        ("tick_interval_s", 0.0, "tick_interval_s must be a finite number > 0"),
+        ("health_interval_s", float("inf"), "health_interval_s must be a finite number > 0"),
+        ("network_delay_s", float("nan"), "network_delay_s must be a finite number >= 0"),
+        ("event_delay_s", -0.1, "event_delay_s must be a finite number >= 0"),
+        ("scheduling_policy", "prio", "scheduling_policy must be one of fcfs, priority"),
+    ],
+)
+def test_a_cluster_config_that_cannot_run_is_refused(field: str, value: object, says: str) -> None:
+    """A zero period looped forever at one virtual instant (624 MB in 15 s), no gateway
+    divided by zero, a misspelt policy ran FCFS: refused when built, naming the field."""
+    with pytest.raises(ValueError, match=says):
+        small_config(**{field: value})
+
+
+def test_a_request_the_engines_would_refuse_is_refused_before_the_run() -> None:
+    """A trace read with strict=False may carry fewer block ids than the prompt's full
+    blocks; the engine refused it mid-run with a traceback. Now the cluster refuses the
+    workload up front and names the request."""
+    good = SimRequest(
+        request_id="a", arrival_s=0.0, prompt_tokens=1024, output_tokens=4, block_ids=(1, 2)
+    )
+    short = replace(good, request_id="b", prompt_tokens=1536)
+    empty = replace(good, request_id="c", prompt_tokens=0, block_ids=())
+    ok = Workload(name="w", block_tokens=512, requests=(good,))
+    SimCluster(small_config(), ok, rng=SeededRng(1))  # one id per full block: accepted
+    for bad, why in ((short, "1536 prompt tokens and 2 block ids"), (empty, "0 prompt tokens")):
+        w = Workload(name="w", block_tokens=512, requests=(good, bad))
+        with pytest.raises(ValueError, match=f"request '{bad.request_id}' has {why}"):
+            SimCluster(small_config(), w, rng=SeededRng(1))
+
+
+def test_a_policy_that_completed_nothing_has_no_hit_ratio() -> None:
+    """Every prompt longer than a node's whole cache: every request is refused, and the
+    report's hit ratio is null (nothing measured), like its latencies, never 0.0."""
+    ids = tuple(range(10))
+    big = SimRequest(
+        request_id="a", arrival_s=0.0, prompt_tokens=5000, output_tokens=4, block_ids=ids
+    )
+    w = Workload(name="w", block_tokens=512, requests=(big,))
+    _cluster, rep = run_policy(w, small_config(cache_blocks=2), "round_robin")
+    assert rep["completed"] == 0 and rep["rejected"] == 1
+    assert rep["hit_ratio"] is None and rep["ttft_p99_s"] is None

@@ -80,7 +80,8 @@ def draw_report(report: dict[str, Any]) -> Any:
         else:  # every request refused or failed: say so rather than draw an empty legend
             ax_t.text(0.5, 0.5, "no request completed", ha="center", va="center",
                       transform=ax_t.transAxes)
-        hits = [rep["policies"][n]["hit_ratio"] for n in names]
+        # a policy with no completed request has no hit ratio (null): no bar
+        hits = [rep["policies"][n]["hit_ratio"] or 0.0 for n in names]
         ax_h.bar(range(len(names)), hits)
         b = rep["bounds"]
         ax_h.axhline(b["ideal_hit_ratio"], linestyle="--", color="k", label="ideal")

@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import get_args
 
 from kvgate.core.admission import FailureKind, InProcessCoordinator
 from kvgate.core.config import ControllerConfig
@@ -56,6 +57,7 @@ from kvgate.engine import (
     EvictionDone,
     FinishedRequest,
     RejectKind,
+    SchedulingPolicy,
     SimEngine,
     StepOutput,
     get_profile,
@@ -88,7 +90,7 @@ class ClusterConfig:
     profile: str = "a100-8b"
     cache_blocks: int = 1000  # per node, in blocks of the workload's block size
     node_capacity: int = 64  # concurrent requests a node is counted for in the budget
-    scheduling_policy: str = "priority"
+    scheduling_policy: SchedulingPolicy = "priority"
     report_interval_s: float = 0.5
     report_delay_s: float = 0.05
     event_delay_s: float = 0.1
@@ -101,6 +103,25 @@ class ClusterConfig:
     # run a node's decode-only steps at once (engine/decode_run.py): the same results
     # bit for bit, several times faster; off, every step is an event (the reference)
     decode_runs: bool = True
+
+    def __post_init__(self) -> None:
+        # the simulator's own knobs (the engine's and the controller's configs check
+        # theirs): a zero period loops forever at one virtual instant, no gateway
+        # divides by zero, a NaN delay breaks the event heap
+        for name in ("nodes", "gateways", "cache_blocks", "node_capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ClusterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("report_interval_s", "tick_interval_s", "health_interval_s"):
+            if not (math.isfinite(v := getattr(self, name)) and v > 0):
+                raise ValueError(f"ClusterConfig.{name} must be a finite number > 0, got {v}")
+        for name in ("report_delay_s", "event_delay_s", "network_delay_s"):
+            if not (math.isfinite(v := getattr(self, name)) and v >= 0):
+                raise ValueError(f"ClusterConfig.{name} must be a finite number >= 0, got {v}")
+        if self.scheduling_policy not in get_args(SchedulingPolicy):
+            raise ValueError(
+                f"ClusterConfig.scheduling_policy must be one of "
+                f"{', '.join(get_args(SchedulingPolicy))}, got {self.scheduling_policy!r}"
+            )
 
 
 @dataclass(slots=True)
@@ -165,6 +186,21 @@ class SimNode:
         self.decode_tokens = 0
 
 
+def _check_engine_rules(workload: Workload) -> None:
+    """Refuse, before the run, a request the engines would refuse in the middle of it:
+    an empty prompt, or fewer block ids than the prompt's full blocks (a Mooncake trace
+    read with ``strict=False`` may hold such lines)."""
+    for r in workload.requests:
+        full = r.prompt_tokens // workload.block_tokens
+        if r.prompt_tokens < 1 or len(r.block_ids) < full:
+            raise ValueError(
+                f"workload {workload.name!r}: request {r.request_id!r} has "
+                f"{r.prompt_tokens} prompt tokens and {len(r.block_ids)} block ids; the "
+                f"engines need a prompt of at least 1 token and one id per full "
+                f"{workload.block_tokens}-token block ({full})"
+            )
+
+
 class SimCluster:
     def __init__(self, config: ClusterConfig, workload: Workload, *, rng: Rng) -> None:
         self.config = config
@@ -173,6 +209,7 @@ class SimCluster:
         self.rng = rng
         profile = get_profile(config.profile)
         block = workload.block_tokens
+        _check_engine_rules(workload)
         self.block_tokens = block
         self.nodes = [
             SimNode(
@@ -181,9 +218,7 @@ class SimCluster:
                     EngineConfig(
                         num_blocks=config.cache_blocks,
                         block_size=block,
-                        scheduling_policy="priority"
-                        if config.scheduling_policy == "priority"
-                        else "fcfs",
+                        scheduling_policy=config.scheduling_policy,
                         admission=config.node_admission,
                         eviction=config.eviction,
                     ),

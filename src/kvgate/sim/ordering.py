@@ -87,26 +87,26 @@ def ordering(report: Mapping[str, Any], policy: str = "kvgate") -> dict[str, Any
     hit = ours["hit_ratio"]
     aware = [n for n in others if _uses_cache(n)]
     if aware:
-        rival = max(aware, key=lambda n: others[n]["hit_ratio"])
+        rival = max(aware, key=lambda n: _rank_value(others[n]["hit_ratio"], True))
         rival_hit = others[rival]["hit_ratio"]
         checks["hit_ratio"] = {
             "value": hit,
             "against": rival,
             "other": rival_hit,
-            "ok": hit >= rival_hit,
+            "ok": hit is not None and (rival_hit is None or hit >= rival_hit),
         }
         balanced = report["bounds"].get("balanced_hit_ratio")
         # above it, the baseline's hits cost load no balanced policy may spend (both
         # keys are always there, null without a bound, as the README lists them)
         checks["hit_ratio"]["balanced_bound"] = balanced
         checks["hit_ratio"]["other_beyond_balance"] = (
-            rival_hit > balanced if balanced is not None else None
+            rival_hit > balanced if balanced is not None and rival_hit is not None else None
         )
     pooled = report["bounds"]["pooled_lru_hit_ratio"]
     checks["hit_ratio_vs_pooled_lru"] = {
         "value": hit,
         "floor": round(POOLED_LRU_SHARE * pooled, 4),
-        "ok": hit >= POOLED_LRU_SHARE * pooled,
+        "ok": hit is not None and hit >= POOLED_LRU_SHARE * pooled,
     }
     return {
         "policy": policy,
@@ -223,7 +223,7 @@ def format_ordering(result: Mapping[str, Any]) -> str:
         value = _shown(c["value"], digits)
         if key == "hit_ratio":
             rel = ">=" if c["ok"] else "<"
-            tail = f"{rel} {c['other']:.4f} (the best cache-aware baseline, {c['against']})"
+            tail = f"{rel} {_shown(c['other'], 4)} (the best cache-aware baseline, {c['against']})"
             if c.get("other_beyond_balance"):
                 tail += (
                     f"; above {c['balanced_bound']:.4f}, the most any policy with load"

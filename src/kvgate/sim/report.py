@@ -282,7 +282,9 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
         # the offered requests that missed the SLO, by what they missed: goodput is
         # (requests - these) / span_s
         "slo_misses": {kind: misses[kind] for kind in SLO_MISS_KINDS},
-        "hit_ratio": _r(sum(hit_blocks.values()) / total_blocks) if total_blocks else 0.0,
+        # null with no completed prompt, as every ratio of nothing measured: never a 0
+        # that a check could read as a result
+        "hit_ratio": _r(sum(hit_blocks.values()) / total_blocks) if total_blocks else None,
         "hit_ratio_by_bucket": by_bucket,
         "index_precision": _r(confirmed / checked) if checked else None,
         "cache_loss_funnel": {k: cluster.funnel[k] for k in sorted(FUNNEL_KINDS)},
