@@ -52,17 +52,23 @@ def test_p2_flood_fails_where_p0_misses_its_slo() -> None:
 
 
 def test_nodes_fail_counts_attempts_and_lost_requests() -> None:
-    rows = {"kvgate": _row(attempts_per_request=1.25), "least_loaded": _row(failed=2)}
+    m = {"nodes_failed": 3, "nodes": 8, "requests_while_down": 4}
+    rows = {
+        "kvgate": _row(attempts_per_request=1.25, scenario_measures=m),
+        "least_loaded": _row(failed=2, scenario_measures=m),
+    }
     rep = {"scenario": "nodes_fail", "variants": {"nodes_fail": {"requests": 12, "policies": rows}}}
     result = criteria(rep)
     k, ll = result["kvgate"]["checks"], result["least_loaded"]["checks"]
     assert not k["attempts_per_request"]["ok"] and k["lost_requests"]["value"] == 2
     assert ll["lost_requests"]["value"] == 0 and ll["lost_requests"]["ok"]
+    assert k["requests_while_down"]["ok"] and "3 of 8 nodes" in k["requests_while_down"]["note"]
 
 
 def test_tenant_flood_compares_the_other_tenants_with_and_without_the_flood() -> None:
     def variant(p99: float, inflight: int) -> dict[str, Any]:
         m = {"others_ttft_p99_s": p99, "flood_max_inflight": inflight, "quota": 4}
+        m["flood_requests"] = 40 if inflight else 0
         return {"requests": 10, "policies": {"kvgate": _row(scenario_measures=m)}}
 
     rep = {
@@ -174,7 +180,7 @@ def test_mass_eviction_holds_only_when_the_flush_was_announced() -> None:
 
 def test_traffic_double_checks_the_budget() -> None:
     def rep(peak: int) -> dict[str, Any]:
-        m = {"max_inflight": peak, "budget": 16}
+        m = {"max_inflight": peak, "budget": 16, "extra_requests": 3}
         row = _row(scenario_measures=m)
         return {
             "scenario": "traffic_double",
@@ -205,9 +211,49 @@ def test_traffic_double_measures_its_peak_against_the_budget() -> None:
     )
     row = rep["policies"]["kvgate"]  # type: ignore[index]
     m = row["scenario_measures"]
-    assert m == {"max_inflight": row["max_inflight"], "budget": 8}
+    assert m == {
+        "max_inflight": row["max_inflight"],
+        "budget": 8,
+        "extra_requests": len(plan.workload.requests) - len(w.requests),
+    }
     assert m["max_inflight"] == 8  # the budget binds: the criterion is tested under pressure
     assert row["rejects_by_reason"].get("queue_timeout", 0) > 0  # more came than C let in
     assert set(row["by_priority"]) == {"P0", "P1"}
     checks = criteria({"scenario": "traffic_double", "variants": {"traffic_double": rep}})
     assert checks["kvgate"]["checks"]["max_inflight"]["ok"] and checks["kvgate"]["holds"]
+
+
+def test_a_fault_that_met_no_traffic_holds_nothing() -> None:
+    """On a one-request workload every fault lands where nothing is: no request while
+    the nodes are down, no P0 during the outage, a flood of one, nothing added to double.
+    Each scenario's criteria say so (they used to hold, vacuously)."""
+    one = multi_turn_chat(rng=SeededRng(2), arrivals=1.0, num_sessions=1, turns=(1, 1))
+    assert len(one.requests) == 1
+    ctl = ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=64))
+    cfg = ClusterConfig(nodes=4, cache_blocks=300, node_capacity=16, controller=ctl)
+    runs = {
+        "nodes_fail": ("requests_while_down", {"": {}}),
+        "coordinator_down": ("p0_offered_during", {"": {}}),
+        "traffic_double": ("extra_requests", {"": {}}),
+        "tenant_flood": (
+            "flood_requests",
+            {"flood": {"flood": True}, "no_flood": {"flood": False}},
+        ),
+    }
+    for name, (key, variants) in runs.items():
+        report: dict[str, Any] = {"scenario": name, "variants": {}}
+        for label, kw in variants.items():
+            plan = SCENARIOS[name](one, cfg, SeededRng(3), **kw)
+            report["variants"][label or name] = compare(
+                plan.workload,
+                plan.config,
+                ["kvgate"],
+                hooks=plan.hooks,
+                extra=partial(measure, name, plan),
+            )
+        result = criteria(report)["kvgate"]
+        assert not result["holds"], name
+        assert result["checks"][key]["ok"] is False, (name, result["checks"][key])
+        failed = [k for k, c in result["checks"].items() if not c["ok"]]
+        assert failed == [key], (name, failed)  # the rest hold: only the fault's absence fails
+        assert f"FAIL {key}" in format_criteria(name, {"kvgate": result})

@@ -52,6 +52,7 @@ def measure(name: str, plan: Plan, cluster: SimCluster) -> dict[str, object]:
             "admitted_in_safe_mode": run.admitted_in_safe_mode,
             "safe_mode_max_inuse": run.safe_mode_inuse,
             "safe_limit": plan.probe.budget // len(cluster.gateways),
+            "p0_offered_during": _arrived(cluster, *plan.window, priority=0),
         }
     elif name == "tenant_flood" and plan.probe is not None:
         others = [
@@ -63,6 +64,9 @@ def measure(name: str, plan: Plan, cluster: SimCluster) -> dict[str, object]:
             "others_ttft_p99_s": _round(pct(others, 0.99)),
             "flood_max_inflight": run.tenant_inflight.get(FLOOD_TENANT, 0) if run else 0,
             "quota": plan.probe.budget,
+            "flood_requests": sum(
+                1 for o in cluster.outcomes.values() if o.req.tenant == FLOOD_TENANT
+            ),
         }
     elif name == "mass_eviction":
         warned = sum(ctl.stats.eviction_warnings for ctl in cluster.gateways)
@@ -79,8 +83,20 @@ def measure(name: str, plan: Plan, cluster: SimCluster) -> dict[str, object]:
         out = {
             "max_inflight": cluster.max_inflight_total,
             "budget": plan.config.controller.admission.budget,
+            **plan.fault,
         }
+    elif name == "nodes_fail" and plan.window is not None:
+        out = {**plan.fault, "requests_while_down": _arrived(cluster, *plan.window)}
     return {"scenario_measures": out} if out else {}
+
+
+def _arrived(cluster: SimCluster, start: float, end: float, priority: int | None = None) -> int:
+    """Requests (of ``priority``, or all) that reached their gateway in [start, end)."""
+    return sum(
+        1
+        for o in cluster.outcomes.values()
+        if start <= o.arrived_s < end and (priority is None or o.req.priority == priority)
+    )
 
 
 def _round(x: float | None) -> float | None:
@@ -94,12 +110,19 @@ def _check(value: float | None, rel: str, threshold: float, note: str = "") -> d
         "<=": value <= threshold,
         "<": value < threshold,
         ">=": value >= threshold,
+        ">": value > threshold,
         "==": value == threshold,
     }[rel]
     check: dict[str, Any] = {"value": value, "rel": rel, "threshold": threshold, "ok": ok}
     if note:
         check["note"] = note
     return check
+
+
+def _exercised(count: int | None, note: str) -> dict[str, Any]:
+    """The fault met traffic: a criterion over a fault nobody saw would hold vacuously
+    (a one-request trace "held" every scenario)."""
+    return _check(count, ">=", 1, note)
 
 
 def _lost(report: Mapping[str, Any], row: Mapping[str, Any]) -> dict[str, Any]:
@@ -130,6 +153,12 @@ def _policy_checks(
             p0.get("completed", 0), "==", p0.get("requests", 0), "every P0 request"
         )
     elif name == "nodes_fail":
+        m = row.get("scenario_measures", {})
+        checks["requests_while_down"] = _exercised(
+            m.get("requests_while_down"),
+            f"requests that came while {m.get('nodes_failed')} of {m.get('nodes')} nodes "
+            "were down",
+        )
         checks["attempts_per_request"] = _check(
             row["attempts_per_request"], "<=", MAX_ATTEMPTS_PER_REQUEST
         )
@@ -137,6 +166,9 @@ def _policy_checks(
     elif name == "coordinator_down":
         m = row["scenario_measures"]
         before = m["p0_admit_share_before"]
+        checks["p0_offered_during"] = _exercised(
+            m.get("p0_offered_during"), "P0 requests that came during the outage"
+        )
         checks["p0_admit_share_during"] = _check(
             m["p0_admit_share_during"],
             ">=",
@@ -196,6 +228,13 @@ def _policy_checks(
             }
     elif name == "tenant_flood":
         ma, mb = a["scenario_measures"], b["scenario_measures"]
+        # a flood that never offered more than the quota did not test it
+        checks["flood_requests"] = _check(
+            ma.get("flood_requests"),
+            ">",
+            ma["quota"],
+            "the flooding tenant's requests, more than its quota",
+        )
         checks["flood_max_inflight"] = _check(
             ma["flood_max_inflight"], "<=", ma["quota"], "the flooding tenant's quota"
         )
@@ -214,8 +253,11 @@ def _policy_checks(
             f"against {_seconds(calm_p99)} without",
         )
     elif name == "traffic_double":
-        checks["lost_requests"] = _lost(report, row)
         m = row["scenario_measures"]
+        checks["extra_requests"] = _exercised(
+            m.get("extra_requests"), "requests added to double the traffic"
+        )
+        checks["lost_requests"] = _lost(report, row)
         checks["max_inflight"] = _check(m["max_inflight"], "<=", m["budget"], "the budget C")
     return checks
 
@@ -242,7 +284,7 @@ def _number(x: float | None) -> str:
     return str(x) if isinstance(x, int) else f"{x:.4f}"
 
 
-_NEGATED = {"<=": ">", "<": ">=", ">=": "<", "==": "!="}
+_NEGATED = {"<=": ">", "<": ">=", ">=": "<", ">": "<=", "==": "!="}
 
 
 def format_criteria(scenario: str, result: Mapping[str, Any]) -> str:

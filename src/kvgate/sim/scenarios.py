@@ -159,7 +159,8 @@ class Plan:
     probe: Probe | None = None
     # the fault's [start, end) in seconds, for criteria that compare before and during it
     window: tuple[float, float] | None = None
-    # what the fault did in the run just ended (its hook writes it; mass_eviction)
+    # what the fault is (nodes_fail, traffic_double: set when planned) or did in the
+    # run just ended (mass_eviction: its hook writes it)
     fault: dict[str, object] = field(default_factory=dict)
 
 
@@ -171,10 +172,12 @@ def p2_flood(base: Workload, config: ClusterConfig, rng: Rng, *, factor: float =
 
 
 def nodes_fail(base: Workload, config: ClusterConfig, rng: Rng, *, fraction: float = 0.3) -> Plan:
-    """30% of nodes crash at 30% of the run and return at 60%; <= 1.2 attempts per request
-    and every request ends with one outcome."""
+    """30% of nodes (rounded up) crash at 30% of the run and return at 60%; <= 1.2
+    attempts per request and every request ends with one outcome."""
     d = base.duration_s
-    k = max(1, round(config.nodes * fraction))
+    # at least the fraction: 3 of 8 nodes (round() took 2, 25 %)
+    k = max(1, math.ceil(config.nodes * fraction - 1e-9))
+    start, end = 0.3 * d, 0.6 * d
 
     def down(c: SimCluster) -> None:
         for i in range(k):
@@ -184,7 +187,13 @@ def nodes_fail(base: Workload, config: ClusterConfig, rng: Rng, *, fraction: flo
         for i in range(k):
             c.recover_node(i)
 
-    return Plan(workload=base, config=config, hooks=((0.3 * d, down), (0.6 * d, up)))
+    return Plan(
+        workload=base,
+        config=config,
+        hooks=((start, down), (end, up)),
+        window=(start, end),
+        fault={"nodes_failed": k, "nodes": config.nodes},
+    )
 
 
 def coordinator_down(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
@@ -274,7 +283,11 @@ def traffic_double(base: Workload, config: ClusterConfig, rng: Rng) -> Plan:
     and the sum of in-flight requests never exceeds the budget C."""
     d = base.duration_s
     extra = time_window(base, 0.3 * d, 0.5 * d, rebase=False)
-    return Plan(workload=merge(base, extra, name=f"{base.name}+double"), config=config)
+    return Plan(
+        workload=merge(base, extra, name=f"{base.name}+double"),
+        config=config,
+        fault={"extra_requests": len(extra.requests)},
+    )
 
 
 Builder = Callable[..., Plan]
