@@ -13,6 +13,8 @@ import pytest
 
 from kvgate.cli import main
 from kvgate.commands.sim_plot import _flatten
+from kvgate.commands.simulate import keeps_up, sheds
+from kvgate.sim.workload import SimRequest, Workload
 
 SMALL = ["simulate", "--workload", "gsp", "--limit", "40", "--no-progress"]
 
@@ -137,3 +139,29 @@ def test_rate_with_a_trace_is_refused(tmp_path: Path, capsys: pytest.CaptureFixt
                      '"hash_ids": [1]}\n')
     assert main(["simulate", "--trace", str(trace), "--rate", "4", "--no-progress"]) == 2
     assert "a trace has its own timestamps" in capsys.readouterr().err
+
+
+def test_keeping_up_means_shedding_under_1_percent_and_draining_at_once() -> None:
+    """The saturation search's rule, on hand-made reports of a 100-request workload that
+    arrives over 100 s: an unloaded run's drain allowance of 5 s lets the run end by
+    1.1 x 100 + 5 s after the first arrival; later, the backlog grew; 1 refusal in 100
+    is shedding."""
+    reqs = tuple(
+        SimRequest(request_id=f"r{i}", arrival_s=float(i), prompt_tokens=16, output_tokens=1,
+                   block_ids=())
+        for i in range(101)
+    )  # fmt: skip
+    w = Workload(name="w", block_tokens=512, requests=reqs)
+    assert w.duration_s == 100.0
+
+    def rep(span: float, rejected: int = 0, failed: int = 0) -> dict[str, Any]:
+        return {"span_s": span, "rejected": rejected, "failed": failed}
+
+    assert keeps_up(rep(115.0), w, 5.0)
+    assert keeps_up(rep(115.01), w, 5.0)  # the report rounds the span to 10 ms
+    assert not keeps_up(rep(115.1), w, 5.0)  # drained late: the queue grew
+    assert keeps_up(rep(125.0), w, 15.0)  # a longer unloaded drain allows more
+    assert not sheds(rep(100.0), w) and keeps_up(rep(100.0), w, 5.0)
+    assert sheds(rep(100.0, rejected=1, failed=1), w)  # 2 of 101: >= 1 %
+    assert not sheds(rep(100.0, failed=1), w)  # 1 of 101: under 1 %
+    assert not keeps_up(rep(100.0, rejected=2), w, 5.0)  # on time, but it shed
