@@ -266,6 +266,9 @@ async def test_token_id_prompt(start_server: Any, http: aiohttp.ClientSession) -
         ("/v1/chat/completions", b'{"model": "kvgate-sim", '
          b'"response_format": {"type": "json_object"}, '
          b'"messages": [{"role": "user", "content": "x"}]}', 400, "response_format"),
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", '
+         b'"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}', 400,
+         "response_format"),
     ],
 )
 async def test_errors_are_openai_shaped(start_server: Any, http: aiohttp.ClientSession,

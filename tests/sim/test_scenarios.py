@@ -194,7 +194,7 @@ def test_mass_eviction_is_an_announced_flush_of_the_cache_on_every_workload(
     workload: str, tmp_path: Any
 ) -> None:
     """The fault flushes 90 % of what the node caches, announced whatever the bulk
-    threshold: on chat's default 1 000-block caches the fullest node caches 95 blocks,
+    threshold: on chat's default 1 000-block caches the fullest node caches 90 blocks,
     under 10 % of its pool, and the old eviction (up to 90 % of the pool) went
     unannounced, so the two variants were the same run and the criteria said ok."""
     out = tmp_path / "me.json"

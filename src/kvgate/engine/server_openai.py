@@ -121,9 +121,6 @@ def _refuse_unsimulated(parsed: CompletionRequest | ChatRequest, kind: Kind) -> 
         choice = raw.get("tool_choice")
         if choice is not None and choice not in ("auto", "none"):
             refuse("tool_choice", "call tools")
-        fmt = raw.get("response_format")
-        if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
-            refuse("response_format", "produce structured output")
     else:
         if raw.get("logprobs") is not None:
             refuse("logprobs", "return logprobs")
@@ -131,6 +128,10 @@ def _refuse_unsimulated(parsed: CompletionRequest | ChatRequest, kind: Kind) -> 
             refuse("echo", "echo the prompt")
         if raw.get("suffix"):
             refuse("suffix", "support a suffix")
+    # both APIs: vLLM's completions take a response_format (structured output) as well
+    fmt = raw.get("response_format")
+    if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
+        refuse("response_format", "produce structured output")
     low, high = raw.get("min_tokens"), parsed.max_tokens  # max_completion_tokens first
     if isinstance(low, int) and high is not None and low > high:
         raise InvalidValueError(
