@@ -3,8 +3,10 @@ learning mode, the bypass pool and C_eff."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import pytest
 from admission_testlib import req
 
 from kvgate.core.admission import (
@@ -571,3 +573,35 @@ def test_a_rollback_is_noticed_whichever_gateway_reports_first() -> None:
     plain = load_state(cfg, dump_state(coord))
     assert not plain.refresh(gws[0].make_refresh(now), now).learning
     assert not plain.refresh(gws[1].make_refresh(now), now).learning
+
+
+def test_learning_echoes_what_a_gateway_holds_not_a_borrowed_credit_twice() -> None:
+    """After lost state a gateway is echoed max(its lease, its in flight). A P0 running
+    on P1's credit is in inuse[0] and in has[1]; summing max(has[c], inuse[c]) per class
+    counted it twice, and the first gateway to report grew out of the share of one that
+    had not reported yet (K = 20: 13 echoed to a gateway holding 10, the fleet at 23)."""
+    coord = InProcessCoordinator(AdmissionConfig(budget=20, bypass_fraction=0.0))
+    coord.reset_epoch("epoch-1", 0.0)
+    held = RefreshRequest(
+        gateway_id="a",
+        epoch="epoch-0",
+        inuse=(10, 0, 0),  # 7 on its P0 credits and 3 on P1's
+        wants=(10, 0, 0),
+        has=(7, 3, 0),
+        has_total=10,
+        tenants={},
+    )
+    g = coord.refresh(held, 0.1)
+    assert g.learning and g.total == 10 and sum(g.grants) == 10
+
+
+def test_a_non_finite_clock_is_refused() -> None:
+    """Every expiry test is False at NaN: a refresh at NaN dropped every other gateway's
+    lease record (their reservations lent again)."""
+    coord = InProcessCoordinator(_one_class(100))
+    coord.refresh(report("a", 100, has=60, inuse0=60), 0.0)
+    held = coord.held_total()
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="coordinator clock must be a finite number"):
+            coord.refresh(report("b", 100), bad)
+    assert set(coord.records) == {"a"} and coord.held_total() == held > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from admission_testlib import fill, kind, lease, leased_gateway, req
+from admission_testlib import fill, kind, lease, leased_gateway, req, sync_refresh
 
 from kvgate.core.admission import (
     AdmissionConfig,
@@ -429,3 +429,38 @@ def test_stats_snapshot() -> None:
     assert s.lease_state.value == "active" and not s.degraded
     with pytest.raises(AttributeError):
         s.inuse_total = 5  # type: ignore[misc]
+
+
+def test_a_half_open_breaker_whose_probes_never_report_sends_new_ones() -> None:
+    """Probes whose requests end with no outcome (the client gave up, no node could take
+    them, they timed out queued) held the breaker half-open with no probe left: every
+    request refused until a restart. After open_s with no verdict, new probes go."""
+    gw = leased_gateway(lease((50, 50, 0)))
+    for _ in range(20):
+        gw.record_outcome(False, 0.0)
+    probes = [gw.admit(req(0), 5.0) for _ in range(4)]  # open_s = 5 s: 3 probes
+    assert [kind(p) for p in probes] == ["Admitted"] * 3 + ["Rejected"]
+    assert kind(gw.admit(req(0), 9.9)) == "Rejected"  # their verdict may still come
+    again = [gw.admit(req(0), 10.0) for _ in range(4)]
+    assert gw.breaker_state is BreakerState.HALF_OPEN
+    assert [kind(p) for p in again] == ["Admitted"] * 3 + ["Rejected"]
+    for t in (10.1, 10.2, 10.3):
+        gw.record_outcome(True, t)
+    assert gw.breaker_state is BreakerState.CLOSED
+
+
+def test_a_queued_request_is_not_overtaken_by_a_worse_class_when_capacity_returns() -> None:
+    """A node went down and came back: the limits grew without a dispatch, and until the
+    next poll a P1 arrival took the credit a queued P0 waited for."""
+    cfg = AdmissionConfig(budget=10, bypass_fraction=0.0)
+    coord = InProcessCoordinator(cfg)
+    gw = GatewayAdmission(cfg, "g")
+    gw.set_cluster_capacity(10, 2, 0.0)
+    sync_refresh(gw, coord, 0.0)
+    fill(gw, 5, 0, 0.1)
+    gw.set_cluster_capacity(5, 1, 0.2)  # a node down: the limits halve at once
+    assert isinstance(gw.admit(req(0), 0.3), Queued)
+    gw.set_cluster_capacity(10, 2, 0.4)  # back: room again, nothing dispatched yet
+    assert isinstance(gw.admit(req(1), 0.41), Queued)  # behind the P0, not before it
+    served = gw.poll(0.42)
+    assert [a.ticket.priority for a in served if isinstance(a, Admitted)] == [0, 1]

@@ -34,6 +34,7 @@ class ClusterBreaker:
         "_no_healthy",
         "_ok",
         "_opened_at",
+        "_probed_at",
         "_probes_left",
         "_stamp",
         "_state",
@@ -52,6 +53,7 @@ class ClusterBreaker:
         self._state = BreakerState.CLOSED  # the error-rate state machine
         self._no_healthy = False
         self._opened_at = 0.0
+        self._probed_at = 0.0  # half-open: when the last probe went (or half-open began)
         self._probes_left = 0
         self._half_open_successes = 0
         self.opens = 0
@@ -94,12 +96,24 @@ class ClusterBreaker:
             self._probes_left = min(self._probes_left + 1, self.config.half_open_probes)
 
     def tick(self, now: float) -> None:
-        """Time-based transition OPEN -> HALF_OPEN."""
+        """Time-based transitions: OPEN -> HALF_OPEN after ``open_s``, and in HALF_OPEN
+        new probes when the last ones went ``open_s`` ago with no verdict."""
         if self._state is BreakerState.OPEN and now >= self._opened_at + self.config.open_s:
             self._state = BreakerState.HALF_OPEN
             self._probes_left = self.config.half_open_probes
             self._half_open_successes = 0
+            self._probed_at = now
             self._publish()
+        elif (
+            self._state is BreakerState.HALF_OPEN
+            and self._probes_left <= 0
+            and now >= self._probed_at + self.config.open_s
+        ):
+            # A probe whose request never reports an outcome (cancelled by its client,
+            # found no node, timed out in the queue) would hold the breaker half-open
+            # with no probe left, refusing everything until a restart: re-arm.
+            self._probes_left = self.config.half_open_probes
+            self._probed_at = now
 
     def allow(self, now: float) -> bool:
         """May one more request be admitted now? Consumes a probe when half-open."""
@@ -112,6 +126,7 @@ class ClusterBreaker:
             if self._probes_left <= 0:
                 return False
             self._probes_left -= 1
+            self._probed_at = now
             return True
         return True
 

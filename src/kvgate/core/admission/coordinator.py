@@ -123,6 +123,8 @@ class InProcessCoordinator:
 
     # ----------------------------------------------------------------- public
     def refresh(self, req: RefreshRequest, now: float) -> LeaseGrant:
+        if not math.isfinite(now):  # every expiry test is False at NaN: all leases dropped
+            raise ValueError(f"coordinator clock must be a finite number, got {now}")
         now += self.clock_offset_s
         if now < self.clock_s:  # the clock stepped back: no time passed since the last
             self.clock_offset_s += self.clock_s - now
@@ -290,7 +292,9 @@ class InProcessCoordinator:
         pool = cfg.bypass_credits(self.capacity)
         k = self.capacity - pool
         grant = [max(rec.has[c], rec.inuse[c]) for c in range(3)]
-        want_total = max(rec.has_total, sum(rec.inuse), sum(grant))
+        # not sum(grant): a P0 running on P1's credit is in inuse[0] and has[1], and
+        # counting it twice echoed a gateway more than it held (the fleet over K)
+        want_total = max(rec.has_total, sum(rec.inuse))
         room = max(0, k - sum(self._held_total(o) for o in others))
         total = min(want_total, room)
         over = sum(grant) - total

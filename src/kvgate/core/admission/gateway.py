@@ -156,7 +156,9 @@ class GatewayAdmission(Stage1Limiter):
         self._apply_limits()
         if not self._queued_total:
             return []
-        return self._settle_awaiting(now) + self._dispatch(now)
+        # the queued first: a parked request settled first took a credit a queued
+        # request of a better class was waiting for
+        return self._dispatch(now) + self._settle_awaiting(now)
 
     def refresh_failed(self, now: float) -> None:
         """The coordinator could not be reached; the lease ages toward SAFE."""

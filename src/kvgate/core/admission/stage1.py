@@ -195,7 +195,8 @@ class Stage1Limiter:
             total < self._total
             and inuse[c] < self._caps[c]
             and (c == 0 or self._total - total - 1 >= self._reserve - inuse[0])
-            and not self._queues[c].size
+            # nobody of its class or better queued (a P1 overtook a queued P0 after a rise)
+            and not (self._queued_total and any(q.size for q in self._queues[: c + 1]))
         ):
             self._serial = serial = self._serial + 1
             self._live.add(serial)
