@@ -357,6 +357,37 @@ def test_a_node_that_keeps_refusing_is_left_out_a_while(kind: FailureKind) -> No
     assert isinstance(again, Dispatch) and again.node_id == bad
 
 
+def test_a_whole_answer_ends_a_nodes_refusals_as_a_first_byte_does() -> None:
+    """A node that refused once, then served non-streamed requests (their whole answer
+    at once: no first byte is reported), was left out at its next single refusal: only
+    a streamed first byte cleared its count of refusals in a row."""
+    ctl = cluster(1)
+    dispatch(ctl, "r0", 1.0)
+    ctl.on_failed(RequestId("r0"), FailureKind.RETRY_ELSEWHERE, 1.0, before_first_byte=True)
+    for i in range(1, 4):  # served, not streamed
+        dispatch(ctl, f"r{i}", 1.1)
+        ctl.on_finished(RequestId(f"r{i}"), 1.2)
+    dispatch(ctl, "r4", 1.3)
+    ctl.on_failed(RequestId("r4"), FailureKind.RETRY_ELSEWHERE, 1.3, before_first_byte=True)
+    assert ctl.refusals.left_out(1.3) == frozenset()  # one refusal in a row, not two
+    assert ctl.refusals.backoffs == 0
+
+
+def test_an_ejected_node_and_its_return_are_news_for_the_log() -> None:
+    ctl = cluster(2, eject_after_failures=3, eject_s=30.0)
+    for i in range(3):
+        d = dispatch(ctl, f"r{i}", 1.0, excluded_nodes=frozenset({NodeId("n1")}))
+        assert d.node_id == "n0"
+        ctl.on_failed(RequestId(f"r{i}"), FailureKind.UPSTREAM_ERROR, 1.0,
+                      before_first_byte=False)
+    assert ctl.take_ejections() == [(NodeId("n0"), True)]
+    assert ctl.take_ejections() == []  # each told once
+    ctl.tick(30.5)
+    assert ctl.take_ejections() == []
+    ctl.tick(31.0)
+    assert ctl.take_ejections() == [(NodeId("n0"), False)]
+
+
 def test_refusals_leave_no_node_out_when_none_else_is_left() -> None:
     ctl = cluster(1)
     for i in range(5):
@@ -399,3 +430,29 @@ def test_a_node_refusing_for_good_neither_overflows_nor_over_counts() -> None:
     # refusals while it is left out are not new back-offs: 3 s at 1 ms each, the
     # waits 0.25, 0.5, 1, 2, 4 s: left out at the second refusal and never let back
     assert backoff.backoffs == 1
+
+
+@pytest.mark.parametrize("how", ["cancelled", "no node"])
+def test_a_half_open_probe_that_never_ran_is_handed_back(how: str) -> None:
+    """A probe whose client went away, or that no node could take, says nothing of the
+    cluster: its probe goes back at once (it used to be lost until the breaker's own
+    re-arm, and before that for good)."""
+    ctl = cluster(eject_after_failures=1000)
+    coordinator = InProcessCoordinator(ctl.config.admission)
+    for i in range(20):  # 20 timeouts after the first byte: the breaker opens
+        dispatch(ctl, f"f{i}", 1.0)
+        ctl.on_failed(RequestId(f"f{i}"), FailureKind.TIMEOUT, 1.0, before_first_byte=False)
+    assert ctl.admission.breaker_state is BreakerState.OPEN
+    ctl.refresh_with(coordinator, 7.0)  # a live lease and fresh load reports at 7 s
+    for n in ("n0", "n1"):
+        ctl.on_load_report(NodeId(n), waiting=0, running=0, kv_util=0.0, now=7.0)
+    everyone = frozenset({NodeId("n0"), NodeId("n1")})
+    for i in range(3):  # open_s (5 s) later: the three half-open probes
+        if how == "cancelled":
+            dispatch(ctl, f"p{i}", 7.0)
+            ctl.on_cancelled(RequestId(f"p{i}"), 7.1)
+        else:
+            d = arrive(ctl, f"p{i}", 7.0, excluded_nodes=everyone)
+            assert isinstance(d, Reject) and d.rejected.reason.value == "overloaded"
+    assert ctl.admission.breaker_state is BreakerState.HALF_OPEN
+    assert isinstance(arrive(ctl, "next", 7.2), Dispatch)  # a probe was left for it

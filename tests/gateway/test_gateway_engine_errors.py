@@ -130,6 +130,28 @@ def test_a_bare_503_from_the_only_node_is_a_503_the_client_may_retry(kit: Any) -
     kit.run(body())
 
 
+def test_an_engines_429_passed_through_keeps_its_retry_after(kit: Any) -> None:
+    """A node's 429 with its own JSON body, no retry left, reaches the client as it was:
+    with the node's Retry-After now (it was dropped, leaving the openai SDK's retries no
+    hint), 1 s when the node gave none or a date."""
+    engine_body = {"error": {"message": "slow down", "type": "x", "param": None,
+                             "code": 429}}
+    answer: list[Answer] = []
+
+    async def body() -> None:
+        async with _gateway_over(kit, answer) as (url, gw), aiohttp.ClientSession() as s:
+            for given, want in (("7", "7"), (None, "1"), ("Wed, 21 Oct 2015 07:28:00 GMT", "1")):
+                extra = {} if given is None else {"Retry-After": given}
+                answer[:] = [lambda extra=extra: web.json_response(  # type: ignore[misc]
+                    engine_body, status=429, headers=extra)]
+                async with s.post(url + C, json={"model": kit.MODEL, "prompt": "x"}) as r:
+                    assert (r.status, await r.json()) == (429, engine_body)
+                    assert r.headers["Retry-After"] == want, given
+            assert gw.controller.num_requests() == 0
+
+    kit.run(body())
+
+
 def test_a_prompt_that_fits_without_max_tokens_reaches_the_node(kit: Any) -> None:
     """No max_tokens: the node generates what fits (vLLM's rule), so only the prompt
     must fit. The gateway added its 256-token output estimate and refused a prompt the

@@ -140,7 +140,11 @@ def test_a_stream_with_headers_but_no_first_byte_fails_over_too(kit: Any) -> Non
     kit.run(body())
 
 
-def test_an_ejected_node_gives_up_the_attempts_waiting_on_it(kit: Any) -> None:
+def test_an_ejected_node_gives_up_the_attempts_waiting_on_it(kit: Any, caplog: Any) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kvgate.gateway")
+
     async def body() -> None:
         async with kit.cluster(2, upstream=SLOW, routing={"eject_after_failures": 1}) as c:
             _, headers, _ = await c.post("/v1/completions", _shared(0))
@@ -159,6 +163,9 @@ def test_an_ejected_node_gives_up_the_attempts_waiting_on_it(kit: Any) -> None:
                 status, headers, _ = await call
             assert status == 200 and headers["X-Kvgate-Node"] == other.name
             assert c.gw.controller.stats.retries["node_down"] == 1
+            # the ejection is logged, as the health watcher's verdicts are (it was not)
+            assert f"node {home.name} is out for 30 s after 1 failed attempt(s) in a row" in (
+                caplog.text)
 
     kit.run(body())
 

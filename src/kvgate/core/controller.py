@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -177,6 +178,9 @@ class Controller:
         self._requests: dict[RequestId, _Request] = {}
         self._retries_in_flight = 0
         self._ejected_until: dict[NodeId, float] = {}
+        # ejections and their ends, for the driver's log (take_ejections); bounded: the
+        # simulator never drains it
+        self._ejection_news: deque[tuple[NodeId, bool]] = deque(maxlen=64)
         self.refusals = RefusalBackoff()  # nodes that keep refusing, left out a while
         # announced bulk evictions not done yet: the node's cache discounted meanwhile
         self.evictions = EvictionNotices(self.nodes, cfg.evicting_cache_weight)
@@ -282,6 +286,13 @@ class Controller:
                 out.append(rid)
         self._aborts.clear()
         return out
+
+    def take_ejections(self) -> list[tuple[NodeId, bool]]:
+        """(node, True) for each node ejected after ``eject_after_failures`` failed
+        attempts in a row, (node, False) when its ``eject_s`` ended, since the last call."""
+        news = list(self._ejection_news)
+        self._ejection_news.clear()
+        return news
 
     def set_draining(self, node_id: NodeId, draining: bool, now: float) -> None:
         state = self.nodes.get(node_id)
@@ -506,6 +517,7 @@ class Controller:
         if self._aborts:
             self._aborts.pop(record.request_id, None)
         if record.ticket is not None:
+            self.admission.record_ignored(now)  # admitted, never ran: no outcome (a probe back)
             # The freed credit may admit queued requests; this call returns one
             # decision, so theirs go out with the next call that returns a list.
             self._deferred.extend(
@@ -551,6 +563,8 @@ class Controller:
         node = record.node
         if node is not None:
             node.consecutive_failures = 0
+            if not record.first_byte:  # a whole answer at once (not streamed): it took it
+                self.refusals.took(node.spec.node_id)
         if record.attempts:
             self.stats.count_hits(
                 node,
@@ -569,6 +583,9 @@ class Controller:
         if record is None:
             return []
         self.stats.outcomes["cancelled"] += 1
+        if record.ticket is not None:
+            # says nothing of the cluster's health; a half-open breaker gets its probe back
+            self.admission.record_ignored(now)
         return self._close(record, now)
 
     def on_failed(
@@ -664,6 +681,7 @@ class Controller:
             if node.consecutive_failures >= self.config.eject_after_failures and node.healthy:
                 self._ejected_until[node.spec.node_id] = now + self.config.eject_s
                 self.set_healthy(node.spec.node_id, False, now)
+                self._ejection_news.append((node.spec.node_id, True))
 
     def _close(self, record: _Request, now: float, *, node_done: bool = True) -> list[Decision]:
         if self._aborts:  # the request is over: nothing left to abort
@@ -727,6 +745,7 @@ class Controller:
         for node_id, until in list(self._ejected_until.items()):
             if now >= until:
                 self.set_healthy(node_id, True, now)
+                self._ejection_news.append((node_id, False))
         out: list[Decision] = self._take_deferred()
         admitted: list[Admitted] = []
         for item in self.admission.poll(now):

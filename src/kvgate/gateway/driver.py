@@ -266,7 +266,20 @@ class Driver:
         mine = next((d for d in decisions if d.request_id == rid), None)
         self.apply(d for d in decisions if d is not mine)
         self.abort_unanswered()  # the failure may have ejected the node
+        self._log_ejections()
         return mine
+
+    def _log_ejections(self) -> None:
+        """Say when the controller ejects a node for failed attempts, and when it takes
+        it back: the health watcher logs only its own verdicts."""
+        cfg = self.controller.config
+        for node_id, out in self.controller.take_ejections():
+            if out:
+                log.warning("node %s is out for %g s after %d failed attempt(s) in a row",
+                            node_id, cfg.eject_s, cfg.eject_after_failures)
+            else:
+                log.warning("node %s is back (its %g s out after failed attempts ended)",
+                            node_id, cfg.eject_s)
 
     # ------------------------------------------------------------------ aborts
     def guard(self, rid: RequestId, node_id: NodeId, handle: asyncio.Timeout) -> None:
@@ -362,6 +375,7 @@ class Driver:
         now = self.clock()
         self.apply(self.controller.tick(now))
         self.abort_unanswered()
+        self._log_ejections()
         if self._refreshing is not None or not self.controller.refresh_due(now):
             return
         if self.lease.in_process:

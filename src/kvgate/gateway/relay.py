@@ -404,6 +404,8 @@ class Relay:
             # JSON, whatever the node called it: an engine's text/html must not become a
             # page of the gateway's origin
             headers["Content-Type"] = "application/json"
+            if resp.status in (429, 503):  # the client's back-off hint: the node's, or ours
+                headers["Retry-After"] = _node_retry_after(resp.headers.get("Retry-After"))
             return web.Response(status=resp.status, body=body, headers=headers)
         if body and not complete:  # its first ERROR_BODY_LIMIT bytes would be broken JSON
             flight.done = True
@@ -596,6 +598,14 @@ class _ClientWriter:
             self._stalled.info("dropped a client that took no byte of its stream for "
                                   "%g s (%s)", self._timeout_s, self._request.remote)
             raise ConnectionResetError("the client stopped reading the stream") from None
+
+
+def _node_retry_after(value: str | None) -> str:
+    """A node's Retry-After when it is whole seconds (at most a day), else 1 s: a date
+    or garbage is not passed on."""
+    if value is not None and value.strip().isdigit() and int(value) <= 86_400:
+        return str(int(value))
+    return "1"
 
 
 async def _read_limited(content: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:
