@@ -603,8 +603,10 @@ class _ClientWriter:
 def _node_retry_after(value: str | None) -> str:
     """A node's Retry-After when it is whole seconds (at most a day), else 1 s: a date
     or garbage is not passed on."""
-    if value is not None and value.strip().isdigit() and int(value) <= 86_400:
-        return str(int(value))
+    seconds = (value or "").strip()
+    # ASCII digits only: str.isdigit also takes "²", which int() refuses
+    if seconds.isascii() and seconds.isdigit() and int(seconds) <= 86_400:
+        return str(int(seconds))
     return "1"
 
 
