@@ -176,3 +176,11 @@ def test_a_prompt_that_fits_without_max_tokens_reaches_the_node(kit: Any) -> Non
             assert gw.controller.num_requests() == 0
 
     kit.run(body())
+
+
+def test_a_nodes_retry_after_is_passed_on_only_as_whole_seconds() -> None:
+    from kvgate.gateway.relay import _node_retry_after
+
+    assert [_node_retry_after(v) for v in ("7", " 30 ", "86400")] == ["7", "30", "86400"]
+    for odd in (None, "", "1.5", "-1", "86401", "²", "٣", "Wed, 21 Oct 2015 07:28:00 GMT"):
+        assert _node_retry_after(odd) == "1", odd
