@@ -456,3 +456,13 @@ def test_a_half_open_probe_that_never_ran_is_handed_back(how: str) -> None:
             assert isinstance(d, Reject) and d.rejected.reason.value == "overloaded"
     assert ctl.admission.breaker_state is BreakerState.HALF_OPEN
     assert isinstance(arrive(ctl, "next", 7.2), Dispatch)  # a probe was left for it
+
+
+def test_excluding_the_only_healthy_node_says_healthy() -> None:
+    """n1 is down (ejected for a while): a request excluding n0 excludes every healthy
+    node, not every node serving the model, as the message said."""
+    ctl = cluster(2)
+    ctl.set_healthy(NodeId("n1"), False, 0.5)
+    d = arrive(ctl, "r", 1.0, excluded_nodes=frozenset({NodeId("n0")}))
+    assert isinstance(d, Reject)
+    assert d.rejected.message.startswith("every healthy node serving this model is excluded")

@@ -709,7 +709,7 @@ class Controller:
             pool, _ = self.nodes.eligible(record.ctx.model)
             if pool and all(s.spec.node_id in named for s in pool):
                 return overloaded_rejection(
-                    "every node serving this model is excluded by the request "
+                    "every healthy node serving this model is excluded by the request "
                     "(X-Kvgate-Exclude-Node)",
                     request_id=record.request_id,
                 )
