@@ -15,7 +15,7 @@ from typing import Any
 
 from kvgate.sim.cluster import SimCluster
 from kvgate.sim.report import pct, ttft
-from kvgate.sim.scenarios import Plan, p0_admit_shares
+from kvgate.sim.scenarios import Plan, arrived_in, p0_admit_shares
 
 __all__ = [
     "MAX_ATTEMPTS_PER_REQUEST",
@@ -52,7 +52,7 @@ def measure(name: str, plan: Plan, cluster: SimCluster) -> dict[str, object]:
             "admitted_in_safe_mode": run.admitted_in_safe_mode,
             "safe_mode_max_inuse": run.safe_mode_inuse,
             "safe_limit": plan.probe.budget // len(cluster.gateways),
-            "p0_offered_during": _arrived(cluster, *plan.window, priority=0),
+            "p0_offered_during": len(arrived_in(cluster, *plan.window, priority=0)),
         }
     elif name == "tenant_flood" and plan.probe is not None:
         others = [
@@ -86,17 +86,8 @@ def measure(name: str, plan: Plan, cluster: SimCluster) -> dict[str, object]:
             **plan.fault,
         }
     elif name == "nodes_fail" and plan.window is not None:
-        out = {**plan.fault, "requests_while_down": _arrived(cluster, *plan.window)}
+        out = {**plan.fault, "requests_while_down": len(arrived_in(cluster, *plan.window))}
     return {"scenario_measures": out} if out else {}
-
-
-def _arrived(cluster: SimCluster, start: float, end: float, priority: int | None = None) -> int:
-    """Requests (of ``priority``, or all) that reached their gateway in [start, end)."""
-    return sum(
-        1
-        for o in cluster.outcomes.values()
-        if start <= o.arrived_s < end and (priority is None or o.req.priority == priority)
-    )
 
 
 def _round(x: float | None) -> float | None:

@@ -37,7 +37,7 @@ from functools import partial
 
 from kvgate.core.admission import AdmissionConfig, LeaseState, Priority
 from kvgate.core.rng import Rng
-from kvgate.sim.cluster import ClusterConfig, SimCluster
+from kvgate.sim.cluster import ClusterConfig, RequestOutcome, SimCluster
 from kvgate.sim.runner import Hook
 from kvgate.sim.workload import (
     Workload,
@@ -306,11 +306,22 @@ def describe(name: str) -> str:
     return " ".join((SCENARIOS[name].__doc__ or "").split())
 
 
+def arrived_in(
+    c: SimCluster, start: float, end: float, priority: int | None = None
+) -> list[RequestOutcome]:
+    """The requests (of ``priority``, or all) that reached their gateway in [start, end)."""
+    return [
+        o
+        for o in c.outcomes.values()
+        if start <= o.arrived_s < end and (priority is None or o.req.priority == priority)
+    ]
+
+
 def p0_admit_shares(c: SimCluster, start: float, end: float) -> tuple[float, float]:
     """Share of offered P0 requests admitted (not rejected) before and during a window."""
 
     def share(lo: float, hi: float) -> float:
-        offered = [o for o in c.outcomes.values() if o.req.priority == 0 and lo <= o.arrived_s < hi]
+        offered = arrived_in(c, lo, hi, priority=0)
         if not offered:
             return 1.0
         admitted = sum(1 for o in offered if o.status != "rejected")
