@@ -62,7 +62,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvgate.core.admission import (
@@ -99,7 +99,9 @@ from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order
 from kvgate.core.refusals import REFUSALS, RefusalBackoff
 from kvgate.core.request_context import RouteContexts, prompt_chain
 from kvgate.core.rng import Rng
+from kvgate.core.routed_tree import RoutedTree
 from kvgate.core.routing import RouteContext, RouteDecision, make_policy
+from kvgate.core.routing.base import cache_view
 from kvgate.core.stats import ControllerStats, DecisionRecord
 
 # Failures before the first byte after which the node holds nothing of the prompt: it
@@ -163,6 +165,9 @@ class Controller:
             precise=cfg.index_mode == "precise",
         )
         self.policy = make_policy(cfg.policy, cfg.policy_params)
+        # a baseline that knows only what it routed (SGLang's HTTP-mode tree)
+        routed = cache_view(self.policy) == "routed" and cfg.index_mode != "precise"
+        self.routed: RoutedTree | None = RoutedTree() if routed else None
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
         # one gateway of several: a pressing tenant is confined to its home node
         self._fleet = cfg.admission.lease.expected_gateways > 1
@@ -231,6 +236,8 @@ class Controller:
         if self.nodes.remove(node_id) is not None:
             self.learning.remove_node(node_id)
             self.policy.on_node_removed(node_id)
+            if self.routed is not None:
+                self.routed.forget(node_id)
         self._ejected_until.pop(node_id, None)
         self.refusals.forget(node_id)
         self.evictions.end(node_id)  # a node added again starts afresh
@@ -433,7 +440,12 @@ class Controller:
         cands = self.candidates(ctx, excluded, now)
         if not cands:
             return None
-        matches = self.index.match(ctx.chain, now) if self.policy.uses_cache else {}
+        if not self.policy.uses_cache:
+            matches: Mapping[NodeId, int] = {}
+        elif self.routed is not None:
+            matches = self.routed.match(ctx.chain)
+        else:
+            matches = self.index.match(ctx.chain, now)
         return self.policy.select(ctx, cands, matches, self.nodes, self.rng, now)
 
     def _dispatch_or_reject(self, record: _Request, ticket: Ticket, now: float) -> Decision:
@@ -485,6 +497,8 @@ class Controller:
         # approximate mode keeps what this dispatch teaches the index, to take it back if
         # the node never runs it (precise mode: guesses expire, events are the truth)
         record.learned = self.learning.learn(node.spec.node_id, ctx.chain, now)
+        if self.routed is not None:
+            self.routed.insert(node.spec.node_id, ctx.chain, ctx.tokens_per_block)
         self.stats.routed[decision.reason.value] += 1
         self.stats.recent.append(
             DecisionRecord(

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import ClassVar, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from kvgate.core.ids import BlockChain, NodeId
 from kvgate.core.nodes import NodeState, NodeTable
@@ -32,6 +32,17 @@ class RouteReason(StrEnum):
     FALLBACK = "fallback"  # a baseline's default branch / nothing better to say
     HASH = "hash"  # consistent hashing placement
     ROTATION = "rotation"  # round robin / random
+
+
+# Where a cache-aware policy's ``matches`` come from: the cache location table
+# ("index", the default), or in approximate mode only what this gateway routed, never
+# evicted ("routed": kvgate.core.routed_tree, SGLang's HTTP-mode tree).
+CacheView = Literal["index", "routed"]
+
+
+def cache_view(policy: object) -> CacheView:
+    """The policy's ``cache_view`` attribute, "index" when it has none."""
+    return "routed" if getattr(policy, "cache_view", "index") == "routed" else "index"
 
 
 _NO_DISCOUNT: Mapping[NodeId, float] = MappingProxyType({})  # shared: nothing allocated
@@ -103,6 +114,8 @@ class RoutingPolicy(Protocol):
 
         ``matches`` maps a node id to its matched prefix length in chain blocks; nodes
         absent from it match nothing. It may include nodes that are not candidates.
+        It is the cache location table's match, or the routed tree's for a policy
+        whose ``cache_view`` (:func:`cache_view`) says "routed".
         """
         ...
 

@@ -29,9 +29,13 @@ Mapping onto kvgate
 * Load = ``state.inflight`` (this gateway's in-flight requests on the node), the
   same router-local counter. ``processed`` is this policy's own count of requests
   routed to each node (SGLang's per-worker ``processed`` counter).
-* SGLang's tree is learned from its own routing; in kvgate the shared index plays
-  that role (the controller inserts the chosen node's chain after routing), so
-  ``matches[node]`` is the tree match and
+* SGLang's tree is learned from its own routing and knows nothing of the engine's
+  eviction: ``cache_view = "routed"`` (``tree="routed"``, the default) has the
+  controller match the prompt against what it routed to each node, never evicted
+  short of SGLang's 2^26 bound (:mod:`kvgate.core.routed_tree`), not against
+  kvgate's cache location table, which mirrors each node's KV capacity. In precise
+  mode the engines' events feed both, as in SGLang's gRPC mode. ``tree="index"``
+  hands it kvgate's table (what SGLang would do knowing each node's evictions).
   ``match_rate = min(1, matches[node] * tokens_per_block / prompt_tokens)``.
   Only candidates count (SGLang skips unhealthy tenants the same way).
 * "Several holders → the first" = the holder with the lowest slot.
@@ -56,9 +60,10 @@ from kvgate.core.routing._common import (
     require,
     uncached_tokens,
 )
-from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
+from kvgate.core.routing.base import CacheView, RouteContext, RouteDecision, RouteReason
 
 _FALLBACKS = ("least_loaded", "smallest_tree")
+_TREES: tuple[CacheView, ...] = ("routed", "index")
 
 
 class SglangCacheAwarePolicy:
@@ -75,11 +80,14 @@ class SglangCacheAwarePolicy:
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
         fallback: str = "least_loaded",
+        tree: str = "routed",
     ) -> None:
         require(0.0 <= cache_threshold <= 1.0, self.name, "cache_threshold must be in [0, 1]")
         require(balance_abs_threshold >= 0, self.name, "balance_abs_threshold must be >= 0")
         require(balance_rel_threshold >= 1.0, self.name, "balance_rel_threshold must be >= 1")
         require(fallback in _FALLBACKS, self.name, f"fallback must be one of {_FALLBACKS}")
+        require(tree in _TREES, self.name, f"tree must be one of {_TREES}")
+        self.cache_view: CacheView = "routed" if tree == "routed" else "index"
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
