@@ -8,6 +8,7 @@ import json
 import math
 import socket
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,19 @@ def test_poisson_rate_streams_and_measures(stub_server: Serve) -> None:
     assert rep.settings["rate"] == 200.0 and rep.settings["model"] == "stub-model"
     starts = sorted(r.start_s for r in rep.results)
     assert starts[-1] > 0.0  # Poisson gaps, not a burst
+
+
+def test_nothing_is_sent_past_the_time_bound_when_the_loop_runs_late(
+    stub_server: Serve,
+) -> None:
+    """The stub serves in the same event loop: its first request blocks the loop for
+    0.6 s, past the 0.3 s bound. When the loop runs again, the requests that came due
+    meanwhile must not go out before the bound's timer cancels the run (they did)."""
+    block = lambda i: time.sleep(0.6) if i == 0 else None  # noqa: E731
+    rep, stub = _run(stub_server, dict(tokens=50, delay_s=0.05, fail=block),
+                     workload=_workload(10, gap_s=0.1, out=50), schedule="trace",
+                     num_requests=10, max_seconds=0.3)
+    assert rep.sent == 1 and len(stub.received) == 1 and rep.incomplete == 1
 
 
 def test_concurrency_caps_in_flight(stub_server: Serve) -> None:

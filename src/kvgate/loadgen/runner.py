@@ -228,14 +228,23 @@ async def _drive(
             if (event := ended.get(spec.request_id)) is not None:
                 event.set()
 
-    async def send(req: SimRequest) -> None:
+    deadline = t0 + config.max_seconds
+
+    async def send(req: SimRequest) -> bool:
+        """Send ``req``; False (not sent) once past the time bound, whose timer may fire
+        late on a busy machine while the schedule sends what came due meanwhile."""
         if sem is not None:
             await sem.acquire()
+        if time.perf_counter() >= deadline:
+            if sem is not None:
+                sem.release()
+            return False
         spec = make_spec(req, block_tokens=config.workload.block_tokens,
                          chars_per_token=config.chars_per_token, seed=config.seed,
                          max_prompt_tokens=config.max_prompt_tokens,
                          output_tokens_cap=config.output_tokens_cap)
         sent.append((asyncio.create_task(one(spec)), spec, time.perf_counter()))
+        return True
 
     async def follow(req: SimRequest, previous: asyncio.Event) -> None:
         await previous.wait()
@@ -252,7 +261,8 @@ async def _drive(
                 wait = t0 + offset - time.perf_counter()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                await send(req)
+                if not await send(req):
+                    break
             if followers:
                 await asyncio.gather(*followers)
             if sent:
