@@ -10,12 +10,12 @@ from typing import Literal, get_args
 from kvgate.core.admission import AdmissionConfig
 from kvgate.core.errors import ConfigError
 
-# Prompt-length buckets (tokens) for hit ratios, as the design brief asks: <1k, 1k-4k,
-# 4k-16k, >=16k. Each bound is the exclusive upper edge of its bucket.
 # how the cache index learns: approximate from our own routing, precise from KV events
 IndexMode = Literal["approximate", "precise"]
 INDEX_MODES: tuple[str, ...] = get_args(IndexMode)
 
+# Prompt-length buckets (tokens) for hit ratios, as the design brief asks: <1k, 1k-4k,
+# 4k-16k, >=16k. Each bound is the exclusive upper edge of its bucket.
 PREFIX_BUCKETS: tuple[tuple[str, int], ...] = (
     ("lt1k", 1024),
     ("1k_4k", 4096),

@@ -30,3 +30,10 @@ def first_nonfinite(obj: object, path: str = "") -> tuple[str, float] | None:
         if (bad := first_nonfinite(value, sub)) is not None:
             return bad
     return None
+
+
+def require_finite(obj: object, name: str) -> None:
+    """ValueError naming ``name.field`` when ``obj`` holds a NaN or infinite float: for
+    the engine's configs, whose ``__post_init__`` calls it before any range check."""
+    if (bad := first_nonfinite(obj)) is not None:
+        raise ValueError(f"{name}.{bad[0]} must be a finite number, got {bad[1]}")

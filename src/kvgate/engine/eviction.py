@@ -35,7 +35,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvgate.core.finite import first_nonfinite
+from kvgate.core.finite import require_finite
 from kvgate.engine.block_pool import BlockPool
 from kvgate.engine.kv_events import EvictionAnnounced, EvictionDone
 
@@ -63,8 +63,7 @@ class EvictionConfig:
     bulk_window_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if (bad := first_nonfinite(self)) is not None:  # before the range checks: NaN passes them
-            raise ValueError(f"EvictionConfig.{bad[0]} must be a finite number, got {bad[1]}")
+        require_finite(self, "EvictionConfig")  # before the range checks: NaN passes them
         if self.announce_lead_s is not None and self.announce_lead_s < 0:
             raise ValueError("announce_lead_s must be >= 0 or None")
         if not 0 < self.batch_fraction <= 1 or self.batch_interval_s < 0:

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from kvgate.core.finite import first_nonfinite
+from kvgate.core.finite import require_finite
 from kvgate.protocol.node_reject import RejectKind
 
 __all__ = [
@@ -76,10 +76,7 @@ class NodeAdmissionConfig:
     queue_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if (bad := first_nonfinite(self)) is not None:  # before the range checks: NaN passes them
-            raise ValueError(
-                f"NodeAdmissionConfig.{bad[0]} must be a finite number, got {bad[1]}"
-            )
+        require_finite(self, "NodeAdmissionConfig")  # before the range checks: NaN passes them
         if not 0.0 <= self.kv_accept <= self.kv_overload <= 1.0:
             raise ValueError("need 0 <= kv_accept <= kv_overload <= 1")
         if self.waiting_accept < 0 or self.queue_max < 0 or self.queue_ttl_s <= 0:

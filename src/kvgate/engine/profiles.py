@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from kvgate.core.finite import first_nonfinite
+from kvgate.core.finite import require_finite
 
 __all__ = [
     "DEFAULT_PROFILE",
@@ -66,8 +66,7 @@ class EngineProfile:
     max_num_seqs: int = 256
 
     def __post_init__(self) -> None:
-        if (bad := first_nonfinite(self)) is not None:  # before the range checks: NaN passes them
-            raise ValueError(f"EngineProfile.{bad[0]} must be a finite number, got {bad[1]}")
+        require_finite(self, "EngineProfile")  # before the range checks: NaN passes them
         for field_name in ("t0_s", "a_s_per_token", "c_s_per_pair", "k_s_per_ctx_token"):
             if getattr(self, field_name) < 0:
                 raise ValueError(f"EngineProfile.{field_name} must be >= 0")
