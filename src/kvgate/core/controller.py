@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -95,6 +94,7 @@ from kvgate.core.hashing import Hasher, make_hasher
 from kvgate.core.ids import BlockChain, NodeId, RequestId
 from kvgate.core.index import ClusterIndex
 from kvgate.core.index_learning import IndexLearning, Learned
+from kvgate.core.node_ejection import NodeEjections
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order
 from kvgate.core.refusals import REFUSALS, RefusalBackoff
 from kvgate.core.request_context import RouteContexts, prompt_chain
@@ -120,8 +120,6 @@ _FAULTS = frozenset(
         FailureKind.TIMEOUT,
     }
 )
-# The faults that count toward ejecting a node: all but NODE_DOWN (it is down already).
-_EJECTING_FAULTS = _FAULTS - {FailureKind.NODE_DOWN}
 # a queued request turned away for waiting too long, or pushed out of a full queue
 _GAVE_UP_WAITING = frozenset({RejectReason.QUEUE_TIMEOUT, RejectReason.QUEUE_FULL})
 
@@ -182,10 +180,9 @@ class Controller:
         self.stats = ControllerStats()
         self._requests: dict[RequestId, _Request] = {}
         self._retries_in_flight = 0
-        self._ejected_until: dict[NodeId, float] = {}
-        # ejections and their ends, for the driver's log (take_ejections); bounded: the
-        # simulator never drains it
-        self._ejection_news: deque[tuple[NodeId, bool]] = deque(maxlen=64)
+        self.ejections = NodeEjections(
+            after_failures=cfg.eject_after_failures, eject_s=cfg.eject_s
+        )
         self.refusals = RefusalBackoff()  # nodes that keep refusing, left out a while
         # announced bulk evictions not done yet: the node's cache discounted meanwhile
         self.evictions = EvictionNotices(self.nodes, cfg.evicting_cache_weight)
@@ -238,7 +235,7 @@ class Controller:
             self.policy.on_node_removed(node_id)
             if self.routed is not None:
                 self.routed.forget(node_id)
-        self._ejected_until.pop(node_id, None)
+        self.ejections.forget(node_id)
         self.refusals.forget(node_id)
         self.evictions.end(node_id)  # a node added again starts afresh
         self.learning.set_routing_learns(node_id, False)  # so does its learning mode
@@ -250,7 +247,7 @@ class Controller:
             return
         if healthy:
             state.consecutive_failures = 0
-            self._ejected_until.pop(node_id, None)
+            self.ejections.forget(node_id)
             # back after failed health checks: most likely restarted, its prefix cache
             # empty and its announced evictions moot; approximate mode has no event to
             # say so (precise mode gets the engine's AllBlocksCleared), so it forgets
@@ -297,9 +294,7 @@ class Controller:
     def take_ejections(self) -> list[tuple[NodeId, bool]]:
         """(node, True) for each node ejected after ``eject_after_failures`` failed
         attempts in a row, (node, False) when its ``eject_s`` ended, since the last call."""
-        news = list(self._ejection_news)
-        self._ejection_news.clear()
-        return news
+        return self.ejections.take_news()
 
     def set_draining(self, node_id: NodeId, draining: bool, now: float) -> None:
         state = self.nodes.get(node_id)
@@ -618,7 +613,8 @@ class Controller:
         self.stats.failures[failure.value] += 1
         if node is not None:
             if self._release_node(record, node, now):
-                self._note_node_failure(node, failure, now)
+                if self.ejections.failed(node, failure, now):
+                    self.set_healthy(node.spec.node_id, False, now)
                 if failure in REFUSALS and node.reported_waiting == 0:
                     # refusing while it says nothing waits there: not busy, broken (a
                     # busy node's refusal is backpressure, which the load score reads)
@@ -689,14 +685,6 @@ class Controller:
         its id is a new one, which the old one's requests must not account to."""
         return self.nodes.get(node.spec.node_id) is node
 
-    def _note_node_failure(self, node: NodeState, failure: FailureKind, now: float) -> None:
-        if failure in _EJECTING_FAULTS:
-            node.consecutive_failures += 1
-            if node.consecutive_failures >= self.config.eject_after_failures and node.healthy:
-                self._ejected_until[node.spec.node_id] = now + self.config.eject_s
-                self.set_healthy(node.spec.node_id, False, now)
-                self._ejection_news.append((node.spec.node_id, True))
-
     def _close(self, record: _Request, now: float, *, node_done: bool = True) -> list[Decision]:
         if self._aborts:  # the request is over: nothing left to abort
             self._aborts.pop(record.request_id, None)
@@ -756,10 +744,8 @@ class Controller:
     # ------------------------------------------------------------------ time
     def tick(self, now: float) -> list[Decision]:
         """Periodic work: queue deadlines, lease transitions, ejection expiry."""
-        for node_id, until in list(self._ejected_until.items()):
-            if now >= until:
-                self.set_healthy(node_id, True, now)
-                self._ejection_news.append((node_id, False))
+        for node_id in self.ejections.due(now):
+            self.set_healthy(node_id, True, now)
         out: list[Decision] = self._take_deferred()
         admitted: list[Admitted] = []
         for item in self.admission.poll(now):
