@@ -281,3 +281,26 @@ async def test_disconnect_while_queued_removes_the_request(
         assert server.engine.metrics().num_requests_running == 1
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_crash_mid_step_fails_what_that_step_finished(
+    start_server: Any, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    # The step that produces the only token is slowed to seconds; the engine has retired
+    # the request when the step was planned, so the crash during its sleep does not list
+    # it: it must fail all the same (its answer never left the node), not succeed early.
+    server = await start_server(speedup=1.0)
+    await _fault(http, server, action="slow", factor=300.0)
+    task = asyncio.create_task(http.post(f"{server.url}/v1/completions",
+                                         json=_body("c" * 64, 1, stream)))
+    deadline = time.monotonic() + 5.0
+    while server.engine.metrics().num_requests_finished == 0:  # planned, being slept out
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await _fault(http, server, action="crash")
+    async with await task as resp:  # a stream too: its first token never came
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"] == "engine_crashed"
+    metrics = server.engine.metrics()
+    assert (metrics.num_requests_finished, metrics.num_requests_failed) == (0, 1)

@@ -61,7 +61,13 @@ from kvgate.edge import (
     reset_transport,
 )
 from kvgate.edge import json_response as _json  # the gateway's compact JSON answers
-from kvgate.engine.api import EngineConfig, EngineRequest, FinishedRequest, RejectedRequest
+from kvgate.engine.api import (
+    EngineConfig,
+    EngineRequest,
+    FinishedRequest,
+    RejectedRequest,
+    StepOutput,
+)
 from kvgate.engine.engine import SimEngine
 from kvgate.engine.kv_events import KvEvent
 from kvgate.engine.node_admission import NodeAdmission
@@ -216,6 +222,7 @@ class EngineServer:
         self._runner: web.AppRunner | None = None
         self._task: asyncio.Task[None] | None = None
         self._driver_error: BaseException | None = None
+        self._crashes = 0  # crash actions so far: a step's sleep that saw one is void
         self.app = self._build_app()
 
     # ------------------------------------------------------------ lifecycle
@@ -320,8 +327,12 @@ class EngineServer:
                 for res in results:
                     if (q := pending.get(res.request_id)) is not None:
                         owners[res.request_id] = q
+                crashes = self._crashes
                 if out.duration_s > 0:
                     await self._sleep_until(out.end)
+                if self._crashes != crashes:
+                    self._void(out, results, owners)
+                    continue
                 timer = self.timer
                 timer.step(out.num_prefill_tokens + out.num_decode_seqs)
                 for rid, n in out.tokens.items():
@@ -348,6 +359,20 @@ class EngineServer:
             self._driver_error = exc
             for rid in list(self._pending):
                 self._fail(rid, f"engine loop failed: {exc!r}", "engine_error")
+
+    def _void(self, out: StepOutput, results: list[FinishedRequest | RejectedRequest],
+              owners: dict[str, asyncio.Queue[_Item]]) -> None:
+        """A crash came while ``out``'s step ran: the crash failed what was still in the
+        engine, but what the step retired (finished or refused) had left it, and its
+        answer never leaves the node either: it fails too, and the step's tokens go
+        nowhere (the simulator's driver does the same, ``SimCluster._step_done``)."""
+        self.engine.void_retired(out)
+        for res in results:
+            rid = res.request_id
+            queue = owners.get(rid)
+            if queue is not None and self._pending.get(rid) is queue:
+                self._fail(rid, "the engine crashed", "engine_crashed")
+        self._notify()
 
     async def _idle(self) -> None:
         self._wake.clear()
@@ -400,6 +425,7 @@ class EngineServer:
         """Apply one fault action now (see server_config.py for the vocabulary)."""
         now = self.now()
         if spec.action == "crash":
+            self._crashes += 1
             for rid in self.engine.crash(now):
                 self._fail(rid, "the engine crashed", "engine_crashed")
         elif spec.action == "slow":
