@@ -327,6 +327,17 @@ def test_merge_flood_with_steady_stream() -> None:
         merge(steady, Workload(name="x", block_tokens=16, requests=()))
 
 
+def test_merge_keeps_sparse_64_bit_block_ids_apart_within_64_bits() -> None:
+    # a trace's ids may be any 64-bit hashes: kept apart by rank, not shifted past 2**64
+    big = (2**64 - 5, 2**63, 7)
+    reqs = (_req("a", 0.0, big), _req("b", 1.0, big[:2]))
+    w = Workload(name="w", block_tokens=512, requests=reqs)
+    m = concat(merge(w, w), w)
+    ids = {r.request_id: r.block_ids for r in m.requests}
+    assert ids["w+w:0.w:a"] == (2, 1, 0) and ids["w+w:0.w:b"] == (2, 1)  # the order kept
+    assert ids["w+w:1.w:a"] == (5, 4, 3) and ids["w:a"] == (8, 7, 6)
+
+
 def test_concat_places_workloads_back_to_back() -> None:
     a = _stream("a", 10, 1.0)  # last arrival 9 s
     c = concat(a, a, gap_s=1.0)

@@ -128,16 +128,20 @@ def _combine(
     reqs: list[SimRequest] = []
     next_id = 0
     for w, prefix, off in zip(workloads, _prefixes(workloads), offsets_s, strict=True):
-        ids = [b for r in w.requests for b in r.block_ids]
-        shift = next_id - min(ids) if disjoint_blocks and ids else 0
-        if ids:
-            next_id = max(ids) + shift + 1
+        # Kept apart, each workload's ids are renumbered by rank above the previous
+        # one's: a shift of a dense range, and still within 64 bits when a trace's ids
+        # are sparse hashes (a shift by the previous maximum overflowed the engine's).
+        renumber: dict[int, int] = {}
+        if disjoint_blocks:
+            unique = sorted({b for r in w.requests for b in r.block_ids})
+            renumber = {b: next_id + i for i, b in enumerate(unique)}
+            next_id += len(unique)
         reqs.extend(
             replace(
                 r,
                 request_id=prefix + r.request_id,
                 arrival_s=r.arrival_s + off,
-                block_ids=tuple(b + shift for b in r.block_ids) if shift else r.block_ids,
+                block_ids=tuple(renumber[b] for b in r.block_ids) if renumber else r.block_ids,
                 session=None if r.session is None else prefix + r.session,
                 after=None if r.after is None else prefix + r.after,
             )
