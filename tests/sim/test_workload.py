@@ -107,7 +107,9 @@ def test_unsorted_file_is_sorted_stably(tmp_path: Path) -> None:
     ("bad", "msg"),
     [
         ("{not json", "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
         ("[1, 2]", "expected a JSON object"),
+        (_line(10**400, 10, 1, [1]), "'timestamp' must be a number >= 0"),  # overflows
         (
             json.dumps({"input_length": 10, "output_length": 1, "hash_ids": [1]}),
             "'timestamp' is missing",

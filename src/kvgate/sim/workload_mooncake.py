@@ -58,6 +58,14 @@ def _int_field(obj: dict[str, object], key: str, path: object, lineno: int) -> i
     return v
 
 
+def _finite(x: int | float) -> bool:
+    """Whether ``x`` is a finite float (an integer of 400 digits is not: it overflows)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _parse_line(
     line: str, path: object, lineno: int, block_tokens: int, strict: bool
 ) -> tuple[float, int, int, tuple[int, ...]]:
@@ -65,13 +73,15 @@ def _parse_line(
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise _fail(path, lineno, f"not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise _fail(path, lineno, "not a trace record (JSON nested too deeply)") from None
     if not isinstance(obj, dict):
         raise _fail(path, lineno, "expected a JSON object")
     if "timestamp" not in obj:
         raise _fail(path, lineno, "'timestamp' is missing")
     ts = obj["timestamp"]
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-        raise _fail(path, lineno, f"'timestamp' must be a number >= 0, got {ts!r}")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not _finite(ts) or ts < 0:
+        raise _fail(path, lineno, f"'timestamp' must be a number >= 0, got {repr(ts)[:40]}")
     inp = _int_field(obj, "input_length", path, lineno)
     if inp < 1:  # the engines refuse an empty prompt: say so here, with the line
         raise _fail(path, lineno, f"'input_length' must be >= 1, got {inp}")
