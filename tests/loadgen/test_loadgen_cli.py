@@ -160,6 +160,10 @@ def test_an_empty_trace_or_synthetic_options_on_a_trace_are_usage_errors(
     one.write_text(line)
     assert run_bench(_parse("--trace", str(one), "--workload-size", "3")) == 2
     assert "--workload-size and --arrival-rate shape a synthetic" in capsys.readouterr().err
+    # the report written over the trace it replayed
+    assert run_bench(_parse("--trace", str(one), "--json", str(tmp_path / "." / "one.jsonl"))) == 2
+    assert "is the same file as --trace" in capsys.readouterr().err
+    assert one.read_text() == line
 
 
 def test_full_run_writes_table_and_json(

@@ -94,3 +94,26 @@ def test_an_unwritable_log_fails_before_simulating(
         err = capsys.readouterr().err
         assert message in err and "simulating" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_log_never_overwrites_the_trace_nor_an_old_log_when_the_run_cannot_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    line = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}
+    trace.write_text(json.dumps(line) + "\n")
+    same = tmp_path / "." / "trace.jsonl"
+    for argv, message in [
+        (["--trace", str(trace), "--requests", str(same)], "is the same file as --trace"),
+        (["--trace", str(trace), "--json", str(trace)], "is the same file as --trace"),
+        (["--requests", str(trace), "--json", str(trace)], "--json"),
+    ]:
+        assert main(["simulate", "--no-progress", *argv]) == 2
+        assert message in capsys.readouterr().err
+        assert json.loads(trace.read_text()) == line
+    old = tmp_path / "old.jsonl"
+    old.write_text("kept\n")
+    missing = tmp_path / "missing.jsonl"
+    assert main(["simulate", "--no-progress", "--trace", str(missing), "--requests", str(old)]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert old.read_text() == "kept\n"

@@ -63,6 +63,19 @@ def distinct_fractions(text: str) -> list[float]:
     return values
 
 
+def check_distinct_files(inputs: dict[str, Path | None], outputs: dict[str, Path | None]) -> None:
+    """Refuse an output that is one of the inputs or another output (by option name):
+    ``--requests`` naming the trace emptied it before it was read. Raises ValueError."""
+    seen = {path.resolve(): option for option, path in inputs.items() if path is not None}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        key = path.resolve()
+        if key in seen:
+            raise ValueError(f"{option} {path}: is the same file as {seen[key]}")
+        seen[key] = option
+
+
 def check_output_file(path: Path | None, option: str, suffixes: tuple[str, ...] = ()) -> None:
     """Fail before a long run, not after it, when ``path`` cannot be written: its folder
     is missing, it is a folder, or (``suffixes``) its format is not one we write.

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvgate.commands.argtypes import (
     check_closed_loop,
+    check_distinct_files,
     check_output_file,
 )
 from kvgate.commands.pipes import EXIT_BROKEN_PIPE, silence_stdout
@@ -395,6 +396,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json")  # before the run, not after it
         check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
         check_output_file(args.requests, "--requests")
+        check_distinct_files(
+            {"--trace": args.trace},
+            {"--json": args.json, "--plot": args.plot, "--requests": args.requests},
+        )
         report: dict[str, Any]
         check_saturation_args(args)
         check_run_options(args)

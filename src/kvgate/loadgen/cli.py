@@ -24,6 +24,7 @@ import aiohttp
 
 from kvgate.commands.argtypes import (
     check_closed_loop,
+    check_distinct_files,
     check_output_file,
     positive_float,
     positive_int,
@@ -287,6 +288,10 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     if args.save_detailed and not args.json:
         raise ValueError("--save-detailed needs --json FILE")
     check_json_output(args.json)
+    check_distinct_files(
+        {"--trace": Path(args.trace) if args.trace else None},
+        {"--json": Path(args.json) if args.json else None},
+    )
     check_closed_loop(args)
     check_block_size(args.block_tokens, args.chars_per_token)
     num_requests: int

@@ -93,17 +93,23 @@ def _request_fields(o: RequestOutcome, profile: EngineProfile) -> dict[str, obje
 
 class RequestLog:
     """The ``--requests`` file, open for a whole ``kvgate simulate``: each run's rows are
-    written as the run ends, so memory holds one run's outcomes at a time."""
+    written as the run ends, so memory holds one run's outcomes at a time. The file is
+    created with the first run's rows: a run that fails before (a missing trace) leaves
+    an earlier log as it was."""
 
     def __init__(self, path: Path) -> None:
-        self._file: IO[str] = path.open("w", encoding="utf-8")
+        self._path = path
+        self._file: IO[str] | None = None
 
     def write_run(self, cluster: SimCluster, labels: Mapping[str, object]) -> None:
+        if self._file is None:
+            self._file = self._path.open("w", encoding="utf-8")
         for row in request_rows(cluster, labels):
             self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 __all__ = ["REQUEST_LOG_KEYS", "RUN_KEYS", "RequestLog", "request_rows"]
