@@ -232,6 +232,7 @@ def test_a_fault_that_met_no_traffic_holds_nothing() -> None:
     ctl = ControllerConfig(hasher="trace", admission=AdmissionConfig(budget=64))
     cfg = ClusterConfig(nodes=4, cache_blocks=300, node_capacity=16, controller=ctl)
     runs = {
+        "p2_flood": ("p2_requests", {"": {}}),  # a flood over no time: no P2 at all
         "nodes_fail": ("requests_while_down", {"": {}}),
         "coordinator_down": ("p0_offered_during", {"": {}}),
         "traffic_double": ("extra_requests", {"": {}}),

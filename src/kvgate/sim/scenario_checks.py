@@ -138,6 +138,9 @@ def _policy_checks(
         row = report["policies"][policy]
     if name == "p2_flood":
         p0 = row["by_priority"].get("P0", {})
+        checks["p2_requests"] = _exercised(
+            row["by_priority"].get("P2", {}).get("requests"), "P2 requests of the flood"
+        )
         slo = row["slo"]["ttft_s"]
         checks["p0_ttft_p99_s"] = _check(p0.get("ttft_p99_s"), "<=", slo, "the TTFT SLO")
         checks["p0_completed"] = _check(
