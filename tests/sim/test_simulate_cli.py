@@ -319,6 +319,21 @@ def test_unwritable_outputs_fail_before_simulating(
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+def test_a_plot_without_matplotlib_fails_before_simulating(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+    argv = ["simulate", "--workload", "gsp", "--limit", "5", "--no-progress"]
+    assert main([*argv, "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib" in err and "simulating" not in err
+
+
 def test_unknown_policy_fails_before_the_saturation_search(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -9,6 +9,7 @@ deterministic (same seed, same report, except the wall-clock fields ``wall_s`` a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -395,6 +396,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_closed_loop(args)
         check_output_file(args.json, "--json")  # before the run, not after it
         check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError(f"--plot {args.plot}: needs matplotlib (pip install matplotlib)")
         check_output_file(args.requests, "--requests")
         check_distinct_files(
             {"--trace": args.trace},

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvgate.commands.argtypes import distinct_fractions, positive_float, positive_int
 from kvgate.core.config import INDEX_MODES
+from kvgate.core.routing import POLICIES
 from kvgate.engine.profiles import DEFAULT_PROFILE, PROFILES
 from kvgate.sim.scenarios import SCENARIOS, describe
 from kvgate.sim.workload import PRIORITIES
@@ -316,7 +317,9 @@ def add_simulate_parser(sub: Any) -> None:
     )
     r = p.add_argument_group("run")
     r.add_argument(
-        "--policies", default="all", help="comma-separated policy names, or 'all' (default)"
+        "--policies",
+        default="all",
+        help=f"comma-separated policy names, or 'all' (default): {', '.join(sorted(POLICIES))}",
     )
     r.add_argument(
         "--scenario",
