@@ -184,3 +184,69 @@ def test_a_nodes_retry_after_is_passed_on_only_as_whole_seconds() -> None:
     assert [_node_retry_after(v) for v in ("7", " 30 ", "86400")] == ["7", "30", "86400"]
     for odd in (None, "", "1.5", "-1", "86401", "²", "٣", "Wed, 21 Oct 2015 07:28:00 GMT"):
         assert _node_retry_after(odd) == "1", odd
+
+
+def test_a_node_refusing_the_gateways_key_is_its_fault_not_the_clients(kit: Any) -> None:
+    """vLLM's --api-key check answers 401 {"error": "Unauthorized"}. The client's own
+    key is never forwarded, so the node refused the gateway's: it was passed on as the
+    client's error (x-should-retry: false, ``error`` a string), never retried, and the
+    node never ejected. Now it counts toward ejection and fails as the node's fault."""
+    answer: list[Answer] = [lambda: web.json_response({"error": "Unauthorized"}, status=401)]
+
+    async def body() -> None:
+        async with _gateway_over(kit, answer) as (url, gw), aiohttp.ClientSession() as s:
+            node = gw.controller.nodes.get("e")
+            for status in (401, 403, 407):
+                answer[0] = lambda status=status: web.json_response(  # type: ignore[misc]
+                    {"error": "Unauthorized"}, status=status)
+                async with s.post(url + C, json={"model": kit.MODEL, "prompt": "x"}) as r:
+                    out = await r.json()
+                    assert r.status == 502, out
+                    assert out["error"]["type"] == "server_error"
+                    assert out["error"]["code"] == "node_auth"
+                    assert "x-should-retry" not in r.headers
+            assert node.consecutive_failures == 3
+            assert gw.controller.stats.failures["node_auth"] == 3
+            # an error body not in OpenAI's shape is never passed on as it is
+            answer[0] = lambda: web.json_response({"error": "nope"}, status=400)
+            async with s.post(url + C, json={"model": kit.MODEL, "prompt": "x"}) as r:
+                out = await r.json()
+                assert r.status == 400 and set(out["error"]) == {"message", "type", "param",
+                                                                 "code"}
+            assert gw.controller.num_requests() == 0
+
+    kit.run(body())
+
+
+def test_an_engines_in_stream_400_is_the_clients_error_not_the_nodes(kit: Any) -> None:
+    """vLLM streams an error it finds only while generating (an out-of-vocabulary token
+    id) as an event of HTTP status 400 after a 200. Counted as an upstream error, a
+    client's bad streams ejected the node and opened the breaker for every tenant."""
+    event = {"error": {"object": "error", "message": "Token id 999999 is out of vocabulary",
+                       "type": "BadRequestError", "param": None, "code": 400}}
+    sse = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n"
+    answer: list[Answer] = [
+        lambda: web.Response(text=sse, content_type="text/event-stream")
+    ]
+
+    async def body() -> None:
+        async with _gateway_over(kit, answer) as (url, gw), aiohttp.ClientSession() as s:
+            node = gw.controller.nodes.get("e")
+            for _ in range(8):  # past eject_after_failures (5)
+                async with s.post(url + C, json={"model": kit.MODEL, "prompt": "x",
+                                                 "stream": True}) as r:
+                    raw = await r.read()
+                    assert r.status == 200 and b"out of vocabulary" in raw and b"[DONE]" in raw
+            assert node.healthy and node.consecutive_failures == 0
+            assert gw.controller.stats.failures["client_error"] == 8
+            # a 5xx in the stream is still the node's
+            event["error"]["code"] = 500
+            bad = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n"
+            answer[0] = lambda: web.Response(text=bad, content_type="text/event-stream")
+            async with s.post(url + C, json={"model": kit.MODEL, "prompt": "x",
+                                             "stream": True}) as r:
+                await r.read()
+            assert node.consecutive_failures == 1
+            assert gw.controller.num_requests() == 0
+
+    kit.run(body())

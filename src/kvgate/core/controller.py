@@ -106,7 +106,9 @@ from kvgate.core.stats import ControllerStats, DecisionRecord
 
 # Failures before the first byte after which the node holds nothing of the prompt: it
 # refused the request, never received it, or was marked down before it answered.
-_NEVER_RAN = NOT_RUN_FAILURES | {FailureKind.CONNECT_ERROR, FailureKind.CLIENT_ERROR}
+_NEVER_RAN = NOT_RUN_FAILURES | {
+    FailureKind.CONNECT_ERROR, FailureKind.CLIENT_ERROR, FailureKind.NODE_AUTH
+}
 # The failures the cluster breaker counts: faults of a node or of the way to it. A
 # client's own bad request says nothing of the cluster, and a node refusing for load
 # is working: its refusals are backpressure, which admission answers (the budget, the
@@ -118,6 +120,7 @@ _FAULTS = frozenset(
         FailureKind.NODE_DOWN,
         FailureKind.UPSTREAM_ERROR,
         FailureKind.TIMEOUT,
+        FailureKind.NODE_AUTH,
     }
 )
 # a queued request turned away for waiting too long, or pushed out of a full queue

@@ -18,7 +18,12 @@ from kvgate.core.nodes import NodeState
 # it, but not NODE_DOWN (it is down already), nor a client's bad request or a busy
 # node's refusal (backpressure, which admission answers).
 EJECTING_FAULTS = frozenset(
-    {FailureKind.CONNECT_ERROR, FailureKind.UPSTREAM_ERROR, FailureKind.TIMEOUT}
+    {
+        FailureKind.CONNECT_ERROR,
+        FailureKind.UPSTREAM_ERROR,
+        FailureKind.TIMEOUT,
+        FailureKind.NODE_AUTH,
+    }
 )
 
 

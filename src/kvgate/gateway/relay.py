@@ -74,6 +74,7 @@ from kvgate.protocol import (
     ProtocolError,
     SSEParser,
     error_event,
+    error_status,
     invalid_request_body,
     is_error_chunk,
     is_usage_only_chunk,
@@ -117,7 +118,16 @@ class StreamFilter:
     ``started`` turns true at the first data event (the stream's first byte); comment
     blocks (``: keep-alive``) before it are dropped, after it forwarded."""
 
-    __slots__ = ("_parser", "cached", "done", "saw_error", "started", "usage_seen", "wants_usage")
+    __slots__ = (
+        "_parser",
+        "cached",
+        "done",
+        "error_status",
+        "saw_error",
+        "started",
+        "usage_seen",
+        "wants_usage",
+    )
 
     def __init__(self, wants_usage: bool) -> None:
         self._parser = SSEParser(comments=True)
@@ -126,6 +136,7 @@ class StreamFilter:
         self.usage_seen = False  # a usage came, with or without its cached tokens
         self.done = False
         self.saw_error = False
+        self.error_status: int | None = None  # the HTTP status the error event states
         self.started = False
 
     def feed(self, chunk: bytes) -> bytes:
@@ -148,6 +159,7 @@ class StreamFilter:
                 if obj is not None:
                     if is_error_chunk(obj):
                         self.saw_error = True
+                        self.error_status = error_status(obj)
                     usage = parse_usage(obj)
                     if usage is not None:
                         self.usage_seen = True
@@ -399,7 +411,7 @@ class Relay:
         headers[NODE_HEADER] = node
         if client_error:  # the request itself is bad: resending it is no use
             headers[SHOULD_RETRY_HEADER] = "false"
-        if body and complete and _is_json_object(body):  # the engine's own, passed through
+        if body and complete and _is_error_body(body):  # the engine's own, passed through
             flight.done = True
             # JSON, whatever the node called it: an engine's text/html must not become a
             # page of the gateway's origin
@@ -496,7 +508,7 @@ class Relay:
         elif failure is None and not filt.saw_error:
             self.driver.finish(flight.rid, filt.cached, usage_seen=filt.usage_seen)
         else:
-            self._next(flight, failure or FailureKind.UPSTREAM_ERROR, before_first_byte=False)
+            self._next(flight, failure or _stream_error_kind(filt), before_first_byte=False)
             if not filt.done:
                 if filt.saw_error:  # the engine's error event went out already
                     await send(DONE_EVENT)
@@ -529,11 +541,24 @@ async def _first_event(content: aiohttp.StreamReader, filt: StreamFilter) -> byt
             return data
 
 
-def _is_json_object(body: bytes) -> bool:
+def _is_error_body(body: bytes) -> bool:
+    """An error body in OpenAI's shape (or vLLM's older one), fit to pass on: a client
+    reads ``error.message``; ``{"error": "Unauthorized"}`` or an HTML page it cannot."""
     try:
-        return isinstance(json.loads(body), dict)
+        obj = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, not UTF-8 (or UTF-16/32)
         return False
+    return isinstance(obj, dict) and is_error_chunk(obj)
+
+
+def _stream_error_kind(filt: StreamFilter) -> FailureKind:
+    """What an engine's error event mid-stream says failed: a 4xx it states (vLLM streams
+    a request it finds invalid only once generating) is the client's own bad request,
+    which must not eject the node nor open the breaker for every tenant."""
+    status = filt.error_status
+    if status is not None and 400 <= status < 500 and status != 429:
+        return FailureKind.CLIENT_ERROR
+    return FailureKind.UPSTREAM_ERROR
 
 
 def _engine_refusal_body(status: int, node: str | None, kind: FailureKind) -> dict[str, Any]:

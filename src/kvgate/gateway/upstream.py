@@ -18,7 +18,7 @@ which matters here because a stream of small SSE frames is exactly what Nagle's
 algorithm would delay; ``tests/gateway`` checks it on both sides, for both clients.
 
 How an attempt can fail before the first byte, and what the core calls it
-(``FailureKind``; only the first three are retried on another node):
+(``FailureKind``; only the first three and NODE_AUTH are retried on another node):
 
 ==========================================  ===================
 connect refused / DNS / connect timeout     CONNECT_ERROR
@@ -28,11 +28,16 @@ connect refused / DNS / connect timeout     CONNECT_ERROR
 no response within the timeout              TIMEOUT
 other 5xx, reset, protocol error            UPSTREAM_ERROR
 429                                         RATE_LIMITED
+401, 403, 407 (our credentials refused)     NODE_AUTH
 other 4xx (the client's own bad request)    CLIENT_ERROR
 ==========================================  ===================
 
 A CLIENT_ERROR is the client's fault, not the node's: it counts toward neither the
 cluster breaker nor the node's ejection, and is passed through as the node sent it.
+A node's 401 / 403 / 407 is not: the client's ``Authorization`` is never forwarded,
+so the node refused the gateway's own key for it (``nodes[].api_key``), and would
+refuse every request. It counts toward the node's ejection, and the request is
+retried elsewhere; the client never sees the node's refusal as its own.
 """
 
 from __future__ import annotations
@@ -71,6 +76,10 @@ class UpstreamResponse(Protocol):
     def close(self) -> None: ...
 
 
+# what a node answers when it refuses the gateway's credentials for it
+NODE_AUTH_STATUSES = frozenset({401, 403, 407})
+
+
 def classify_status(status: int, headers: Mapping[str, str]) -> FailureKind:
     """The failure kind of a non-2xx answer from a node."""
     if status == 503:
@@ -82,6 +91,8 @@ def classify_status(status: int, headers: Mapping[str, str]) -> FailureKind:
         return FailureKind.HTTP_503
     if status == 429:
         return FailureKind.RATE_LIMITED
+    if status in NODE_AUTH_STATUSES:
+        return FailureKind.NODE_AUTH
     if 400 <= status < 500:
         return FailureKind.CLIENT_ERROR
     return FailureKind.UPSTREAM_ERROR

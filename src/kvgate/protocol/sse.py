@@ -225,6 +225,17 @@ def is_error_chunk(obj: Mapping[str, Any]) -> bool:
     return isinstance(obj.get("error"), dict) or obj.get("object") == "error"
 
 
+def error_status(obj: Mapping[str, Any]) -> int | None:
+    """The HTTP status an error chunk states (vLLM's ``"code": 400`` in ``error``, or at
+    the top level in its older ``{"object": "error", ...}``); None when it states none
+    (OpenAI's own codes are names, such as ``"invalid_api_key"``)."""
+    inner = obj.get("error")
+    code = inner.get("code") if isinstance(inner, dict) else obj.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599:
+        return code
+    return None
+
+
 def is_usage_only_chunk(obj: Mapping[str, Any]) -> bool:
     """The final chunk ``include_usage`` adds: ``choices`` empty and ``usage`` present."""
     choices = obj.get("choices")

@@ -6,8 +6,9 @@ retry budget of 20 % of active requests with a minimum of 3; admission-anchors 8
 - only an attempt that failed **before the first byte** may be retried (after it the
   client has seen output, and a replay would duplicate it);
 - only for failures that say "another node may do it": a connect error, a bare 503
-  (plain vLLM), an explicit ``retry-elsewhere`` reject, or an attempt aborted because
-  its node was marked down before it answered;
+  (plain vLLM), an explicit ``retry-elsewhere`` reject, a node refusing the gateway's
+  credentials (401 / 403 / 407), or an attempt aborted because its node was marked
+  down before it answered;
 - never ``pool-overloaded`` (the whole pool is full: a retry only adds load), never a
   timeout (the deadline is spent), an upstream error after work began, a 429 or a
   client error;
@@ -43,6 +44,9 @@ class FailureKind(StrEnum):
     UPSTREAM_ERROR = "upstream_error"  # 5xx other than 503, reset, protocol error
     RATE_LIMITED = "rate_limited"  # 429: the node sheds load (not the client's fault)
     CLIENT_ERROR = "client_error"  # 4xx but 429: the request itself is bad, the node is fine
+    # 401 / 403 / 407 from a node: it refused the gateway's own credentials (the client's
+    # are never forwarded), so it never ran the request and will refuse every request
+    NODE_AUTH = "node_auth"
 
 
 RETRYABLE_FAILURES: frozenset[FailureKind] = frozenset(
@@ -51,6 +55,7 @@ RETRYABLE_FAILURES: frozenset[FailureKind] = frozenset(
         FailureKind.NODE_DOWN,
         FailureKind.HTTP_503,
         FailureKind.RETRY_ELSEWHERE,
+        FailureKind.NODE_AUTH,
     }
 )
 
