@@ -85,9 +85,14 @@ def test_chat_messages_and_parts() -> None:
             {"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]},
             {"role": "tool", "content": "42", "tool_call_id": "t"},
             {"role": "developer", "content": []},
+            # OpenAI's legacy role, Llama 3.1's tool role (vLLM takes any), a refusal
+            {"role": "function", "name": "f", "content": "7"},
+            {"role": "ipython", "content": "8"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
         ]))
     assert req.messages == (("system", "be nice"), ("user", "one\ntwo"), ("assistant", ""),
-                            ("tool", "42"), ("developer", ""))
+                            ("tool", "42"), ("developer", ""), ("function", "7"),
+                            ("ipython", "8"), ("assistant", "no"))
     assert req.max_tokens == 5 and req.stop == ("a", "b") and not req.stream
 
 
@@ -106,8 +111,11 @@ MALFORMED: list[tuple[Parser, bytes, type[ProtocolError], str | None]] = [
     (C, _chat(messages=[]), InvalidValueError, "messages"),
     (C, _chat(messages=["hi"]), InvalidTypeError, "messages[0]"),
     (C, _chat(messages=[{"content": "x"}]), MissingParameterError, "messages[0].role"),
-    (C, _chat(messages=[{"role": "robot", "content": "x"}]), InvalidValueError,
+    (C, _chat(messages=[{"role": "", "content": "x"}]), InvalidValueError,
      "messages[0].role"),
+    (C, _chat(messages=[{"role": 1, "content": "x"}]), InvalidTypeError, "messages[0].role"),
+    (C, _chat(messages=[{"role": "assistant", "content": [{"type": "refusal", "text": "x"}]}]),
+     MissingParameterError, "messages[0].content[0].refusal"),
     (C, _chat(messages=[{"role": "user"}]), MissingParameterError, "messages[0].content"),
     (C, _chat(messages=[{"role": "user", "content": 5}]), InvalidTypeError,
      "messages[0].content"),

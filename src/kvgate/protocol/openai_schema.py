@@ -51,7 +51,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES: Final = 16 * 1024 * 1024
-CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's roles; any other non-empty role is passed on (vLLM's chat template judges it)
+CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool", "function")
 #: Content-part separator; vLLM joins text parts with a newline for string-format templates.
 TEXT_PART_SEPARATOR: Final = "\n"
 
@@ -410,15 +411,16 @@ def _content(message: Mapping[str, Any], role: str, where: str) -> str:
         kind = part.get("type")
         if kind is None:
             raise _missing(f"{at}.type")
-        if kind != "text":
+        # an assistant turn's refusal is text the model wrote, as vLLM renders it
+        if kind not in ("text", "refusal"):
             raise UnsupportedContentError(
                 f"Invalid '{at}.type': content parts of type {kind!r} are not supported; "
-                "only 'text' parts are.", param=f"{at}.type")
-        text = part.get("text")
+                "only 'text' (and an assistant's 'refusal') parts are.", param=f"{at}.type")
+        text = part.get(kind)  # the part's text is under its type's name
         if text is None:
-            raise _missing(f"{at}.text")
+            raise _missing(f"{at}.{kind}")
         if not isinstance(text, str):
-            raise _bad_type(f"{at}.text", "a string", text)
+            raise _bad_type(f"{at}.{kind}", "a string", text)
         texts.append(text)
     return TEXT_PART_SEPARATOR.join(texts)
 
@@ -441,10 +443,14 @@ def _messages(d: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
         role = message.get("role")
         if role is None:
             raise _missing(f"{where}.role")
-        if role not in CHAT_ROLES:
-            supported = ", ".join(f"'{r}'" for r in CHAT_ROLES)
-            raise InvalidValueError(f"Invalid value: {role!r}. Supported values are: "
-                                    f"{supported}.", param=f"{where}.role")
+        # vLLM takes any role its chat template knows (Llama 3.1's "ipython", OpenAI's
+        # legacy "function"): the role only feeds the prompt, and the template judges it
+        if not isinstance(role, str):
+            raise _bad_type(f"{where}.role", "a string", role)
+        if not role:
+            raise InvalidValueError(f"Invalid '{where}.role': empty string. Expected a role "
+                                    f"such as {', '.join(map(repr, CHAT_ROLES))}.",
+                                    param=f"{where}.role")
         out.append((role, _content(message, role, where)))
     return tuple(out)
 
