@@ -141,6 +141,10 @@ def test_yaml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ({"nodes": {"static": [{"url": "http://h:1", "capacity": 0}]}},
      "node h:1: capacity must be >= 1, got 0"),
     ({"admission": {"queue_limit": -1}}, "queue_limit must be >= 0, got -1"),
+    # a key read from a file keeps its newline: every probe failed with a bare ValueError
+    ({"nodes": {"static": [{"url": "http://h:1", "api_key": "sk-secret\n"}]}},
+     "node h:1: api_key must be non-empty printable ASCII with no spaces or line breaks"),
+    ({"nodes": {"static": [{"url": "http://h:1", "api_key": ""}]}}, "api_key must be"),
     ({"admission": {"tenant_quotas": {"acme": -2, "b": 3}}},
      "tenant quotas must be >= 0: acme = -2"),
 ])

@@ -205,6 +205,16 @@ class NodeConfig:
                 f"node {self.id}: give either credentials in the url or an api_key, not both",
                 param="api_key",
             )
+        if self.api_key is not None and (
+            not self.api_key or any(not ("!" <= c <= "~") for c in self.api_key)
+        ):
+            # it becomes "Authorization: Bearer <key>": a key read from a file or a secret
+            # kept its newline, and every probe then failed with a bare ValueError
+            raise ConfigError(
+                f"node {self.id}: api_key must be non-empty printable ASCII with no spaces "
+                "or line breaks (a key read from a file keeps its trailing newline)",
+                param="api_key",
+            )
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"node {self.id}: url must start with http:// or https://")
         if self.capacity < 1:
