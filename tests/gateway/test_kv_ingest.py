@@ -164,9 +164,10 @@ def test_memory_is_bounded_oldest_hashes_forgotten_first() -> None:
 
 
 
-def test_a_lower_bound_takes_the_oldest_off_the_ranks_remembering_most() -> None:
-    """Two data-parallel ranks of 10 blocks each, the bound lowered to 5: it emptied rank 0
-    (its newest too) and counted 20 forgotten for 15."""
+def test_the_bound_forgets_the_nodes_oldest_whichever_rank_stored_them() -> None:
+    """Two data-parallel ranks of 10 blocks each: the bound forgot the oldest of the rank
+    storing (a rank's blocks stored just now went first while the other rank's old ones
+    stayed), so its continuations became orphans and its removals unknown."""
     h = _hasher()
     ing = NodeKvIngest(h, max_blocks=100)
     for rank in (0, 1):
@@ -174,10 +175,41 @@ def test_a_lower_bound_takes_the_oldest_off_the_ranks_remembering_most() -> None
         hashes = list(range(100 * rank, 100 * rank + 10))
         ing.feed(0, _batch(_stored(hashes, None, ids), rank=rank), MODEL)
     assert ing.remembered == 20
-    ing.max_blocks = 5
+    ing.max_blocks = 5  # a lower bound: the node's 15 oldest go now
     assert ing.remembered == 5 and ing.counts["forgotten_blocks"] == 15
-    kept = {rank: list(known) for rank, known in ing._keys.items()}
-    assert kept == {0: [8, 9], 1: [107, 108, 109]}  # each rank keeps its newest
+    assert list(ing._entries) == [(1, h) for h in range(105, 110)]
+    # at the bound, a rank storing pushes out the node's oldest, the other rank's
+    ing.feed(1, _batch(_stored([20], 9, _tokens(1, salt=4)), rank=0), MODEL)
+    assert ing.counts["orphan_blocks"] == 1  # rank 0's parent was forgotten above
+    ing.feed(2, _batch(_stored([10, 11], None, _tokens(2, salt=5)), rank=0), MODEL)
+    ing.feed(3, _batch(_stored([12], 11, _tokens(1, salt=6)), rank=0), MODEL)
+    assert ing.counts["orphan_blocks"] == 1  # its newest parent was kept
+    assert [k for k in ing._entries] == [(1, 108), (1, 109), (0, 10), (0, 11), (0, 12)]
+
+
+def test_an_all_blocks_cleared_from_the_only_publisher_clears_the_nodes_index() -> None:
+    """The keys remembered here are not all the index holds for the node (what routing
+    taught it, its guesses): a clear that dropped only those left stale matches."""
+    ing = NodeKvIngest(_hasher())
+    ing.feed(0, _batch(_stored([1], None, _tokens(1))), MODEL)
+    assert ing.feed(1, _batch(AllBlocksCleared()), MODEL) == [IndexCleared()]
+    assert ing.remembered == 0 and ing.counts["restarts"] == 0
+    assert ing.feed(2, _batch(), MODEL) == [] and ing.counts["missed_batches"] == 0
+
+
+def test_a_lora_adapters_name_in_extra_keys_does_not_make_its_blocks_salted() -> None:
+    """vLLM 0.33 lists the adapter's name first in every block's extra_keys: every LoRA
+    block was taken for a salted one and never keyed."""
+    h = _hasher()
+    ids = _tokens(2)
+    ing = NodeKvIngest(h)
+    lora = {"lora_id": 1, "lora_name": "sql-lora"}
+    event = _stored([1, 2], None, ids, extra_keys=(("sql-lora",), ("sql-lora",)), **lora)
+    [op] = ing.feed(0, _batch(event), MODEL)
+    assert op == IndexStored(tuple(h.chain_for_tokens(ids, model="sql-lora")))
+    salted = _stored([3], None, _tokens(1, salt=2), extra_keys=(("sql-lora", "s3cret"),), **lora)
+    assert ing.feed(1, _batch(salted), MODEL) == []  # and a salt beside it still counts
+    assert ing.counts["extra_keys_blocks"] == 1
 
 
 def test_a_block_cached_twice_leaves_with_its_last_copy() -> None:

@@ -206,6 +206,9 @@ BAD_PAYLOADS = [
     (_pack([1.0, [{**STORED_MAP, "parent_block_hash": "x"}], 0]),
      "events[0].parent_block_hash"),
     (_pack([1.0, [{**STORED_MAP, "token_ids": [1, "2"]}], 0]), "events[0].token_ids"),
+    # out of any vocabulary: the hasher refused it after the batch was half applied
+    (_pack([1.0, [{**STORED_MAP, "token_ids": [1, -1]}], 0]), "events[0].token_ids"),
+    (_pack([1.0, [{**STORED_MAP, "token_ids": [2**32]}], 0]), "events[0].token_ids"),
     (_pack([1.0, [{**STORED_MAP, "block_size": None}], 0]), "events[0].block_size"),
     (_pack([1.0, [{**STORED_MAP, "lora_id": "a"}], 0]), "events[0].lora_id"),
     (_pack([1.0, [{**STORED_MAP, "medium": 1}], 0]), "events[0].medium"),

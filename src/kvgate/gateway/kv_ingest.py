@@ -39,15 +39,16 @@ Rules, each counted in :attr:`NodeKvIngest.counts` (the gateway's ``/metrics``):
   engine restarted, with an empty cache): what it held is dropped first (the whole
   node when it is the node's only publisher).
 * **Memory** is bounded: at most ``max_blocks`` engine hashes are remembered per
-  node (the oldest forgotten first; a removal of a forgotten block then leaves the
-  index to its LRU and TTL). The watcher sets it from the node's cache size
-  (``kv_watch.remembered_blocks``): a lost batch's removals are never heard, so its
-  blocks stay remembered until this bound pushes them out.
+  node, over all its ranks (the node's oldest forgotten first, whichever rank stored
+  it; a removal of a forgotten block then leaves the index to its LRU and TTL). The
+  watcher sets it from the node's cache size (``kv_watch.remembered_blocks``): a lost
+  batch's removals are never heard, so its blocks stay remembered until this bound
+  pushes them out.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,18 +92,19 @@ IndexOp = IndexStored | IndexRemoved | IndexCleared
 class NodeKvIngest:
     """Maps one node's KV event batches to index operations; see the module docstring."""
 
-    __slots__ = ("_hasher", "_holders", "_keys", "_last_seq", "_max_blocks", "counts")
+    __slots__ = ("_entries", "_hasher", "_holders", "_last_seq", "_max_blocks", "counts")
 
     def __init__(self, hasher: TokenBlockHasher, *, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")
         self._hasher = hasher
         self._max_blocks = max_blocks
-        # per data-parallel rank: engine hash -> [our key, copies] (insertion order:
-        # oldest first). vLLM does not de-duplicate: two requests computing the same
-        # block in one step cache a copy each, each with its BlockStored, and each
-        # copy's eviction sends its own BlockRemoved.
-        self._keys: dict[int | None, dict[BlockHash, list[int]]] = {}
+        # (data-parallel rank, engine hash) -> [our key, copies], the node's oldest first
+        # (one order for every rank: the bound forgets the node's oldest, in O(1)). vLLM
+        # does not de-duplicate: two requests computing the same block in one step cache
+        # a copy each, each with its BlockStored, and each copy's eviction sends its own
+        # BlockRemoved.
+        self._entries: OrderedDict[tuple[int | None, BlockHash], list[int]] = OrderedDict()
         self._holders: Counter[int] = Counter()  # our key -> ranks holding it
         self._last_seq: dict[int | None, int] = {}  # per rank: each publishes its own
         self.counts: Counter[str] = Counter()
@@ -118,13 +120,11 @@ class NodeKvIngest:
         if value < 1:
             raise ValueError("max_blocks must be >= 1")
         self._max_blocks = value
-        # the excess comes off the ranks remembering the most, each its oldest first
-        while self.remembered > value:
-            self._bound(max(self._keys.values(), key=len), limit=1)
+        self._bound()
 
     @property
     def remembered(self) -> int:
-        return sum(len(m) for m in self._keys.values())
+        return len(self._entries)
 
     def feed(self, seq: int, batch: KVEventBatch, model: str) -> list[IndexOp]:
         """The index operations batch ``seq`` implies, in order. ``model`` names the
@@ -154,27 +154,40 @@ class NodeKvIngest:
                     self.counts["other_medium"] += 1
             elif isinstance(event, AllBlocksCleared):
                 self.counts["cleared"] += 1
-                ops += self._drop_rank(rank)
+                ops += self._clear_rank(rank)
         return ops
 
     def reset(self) -> list[IndexOp]:
         """Forget everything (a new engine process): the node's index is cleared."""
-        self._keys.clear()
-        self._holders.clear()
         self._last_seq.clear()
+        return self._forget_all()
+
+    def _forget_all(self) -> list[IndexOp]:
+        self._entries.clear()
+        self._holders.clear()
         return [IndexCleared()]
 
+    def _only_publisher(self, rank: int | None) -> bool:
+        return set(self._last_seq) <= {rank}
+
     def _restart(self, rank: int | None) -> list[IndexOp]:
-        if set(self._keys) <= {rank}:  # the node's only publisher: clear it all
+        if self._only_publisher(rank):  # the node's only publisher: clear it all
             return self.reset()
+        return self._drop_rank(rank)
+
+    def _clear_rank(self, rank: int | None) -> list[IndexOp]:
+        """``AllBlocksCleared`` from ``rank``: from the node's only publisher the node's
+        whole index is cleared, with what routing taught it and its guesses (the keys
+        remembered here are not all it holds); from one rank of several, what that rank
+        alone held."""
+        if self._only_publisher(rank):
+            return self._forget_all()
         return self._drop_rank(rank)
 
     def _drop_rank(self, rank: int | None) -> list[IndexOp]:
         """Every copy ``rank`` holds is gone; the keys no other rank holds."""
-        known = self._keys.get(rank)
-        if not known:
-            return []
-        gone = self._drop(rank, [h for h, entry in known.items() for _ in range(entry[1])])
+        held = [h for (r, h), entry in self._entries.items() if r == rank for _ in range(entry[1])]
+        gone = self._drop(rank, held) if held else ()
         return [IndexRemoved(gone)] if gone else []
 
     def _stored(self, ev: BlockStored, rank: int | None, model: str) -> tuple[int, ...]:
@@ -186,24 +199,21 @@ class NodeKvIngest:
         if ev.block_size != size or len(ev.token_ids) != len(hashes) * size:
             self.counts["bad_block_size"] += len(hashes)
             return ()
-        known = self._keys.setdefault(rank, {})
         parent: int | None = None
         if ev.parent_block_hash is not None:
-            entry = known.get(ev.parent_block_hash)
+            entry = self._entries.get((rank, ev.parent_block_hash))
             if entry is None:
                 self.counts["orphan_blocks"] += len(hashes)
                 return ()
             parent = entry[0]
-        extra = ev.extra.get("extra_keys")
-        if parent == UNKEYABLE or (
-            isinstance(extra, tuple) and any(k is not None for k in extra)
-        ):
+        if parent == UNKEYABLE or _names_more_than_tokens(ev.extra.get("extra_keys"),
+                                                          ev.lora_name):
             # a cache_salt or multimodal inputs (or a block continuing one): the tokens
             # alone do not name the KV, and keyed by them it would be a false hit for
             # the plain prompt. Remembered as such, so its continuations are not taken
             # for orphans (which would make routing teach the index, kv_watch.py).
             self.counts["extra_keys_blocks"] += len(hashes)
-            self._remember(known, hashes, [UNKEYABLE] * len(hashes))
+            self._remember(rank, hashes, [UNKEYABLE] * len(hashes))
             return ()
         root = model
         if ev.lora_id is not None:
@@ -213,40 +223,41 @@ class NodeKvIngest:
                 return ()
             root = lora
         keys = self._hasher.chain_for_tokens(ev.token_ids, parent=parent, model=root)
-        self._remember(known, hashes, keys)
+        self._remember(rank, hashes, keys)
         self.counts["stored_blocks"] += len(keys)
         return tuple(keys)
 
     def _remember(
-        self, known: dict[BlockHash, list[int]], hashes: Sequence[BlockHash], keys: Sequence[int]
+        self, rank: int | None, hashes: Sequence[BlockHash], keys: Sequence[int]
     ) -> None:
-        """``hashes`` (one more copy each) name ``keys`` on this rank; within the bound."""
+        """``hashes`` (one more copy each) name ``keys`` on ``rank``; within the bound."""
+        entries = self._entries
         for h, key in zip(hashes, keys, strict=True):
-            entry = known.get(h)
+            entry = entries.get((rank, h))
             if entry is not None and entry[0] == key:
                 entry[1] += 1  # another copy of a block this rank holds
                 continue
             if entry is not None and entry[0] != UNKEYABLE:  # other tokens: replaced
                 self._release(entry[0])
-            known[h] = [key, 1]
+            entries[(rank, h)] = [key, 1]
             if key != UNKEYABLE:
                 self._holders[key] += 1
-        self._bound(known)
+        self._bound()
 
     def _drop(self, rank: int | None, hashes: Sequence[BlockHash]) -> tuple[int, ...]:
         """One copy of each of ``hashes`` of ``rank`` is gone; the keys no rank holds
         any more."""
-        known = self._keys.get(rank)
+        entries = self._entries
         gone: list[int] = []
         for h in hashes:
-            entry = known.get(h) if known else None
+            entry = entries.get((rank, h))
             if entry is None:
                 self.counts["unknown_removed"] += 1
                 continue
             entry[1] -= 1
             if entry[1] > 0:  # another copy is still cached
                 continue
-            del known[h]  # type: ignore[union-attr]
+            del entries[(rank, h)]
             if entry[0] != UNKEYABLE and self._release(entry[0]):
                 gone.append(entry[0])
         self.counts["removed_blocks"] += len(gone)
@@ -261,18 +272,34 @@ class NodeKvIngest:
         del holders[key]
         return True
 
-    def _bound(self, known: dict[BlockHash, list[int]], limit: int | None = None) -> None:
-        """Forget ``known``'s oldest hashes while the node is over its bound (at most
-        ``limit`` of them)."""
-        excess = self.remembered - self._max_blocks
+    def _bound(self) -> None:
+        """Forget the node's oldest hashes while it is over its bound."""
+        entries = self._entries
+        excess = len(entries) - self._max_blocks
         if excess <= 0:
             return
-        popped = min(excess, len(known), limit or excess)
-        self.counts["forgotten_blocks"] += popped
-        for _ in range(popped):
-            key = known.pop(next(iter(known)))[0]
+        self.counts["forgotten_blocks"] += excess
+        for _ in range(excess):
+            key = entries.popitem(last=False)[1][0]
             if key != UNKEYABLE:
                 self._release(key)
+
+
+def _names_more_than_tokens(extra: object, lora_name: str | None) -> bool:
+    """Whether a ``BlockStored``'s ``extra_keys`` (one entry per block) name more than its
+    tokens and its LoRA adapter: a cache salt, multimodal inputs. vLLM (0.33) lists an
+    adapter's name first in every block's entry; the adapter is the chain's root here
+    already, so that entry alone keys the block by its tokens."""
+    if not isinstance(extra, tuple):
+        return False
+    for keys in extra:
+        if keys is None:
+            continue
+        if lora_name is not None and isinstance(keys, tuple) and keys[:1] == (lora_name,):
+            keys = keys[1:]
+        if keys:
+            return True
+    return False
 
 
 def _followed(medium: str | None, group_idx: int | None) -> bool:

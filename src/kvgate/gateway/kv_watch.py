@@ -39,16 +39,17 @@ BLOCK_COUNTS = (("stored", "stored_blocks"), ("removed", "removed_blocks"),
 Rows = list[tuple[str, str, int]]
 ORPHAN_QUIET_S = 60.0  # without orphan blocks this long, routing stops teaching the index
 # Engine hashes the mapper remembers per node: the node's cache this many times over
-# (each rank's copy of a block counts once; stale entries of lost batches wait for the
-# bound), never fewer than the floor, which covers a cache size that is a guess.
+# (stale entries of lost batches wait for the bound), for each of its data-parallel
+# ranks (the metrics give one rank's cache, and each rank's copy of a block counts),
+# never fewer than the floor, which covers a cache size that is a guess.
 REMEMBER_CACHE_TIMES = 4
 MIN_REMEMBERED_BLOCKS = 16_384
 
 
-def remembered_blocks(cache_blocks: int | None) -> int:
-    """The mapper's bound for a node whose cache holds ``cache_blocks`` blocks (None:
-    unknown)."""
-    return max(MIN_REMEMBERED_BLOCKS, REMEMBER_CACHE_TIMES * (cache_blocks or 0))
+def remembered_blocks(cache_blocks: int | None, ranks: int = 1) -> int:
+    """The mapper's bound for a node of ``ranks`` publishers whose caches hold
+    ``cache_blocks`` blocks each (None: unknown)."""
+    return max(MIN_REMEMBERED_BLOCKS, REMEMBER_CACHE_TIMES * (cache_blocks or 0) * ranks)
 
 
 class NodeKvWatch:
@@ -65,7 +66,9 @@ class NodeKvWatch:
         self.node_id = node_id
         self.endpoints = tuple(endpoints)
         # one for all its ranks' publishers
-        self.ingest = NodeKvIngest(hasher, max_blocks=remembered_blocks(cache_blocks))
+        self.ingest = NodeKvIngest(
+            hasher, max_blocks=remembered_blocks(cache_blocks, len(self.endpoints))
+        )
         self.connected = [asyncio.Event() for _ in self.endpoints]
         self.restarts_seen = 0  # the ingest's restarts already noted
         self.restarted_at: float | None = None  # the last restart the events reported
@@ -74,7 +77,7 @@ class NodeKvWatch:
 
     def set_cache_blocks(self, cache_blocks: int) -> None:
         """The node's cache size changed: so does the mapper's bound."""
-        self.ingest.max_blocks = remembered_blocks(cache_blocks)
+        self.ingest.max_blocks = remembered_blocks(cache_blocks, len(self.endpoints))
 
     def note_orphans(self, controller: Controller, now: float) -> None:
         """After each batch, and on the watcher's scrape: while the node's events bring

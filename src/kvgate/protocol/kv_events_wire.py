@@ -165,14 +165,20 @@ def _decode_event(raw: Any, index: int) -> KVEvent:
     raise KvEventWireError(f"{where}: unknown event tag {tag!r}", param=where)
 
 
+_TOKEN_LIMIT = 1 << 32
+
+
 def _decode_stored(fields: dict[str, Any], where: str) -> BlockStored:
     parent = fields.get("parent_block_hash")
     if parent is not None and not (_is_int(parent) or isinstance(parent, bytes)):
         raise KvEventWireError(f"{where}.parent_block_hash must be int, bytes or nil",
                                param=f"{where}.parent_block_hash")
     tokens = fields.get("token_ids")
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
-        raise KvEventWireError(f"{where}.token_ids must be an array of ints",
+    # token ids as a request's are (vLLM's vocabularies fit 32 bits): one outside would
+    # fail the hasher after the batch was half applied
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < _TOKEN_LIMIT
+                                               for t in tokens):
+        raise KvEventWireError(f"{where}.token_ids must be an array of ints in [0, 2**32)",
                                param=f"{where}.token_ids")
     block_size = fields.get("block_size")
     if not _is_int(block_size):
