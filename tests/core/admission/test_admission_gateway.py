@@ -449,6 +449,24 @@ def test_a_half_open_breaker_whose_probes_never_report_sends_new_ones() -> None:
     assert gw.breaker_state is BreakerState.CLOSED
 
 
+def test_requests_not_admitted_now_leave_a_half_open_breakers_probes_alone() -> None:
+    """A P2 request refused in safe mode, or one queued, took a probe and gave nothing
+    back: P2 traffic left P0 refused with breaker_open while the breaker was half-open."""
+    gw = leased_gateway(lease((40, 40, 10), capacity=100, safe_capacity=90),
+                        AdmissionConfig(budget=100), now=0.0)
+    gw.make_refresh(0.5)
+    gw.refresh_failed(0.5)  # the coordinator is lost: safe mode refuses P2
+    gw.poll(7.0)
+    for _ in range(20):
+        gw.record_outcome(False, 7.0)
+    gw.poll(12.1)  # open_s later: half-open, 3 probes
+    assert gw.breaker_state is BreakerState.HALF_OPEN
+    for _ in range(5):
+        r = gw.admit(req(2, tenant="batch"), 12.1)
+        assert isinstance(r, Rejected) and r.reason is RejectReason.DEGRADED
+    assert [kind(gw.admit(req(0), 12.1)) for _ in range(4)] == ["Admitted"] * 3 + ["Rejected"]
+
+
 def test_a_queued_request_is_not_overtaken_by_a_worse_class_when_capacity_returns() -> None:
     """A node went down and came back: the limits grew without a dispatch, and until the
     next poll a P1 arrival took the credit a queued P0 waited for."""

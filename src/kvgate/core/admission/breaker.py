@@ -115,6 +115,18 @@ class ClusterBreaker:
             self._probes_left = self.config.half_open_probes
             self._probed_at = now
 
+    def refusing(self, now: float) -> bool:
+        """Whether a request would be refused now, without taking a probe: open, no
+        healthy node, or half-open with every probe out. A request that will not be
+        admitted now (queued, or refused for its class) must not spend a probe, or a
+        class refused in safe mode took every probe from the classes admitted."""
+        if self.state is BreakerState.CLOSED:
+            return False
+        self.tick(now)
+        if self._no_healthy or self._state is BreakerState.OPEN:
+            return True
+        return self._state is BreakerState.HALF_OPEN and self._probes_left <= 0
+
     def allow(self, now: float) -> bool:
         """May one more request be admitted now? Consumes a probe when half-open."""
         if self.state is BreakerState.CLOSED:

@@ -10,8 +10,8 @@
    and its entry for the tenant is missing or below the quota, a request over it is
    parked instead (Queued, holding no slot, at most the quota's worth) until the
    grant the early refresh brings, then checked again (``GatewayAdmission`` settles);
-4. the cluster breaker -> BREAKER_OPEN;
-5. the credit check, against the lease and the class rule:
+4. the credit check, against the lease and the class rule (then the cluster breaker,
+   -> BREAKER_OPEN: a half-open one's probes go only to requests admitted now):
 
    - P0 may use any free credit;
    - P1 may use any free credit except P0's unlendable reserve not yet used by P0
@@ -22,7 +22,7 @@
      never P0's reserve; when P0 outgrows its reserve while P2 holds credits beyond a
      grant that shrank, the controller reclaims them (``p2_to_reclaim``);
 
-   -> Admitted, else Queued (P2 in SAFE mode: DEGRADED).
+   -> Admitted, else Queued (P2 in SAFE mode: DEGRADED; BREAKER_OPEN while it refuses).
 
 ``release`` frees the credit and dispatches queued requests that now fit: highest
 class first, round-robin across tenants inside a class. ``GatewayAdmission.poll``
@@ -177,31 +177,22 @@ class Stage1Limiter:
         return self._admit_credit(req, now)
 
     def _admit_credit(self, req: AdmissionRequest, now: float) -> Admitted | Queued | Rejected:
-        """The breaker and the credit check (the tenant's quota has let it through)."""
-        if self._breaker.state is not _CLOSED and not self._breaker.allow(now):
-            return self._reject(
-                req,
-                RejectReason.BREAKER_OPEN,
-                f"cluster breaker open ({self._breaker.reason})",
-                self._breaker.retry_after(now),
-            )
+        """The credit check, then the breaker (the tenant's quota has let it through)."""
         if now >= self._next_transition:
             self._advance(now)
         c = req.priority
         tenant = req.tenant
-        inuse = self._inuse
-        total = self._inuse_total
-        if (
-            total < self._total
-            and inuse[c] < self._caps[c]
-            and (c == 0 or self._total - total - 1 >= self._reserve - inuse[0])
-            # nobody of its class or better queued (a P1 overtook a queued P0 after a rise)
-            and not (self._queued_total and any(q.size for q in self._queues[: c + 1]))
+        # it fits, and nobody of its class or better is queued (a P1 overtook a queued P0
+        # after a rise)
+        if self._fits(c) and not (
+            self._queued_total and any(q.size for q in self._queues[: c + 1])
         ):
+            if self._breaker.state is not _CLOSED and not self._breaker.allow(now):
+                return self._breaker_open(req, now)
             self._serial = serial = self._serial + 1
             self._live.add(serial)
-            inuse[c] += 1
-            self._inuse_total = total + 1
+            self._inuse[c] += 1
+            self._inuse_total += 1
             slots = self._tenant_slots
             slots[tenant] = slots.get(tenant, 0) + 1
             self._admitted[c] += 1
@@ -210,7 +201,14 @@ class Stage1Limiter:
             return self._reject(
                 req, RejectReason.DEGRADED, _off(c), self.config.safe_mode.retry_after_s
             )
+        if self._breaker.state is not _CLOSED and self._breaker.refusing(now):
+            return self._breaker_open(req, now)  # refused now rather than queued for it
         return self._enqueue(req, now)
+
+    def _breaker_open(self, req: AdmissionRequest, now: float) -> Rejected:
+        b = self._breaker
+        return self._reject(req, RejectReason.BREAKER_OPEN, f"cluster breaker open ({b.reason})",
+                            b.retry_after(now))
 
     def release(self, ticket: Ticket, now: float) -> list[Admitted]:
         """Give the ticket's credit back; returns queued requests admitted with it."""
