@@ -466,3 +466,24 @@ def test_excluding_the_only_healthy_node_says_healthy() -> None:
     d = arrive(ctl, "r", 1.0, excluded_nodes=frozenset({NodeId("n0")}))
     assert isinstance(d, Reject)
     assert d.rejected.message.startswith("every healthy node serving this model is excluded")
+
+
+def test_a_long_queue_no_node_can_take_is_rejected_without_recursion() -> None:
+    """Each queued request no node could take gave its credit back, which admitted the
+    next one, three stack frames deeper: ~330 of them overflowed Python's stack, and the
+    rejections already made were lost with the exception."""
+    from kvgate.core.admission import AdmissionConfig
+
+    ctl = cluster(admission=AdmissionConfig(budget=16, bypass_fraction=0.0))
+    running = []
+    while isinstance(d := arrive(ctl, f"run{len(running)}"), Dispatch):
+        running.append(d.request_id)
+    ctl.on_cancelled(RequestId(f"run{len(running)}"), 0.1)  # the budget is full: queued
+    for i in range(600):  # they name every node as one to avoid
+        arrive(ctl, f"q{i}", excluded_nodes=("n0", "n1"))
+    assert ctl.admission.queued_total == 600
+    out = ctl.on_finished(running[0], 1.0)
+    rejected = [d for d in out if isinstance(d, Reject)]
+    assert len(rejected) == 600 and ctl.admission.queued_total == 0
+    assert {d.request_id for d in rejected} == {RequestId(f"q{i}") for i in range(600)}
+    assert ctl.num_requests() == len(running) - 1

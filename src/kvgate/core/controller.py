@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -523,18 +524,23 @@ class Controller:
             ctx = replace(ctx, cache_discount={s.spec.node_id: weight for s in held})
         return self.route(ctx, now, record.excluded)
 
-    def _finish_rejected(self, record: _Request, now: float) -> Decision:
-        """No node can take the request: give the credit back and say why."""
+    def _finish_rejected(
+        self, record: _Request, now: float, freed: deque[Admitted] | None = None
+    ) -> Decision:
+        """No node can take the request: give the credit back and say why. The queued
+        requests the credit admits join ``freed`` (``_after_release``'s work), or when
+        there is none are dispatched now, their decisions going out with the next call
+        that returns a list (this one returns one decision)."""
         self._requests.pop(record.request_id, None)
         if self._aborts:
             self._aborts.pop(record.request_id, None)
         if record.ticket is not None:
             self.admission.record_ignored(now)  # admitted, never ran: no outcome (a probe back)
-            # The freed credit may admit queued requests; this call returns one
-            # decision, so theirs go out with the next call that returns a list.
-            self._deferred.extend(
-                self._after_release(self.admission.release(record.ticket, now), now)
-            )
+            admitted = self.admission.release(record.ticket, now)
+            if freed is not None:
+                freed.extendleft(reversed(admitted))  # next, in their order
+            else:
+                self._deferred.extend(self._after_release(admitted, now))
         rejected = self._no_node_rejection(record)
         self.stats.rejects[rejected.reason.value] += 1
         ticket = record.ticket
@@ -731,13 +737,20 @@ class Controller:
         )
 
     def _after_release(self, admitted: list[Admitted], now: float) -> list[Decision]:
+        """Dispatch the requests a released credit admitted. One that no node can take
+        gives its credit back in turn, which may admit the next queued request: a loop
+        over a work list, not a recursion (a queue of 330 requests no node could take,
+        in safe mode under overload, overflowed the stack)."""
         out: list[Decision] = []
-        for a in admitted:
+        work = deque(admitted)
+        while work:
+            a = work.popleft()
             record = self._requests.get(RequestId(a.ticket.request_id))
             if record is None:  # cancelled while queued; give the credit straight back
-                out.extend(self._after_release(self.admission.release(a.ticket, now), now))
+                work.extendleft(reversed(self.admission.release(a.ticket, now)))
                 continue
-            out.append(self._dispatch_or_reject(record, a.ticket, now))
+            sent = self._dispatch(record, a.ticket, now)
+            out.append(sent if sent is not None else self._finish_rejected(record, now, work))
         return out
 
     def _take_deferred(self) -> list[Decision]:
