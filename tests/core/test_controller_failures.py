@@ -487,3 +487,26 @@ def test_a_long_queue_no_node_can_take_is_rejected_without_recursion() -> None:
     assert len(rejected) == 600 and ctl.admission.queued_total == 0
     assert {d.request_id for d in rejected} == {RequestId(f"q{i}") for i in range(600)}
     assert ctl.num_requests() == len(running) - 1
+
+
+def test_queued_requests_do_not_widen_the_retry_budget() -> None:
+    """The budget (20 % of active requests) counted the requests queued at the gateway:
+    with 500 queued, every attempt in flight could be retried, 2x load under overload."""
+    from kvgate.core.admission import AdmissionConfig
+
+    def retried(queued: int) -> int:
+        ctl = cluster(3, admission=AdmissionConfig(budget=40, bypass_fraction=0.0))
+        running = []
+        while isinstance(d := arrive(ctl, f"r{len(running)}", priority=0), Dispatch):
+            running.append(d)
+        for j in range(queued):
+            arrive(ctl, f"q{j}", priority=0)
+        assert ctl.admission.queued_total == queued + 1
+        out = 0
+        for d in running:  # every node refuses every attempt: "retry elsewhere"
+            got = ctl.on_failed(d.request_id, FailureKind.RETRY_ELSEWHERE, 0.2,
+                                before_first_byte=True)
+            out += any(isinstance(x, Dispatch) and x.request_id == d.request_id for x in got)
+        return out
+
+    assert retried(0) == retried(500) == 8  # max(3, 0.2 x ~40 in flight)

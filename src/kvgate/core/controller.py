@@ -642,7 +642,9 @@ class Controller:
             attempts_so_far=record.attempts,
             # only names of nodes we know: any other value is no sign of a client retry
             client_named_excluded_node=any(n in self.nodes for n in record.arrived.excluded_nodes),
-            active_requests=len(self._requests),
+            # those on a node: a queue does not widen the budget (with 500 queued,
+            # every attempt in flight could be retried, 2x load under overload)
+            active_requests=len(self._requests) - self.admission.queued_total,
             retries_in_flight=self._retries_in_flight,
         )
         if may_retry and record.ticket is not None:
