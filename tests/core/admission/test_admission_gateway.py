@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from admission_testlib import fill, kind, lease, leased_gateway, req, sync_refresh
+from admission_testlib import (
+    FlakyCoordinator,
+    fill,
+    kind,
+    lease,
+    leased_gateway,
+    req,
+    sync_refresh,
+)
 
 from kvgate.core.admission import (
     AdmissionConfig,
@@ -482,3 +490,22 @@ def test_a_queued_request_is_not_overtaken_by_a_worse_class_when_capacity_return
     assert isinstance(gw.admit(req(1), 0.41), Queued)  # behind the P0, not before it
     served = gw.poll(0.42)
     assert [a.ticket.priority for a in served if isinstance(a, Admitted)] == [0, 1]
+
+
+def test_a_quota_below_the_gateways_count_is_never_exceeded_without_a_coordinator() -> None:
+    """Each gateway's share was at least 1: quota 2 over 3 gateways that never reached
+    their coordinator let 3 requests of the tenant run."""
+    cfg = AdmissionConfig(budget=90, tenant_quotas={"acme": 2, "big": 6},
+                          lease=LeaseConfig(expected_gateways=3))
+    coord = FlakyCoordinator(InProcessCoordinator(cfg))
+    coord.down = True
+    gws = [GatewayAdmission(cfg, f"gw{i}") for i in range(3)]
+    for g in gws:
+        sync_refresh(g, coord, 0.0)
+    for tenant, quota in (("acme", 2), ("big", 6)):
+        for g in gws:
+            for _ in range(3):
+                g.admit(req(0, tenant=tenant), 0.1)
+        assert sum(g.tenant_slots(tenant) for g in gws) <= quota
+    assert [g.tenant_slots("big") for g in gws] == [2, 2, 2]
+    assert not any(g.pressed.at("acme") for g in gws)  # starved by the split, no flood

@@ -250,12 +250,14 @@ class QuotaBook:
         return self.state is LeaseState.ACTIVE or self.state is LeaseState.EXPIRED_REUSING
 
     def tenant_fair_share(self, quota: int) -> int:
-        """This gateway's even share of a tenant's cluster quota (at least 1): the quota
-        over the gateways live in the last grant, or the expected gateways before one."""
+        """This gateway's even share of a tenant's cluster quota: the quota over the
+        gateways live in the last grant, or the expected gateways before one. Rounded
+        down, to 0 for a quota below the gateways' count: at least 1 each put a fleet
+        without its coordinator over the quota (quota 2, 3 gateways: 3 in flight)."""
         g = self.grant
         if self.state is LeaseState.NO_ASSIGNMENT or g is None:
-            return max(1, quota // self.config.lease.expected_gateways)
-        return max(1, quota // max(1, g.gateways_live))
+            return quota // self.config.lease.expected_gateways
+        return quota // max(1, g.gateways_live)
 
     def tenant_fallback(self, quota: int) -> int:
         """The limit of a quota tenant absent from the grant (first sighting): an even

@@ -259,7 +259,7 @@ class Stage1Limiter:
     def _refuse_tenant(self, req: AdmissionRequest, quota: int, limit: int, now: float) -> Rejected:
         tenant = req.tenant
         self._tenant_denied[tenant] = self._tenant_denied.get(tenant, 0) + 1
-        if limit >= self._book.tenant_fair_share(quota):
+        if limit >= max(1, self._book.tenant_fair_share(quota)):
             self.pressed.note(tenant, now)  # more than its quota, not a growing lease
         return self._reject(
             req,
