@@ -114,6 +114,10 @@ def test_add_node_probes_it_and_routes_to_it(admin_kit: Any) -> None:
                 status, err, _ = await s.call("POST", "/admin/nodes",
                                               {"url": extra.url, "id": "e9"})
                 assert status == 409 and _is_openai_error(err)
+                # the same engine under a second id: its capacity would count twice
+                status, err, _ = await s.call("POST", "/admin/nodes",
+                                              {"url": extra.url + "/", "id": "twin"})
+                assert status == 409 and err["error"]["param"] == "url", err
                 for bad in ({"id": "x"}, {"url": "ftp://a:1"}, {"url": extra.url, "capacity": 0},
                             {"url": extra.url, "colour": "red"}, [1, 2], b"{not json"):
                     status, err, _ = await s.call("POST", "/admin/nodes", bad)

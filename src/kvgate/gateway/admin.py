@@ -293,6 +293,11 @@ class AdminApi:
         if NodeId(config.id) in gw.controller.nodes or gw.watcher.get(config.id) is not None:
             raise Conflict(f"node {config.id!r} already exists; DELETE it first",
                            param="id", code="node_exists")
+        # one engine under two ids: its capacity counted twice, its cache split (the
+        # static config refuses it too)
+        if same := next((rt for rt in gw.watcher.nodes.values() if rt.url == config.url), None):
+            raise Conflict(f"node {same.node_id!r} already has url {config.url}; DELETE it "
+                           "first", param="url", code="node_exists")
         # the watcher completes the add even if this handler is cancelled (client gone)
         rt = await gw.watcher.add(config)
         state = gw.controller.nodes.get(NodeId(config.id))
