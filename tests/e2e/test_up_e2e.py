@@ -34,12 +34,17 @@ async def _stop_leftovers(
     _kill_leftovers([p for p in engine_pids if e2e.pid_alive(p)])
 
 
-async def _start_up(*args: str) -> asyncio.subprocess.Process:
-    """``kvgate up --port 0 *args`` as a child process, its output piped."""
+async def _start_up(*args: str, nohup: bool = False) -> asyncio.subprocess.Process:
+    """``kvgate up --port 0 *args`` as a child process, its output piped (``nohup``:
+    started with SIGHUP ignored, as ``nohup`` starts it)."""
+    def ignore_hup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvgate.cli", "up", "--port", "0", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=ignore_hup if nohup else None,
     )
 
 
@@ -179,6 +184,54 @@ def test_kvgate_up_stops_everything_on_sighup_with_its_reader_gone(e2e: Any) -> 
             await _stop_leftovers(proc, engine_pids, e2e)
 
     e2e.run(body(), timeout=50)
+
+
+def test_kvgate_up_under_nohup_outlives_its_terminal(e2e: Any) -> None:
+    """Started under nohup (SIGHUP ignored), kvgate up set its own SIGHUP handler and
+    stopped when the terminal closed; kvgate serve already kept nohup's promise."""
+
+    async def body() -> None:
+        proc = await _start_up("--nodes", "1", "--engine-num-blocks", "512", nohup=True)
+        engine_pids: list[int] = []
+        try:
+            out = await _banner(proc)
+            engine_pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(1.0)
+            assert proc.returncode is None, "kvgate up stopped on SIGHUP under nohup"
+            assert all(e2e.pid_alive(p) for p in engine_pids)
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(15):
+                assert await proc.wait() == 0
+        finally:
+            await _stop_leftovers(proc, engine_pids, e2e)
+
+    e2e.run(body(), timeout=50)
+
+
+def test_two_engines_handed_the_same_free_port_each_get_their_own(
+    e2e: Any, monkeypatch: Any
+) -> None:
+    """The OS may hand the same free port out twice in a row: the second engine failed to
+    bind, passed /health on the first one's answer, and the cluster failed to start."""
+    import kvgate.commands.up as up
+
+    real = up.free_port
+    handed = [real("127.0.0.1")] * 2  # the first two calls get the same port
+
+    def same_port_twice(host: str) -> int:
+        return handed.pop() if handed else real(host)
+
+    monkeypatch.setattr(up, "free_port", same_port_twice)
+
+    async def body() -> None:
+        cluster = await start_cluster(nodes=2, port=0, engine_num_blocks=512)
+        try:
+            assert len(set(cluster.engine_urls)) == 2
+        finally:
+            await cluster.stop()
+
+    e2e.run(body(), timeout=40)
 
 
 def test_up_in_precise_mode_learns_the_cache_from_engine_events(e2e: Any) -> None:

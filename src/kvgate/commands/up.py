@@ -212,13 +212,23 @@ async def start_cluster(
     server: GatewayServer | None = None
     deadline = time.monotonic() + ready_timeout_s
 
+    given: set[int] = set()
+
+    def port_of_its_own() -> int:
+        # the OS may hand the same free port out twice in a row: two engines on one port
+        # passed each other's /health and the cluster failed as a config error
+        while (port := free_port("127.0.0.1")) in given:
+            pass
+        given.add(port)
+        return port
+
     async def launch(session: aiohttp.ClientSession, node_id: str) -> None:
         # A free port can be taken between our probe and the engine's bind: one retry.
         for attempt in (1, 2):
             engine = spawn_engine(
                 node_id,
                 host="127.0.0.1",
-                port=free_port("127.0.0.1"),
+                port=port_of_its_own(),
                 speedup=engine_speedup,
                 model=model,
                 num_blocks=engine_num_blocks,
@@ -430,7 +440,10 @@ async def _up(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # SIGHUP too: the terminal closing must stop the cluster, not kill us mid-run
-    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is not None and signal.getsignal(hup) is signal.SIG_IGN:
+        hup = None  # started under nohup: a closed terminal must not stop it
+    for sig in (signal.SIGINT, signal.SIGTERM, hup):
         if sig is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
