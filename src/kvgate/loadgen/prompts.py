@@ -237,14 +237,22 @@ def synthetic_workload(
         groups = size if size is not None else max(1, -(-num_requests // 16))
         return shared_prefix_groups(rng=rng, num_groups=groups, prompts_per_group=16,
                                     block_tokens=block_tokens, **kw)
-    if kind == "chat":  # 5.5 turns per session on average
-        sessions = size if size is not None else max(1, -(-num_requests // 5))
-        return multi_turn_chat(rng=rng, num_sessions=sessions, block_tokens=block_tokens,
-                               closed_loop=closed_loop, **kw)
-    if kind == "agent":  # 12.5 steps per task on average
-        tasks = size if size is not None else max(1, -(-num_requests // 12))
-        return agent_loops(rng=rng, num_tasks=tasks, block_tokens=block_tokens,
-                           closed_loop=closed_loop, **kw)
+    if kind in ("chat", "agent"):  # 5.5 turns per session, 12.5 steps per task on average
+        per = 5 if kind == "chat" else 12
+        n = size if size is not None else max(1, -(-num_requests // per))
+        while True:
+            rng = random.Random(seed)
+            if kind == "chat":
+                w = multi_turn_chat(rng=rng, num_sessions=n, block_tokens=block_tokens,
+                                    closed_loop=closed_loop, **kw)
+            else:
+                w = agent_loops(rng=rng, num_tasks=n, block_tokens=block_tokens,
+                                closed_loop=closed_loop, **kw)
+            # by default, at least num_requests: sessions shorter than the average
+            # (agent seed 6: 189 of 200) sent fewer than asked, unsaid
+            if size is not None or len(w.requests) >= num_requests:
+                return w
+            n += max(1, -(-(num_requests - len(w.requests)) // per))
     if kind == "zipf":
         docs = size if size is not None else 300
         return zipf_prefixes(rng=rng, num_requests=num_requests, num_documents=docs,
