@@ -79,6 +79,30 @@ def test_a_request_outliving_its_node_leaves_the_new_node_of_that_id_alone() -> 
     assert ctl.policy.active_blocks(NodeId("n0")) == active  # type: ignore[attr-defined]
 
 
+def test_a_request_outliving_its_node_leaves_the_kvgate_score_of_its_successor_moving() -> None:
+    """The old node's request ending took the new node (same id) out of the set whose
+    scores follow their prefill draining: its predicted wait froze at its first value."""
+    from kvgate.core.routing.kvgate_loads import LoadScores
+
+    ctl = _one_node("kvgate")
+    d = ctl.on_arrival(RequestArrived(request_id=RequestId("old"), block_ids=(1, 2, 3),
+                                      prompt_tokens=20_000), 0.0)
+    assert isinstance(d, Dispatch)
+    ctl.remove_node(NodeId("n0"), 0.1)
+    ctl.add_node(NodeSpec(node_id=NodeId("n0")), 0.1)
+    ctl.on_load_report(NodeId("n0"), waiting=0, running=0, kv_util=0.1, now=0.1)
+    d = ctl.on_arrival(RequestArrived(request_id=RequestId("new"), block_ids=(4, 5, 6),
+                                      prompt_tokens=20_000), 0.2)
+    assert isinstance(d, Dispatch)
+    ctl.on_finished(RequestId("old"), 0.3)
+    ctx = ctl._requests[RequestId("new")].ctx
+    ctl.route(ctx, 1.2)  # syncs the policy's scores
+    loads = ctl.policy._loads  # type: ignore[attr-defined]
+    fresh = LoadScores()
+    fresh.rebuild(ctl.nodes, list(ctl.nodes), 1.2, loads.params)
+    assert loads.by_id[NodeId("n0")].wait == pytest.approx(fresh.by_id[NodeId("n0")].wait)
+
+
 def test_failures_on_a_removed_node_do_not_eject_its_successor() -> None:
     ctl = _one_node("least_loaded")
     n = ctl.config.eject_after_failures

@@ -210,8 +210,11 @@ class LoadScores:
     def _update(self, nodes: NodeTable, state: NodeState, now: float, params: Params) -> None:
         old = self.by_id.get(state.spec.node_id)
         if old is None or old.state is not state:
-            self.draining.pop(state.spec.node_id, None)
-            return  # not a node of this snapshot (removed since)
+            # not a node of this snapshot (removed since): the node now of its id, if any,
+            # keeps draining (a request of the removed one ending froze its score)
+            if self.draining.get(state.spec.node_id) is state:
+                del self.draining[state.spec.node_id]
+            return
         new = self._load(nodes, state, now, params)
         if new.rank[:3] != old.rank[:3] or new.util != old.util:
             order = self.order
