@@ -242,7 +242,7 @@ async def test_token_id_prompt(start_server: Any, http: aiohttp.ClientSession) -
         ("/v1/completions", b'{"model": "kvgate-sim", "prompt": ""}', 400, "prompt"),
         ("/v1/chat/completions", b'{"model": "kvgate-sim", "messages": []}', 400, "messages"),
         ("/v1/chat/completions",
-         b'{"model": "kvgate-sim", "messages": [{"role": "robot", "content": "x"}]}', 400,
+         b'{"model": "kvgate-sim", "messages": [{"role": "", "content": "x"}]}', 400,
          "messages[0].role"),
         ("/v1/completions", b'{"model": "other", "prompt": "x"}', 404, "model"),
         ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "max_tokens": 99999}', 400,

@@ -46,7 +46,7 @@ MALFORMED: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("messages empty", "POST", CH, {"model": M, "messages": []}, {}, 400, "messages"),
     ("message not an object", "POST", CH, {"model": M, "messages": ["hi"]}, {}, 400,
      "messages[0]"),
-    ("bad role", "POST", CH, {"model": M, "messages": [{"role": "god", "content": "x"}]}, {},
+    ("bad role", "POST", CH, {"model": M, "messages": [{"role": 7, "content": "x"}]}, {},
      400, "messages[0].role"),
     ("image part", "POST", CH, {"model": M, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, {}, 400,

@@ -29,8 +29,9 @@ def test_p2_flood_fails_where_p0_misses_its_slo() -> None:
             "p2_flood": {
                 "requests": 10,
                 "policies": {
-                    "kvgate": _row(by_priority={"P0": p0 | {"ttft_p99_s": 1.25}}),
-                    "round_robin": _row(by_priority={"P0": p0}),
+                    "kvgate": _row(by_priority={"P0": p0 | {"ttft_p99_s": 1.25},
+                                                "P2": {"requests": 100}}),
+                    "round_robin": _row(by_priority={"P0": p0, "P2": {"requests": 100}}),
                 },
             }
         },
