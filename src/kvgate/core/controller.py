@@ -167,8 +167,9 @@ class Controller:
             precise=cfg.index_mode == "precise",
         )
         self.policy = make_policy(cfg.policy, cfg.policy_params)
-        # a baseline that knows only what it routed (SGLang's HTTP-mode tree)
-        routed = cache_view(self.policy) == "routed" and cfg.index_mode != "precise"
+        # a baseline that knows only what it routed (SGLang's HTTP-mode tree, which reads
+        # no KV events: in precise mode too)
+        routed = cache_view(self.policy) == "routed"
         self.routed: RoutedTree | None = RoutedTree() if routed else None
         self.admission = GatewayAdmission(cfg.admission, gateway_id=gateway_id)
         # one gateway of several: a pressing tenant is confined to its home node

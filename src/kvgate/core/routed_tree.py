@@ -8,9 +8,9 @@ prefixes long gone from a node whose KV pool is a small fraction of that; routin
 sends a session back to where it went before whatever the node has dropped since.
 kvgate's cache location table (``kvgate.core.index``) mirrors each node's KV
 capacity instead, and a baseline modelled on those routers must not be handed it:
-a policy whose ``cache_view`` is ``"routed"`` is matched against this tree in
-approximate mode (in precise mode the engines' events are its view too, as SGLang's
-gRPC mode reads them).
+a policy whose ``cache_view`` is ``"routed"`` is matched against this tree, in
+precise mode too (SGLang's gRPC mode reads the engines' events, but selects by overlap
+without the HTTP router's threshold: a different policy).
 
 Keys are the index's chain hashes: a chain hash names its whole prefix, so a node's
 match is the run of the prompt's leading blocks it holds.

@@ -138,8 +138,13 @@ def test_same_id_routed_again_replaces_and_removal_forgets(make_cluster, make_ct
     _route(p, c, _ctx(make_ctx, 100, 100, request_id="a"), {}, c.candidates("n0"), now=0.0)
     _route(p, c, _ctx(make_ctx, 100, 40, request_id="a"), {}, c.candidates("n0"), now=0.0)
     assert p.active_decode("n0") == pytest.approx(B * 40)
+    _route(p, c, _ctx(make_ctx, 100, 40, request_id="b"), {}, c.candidates("n1"), now=1.0)
     p.on_node_removed("n0")
-    assert p.active_decode("n0") == 0.0 and not p._active.holds("n0") and not p._decode
+    assert p.active_decode("n0") == 0.0 and not p._active.holds("n0")
+    # its prefill history goes too: a node added back under its id starts afresh
+    assert p.recent_load("n0") == 0.0 and p.recent_load("n1") > 0.0
+    p._expire(500.0)  # the rest of the window expires without tripping on it
+    assert p.recent_load("n1") == pytest.approx(B * 40)
 
 
 def test_active_requests_are_bounded(make_cluster, make_ctx):

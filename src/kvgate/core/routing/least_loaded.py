@@ -14,7 +14,9 @@ uses, :meth:`NodeTable.queue`:
     queue = reported waiting + this gateway's sends since that report
             (or this gateway's in-flight count when the report is stale)
 
-→ lower slot. In-flight ranks first because the reported queue reads 0 on every
+→ a uniform pick among the nodes still tied (KubeAI walks a Go map, in random order;
+taking the lower slot sent every request of an idle cluster to slot 0). In-flight
+ranks first because the reported queue reads 0 on every
 node right after a report (vLLM's ``waiting`` is 0 while the batch has room), so
 ranking by it first would tie a node running 50 requests with one running 5.
 No parameters; ``uses_cache = False``; reason ``LOAD``; ``score`` is the in-flight
@@ -28,13 +30,13 @@ from typing import ClassVar
 
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeState, NodeTable
-from kvgate.core.rng import Rng
-from kvgate.core.routing._common import best_match, least_loaded, match_of
+from kvgate.core.rng import Rng, pick_index
+from kvgate.core.routing._common import best_match, by_slot, match_of
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
 
 
 class LeastLoadedPolicy:
-    """Minimum in-flight, then queue, then slot."""
+    """Minimum in-flight, then queue, then a uniform pick among the tied."""
 
     name: ClassVar[str] = "least_loaded"
     uses_cache: ClassVar[bool] = False
@@ -61,7 +63,10 @@ class LeastLoadedPolicy:
         def inflight(state: NodeState) -> float:
             return float(state.inflight)
 
-        chosen = least_loaded(candidates, inflight, queue)
+        keys = {s: (inflight(s), queue(s)) for s in by_slot(candidates)}
+        low = min(keys.values())
+        tied = [s for s, key in keys.items() if key == low]
+        chosen = tied[pick_index(rng, len(tied))] if len(tied) > 1 else tied[0]
         n = inflight(chosen)
         return RouteDecision(
             node_id=chosen.node_id,

@@ -12,8 +12,8 @@ SMG and vllm-router can overlay an engine load polled every 10 s / 30 s.
 kvgate maps that onto ``load = "inflight"`` (default): ``state.inflight``, the
 gateway's own in-flight requests on the node. ``load = "queue"`` uses
 :meth:`NodeTable.queue` instead (the report-plus-own-sends signal, the analogue
-of the polled engine load). Ties (SGLang keeps the first sample on ``<=``) are
-broken deterministically here: the other load signal, then the lower slot.
+of the polled engine load). Ties keep the first sample, as SGLang's ``load1 <= load2``
+does (an earlier version took the lower slot, which favoured low slots).
 
 Sampling uses two ``rng.random()`` draws over the candidates in slot order: the
 first index uniform in ``[0, n)``, the second uniform over the remaining ``n-1``.
@@ -29,7 +29,7 @@ from typing import ClassVar
 from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeState, NodeTable
 from kvgate.core.rng import Rng, pick_index
-from kvgate.core.routing._common import best_match, by_slot, least_loaded, match_of, require
+from kvgate.core.routing._common import best_match, by_slot, match_of, require
 from kvgate.core.routing.base import RouteContext, RouteDecision, RouteReason
 
 _LOADS = ("inflight", "queue")
@@ -74,17 +74,16 @@ class PowerOfTwoPolicy:
         def queue(state: NodeState) -> float:
             return float(nodes.queue(state, now))
 
-        keys = (inflight, queue) if self.load == "inflight" else (queue, inflight)
-        chosen = least_loaded(pair, *keys)
-        other = pair[0] if pair[-1] is chosen else pair[-1]
-        load = keys[0](chosen)
+        key = inflight if self.load == "inflight" else queue
+        chosen, other = (pair[0], pair[-1]) if key(pair[0]) <= key(pair[-1]) else (pair[1], pair[0])
+        load = key(chosen)
         return RouteDecision(
             node_id=chosen.node_id,
             reason=RouteReason.LOAD,
             matched_blocks=match_of(matches, chosen.node_id),
             best_matched_blocks=best_match(candidates, matches),
             score=load,
-            parts={"load": load, "other_load": keys[0](other), "other_slot": float(other.slot)},
+            parts={"load": load, "other_load": key(other), "other_slot": float(other.slot)},
         )
 
     def on_first_token(self, node_id: NodeId, now: float, request_id: str = "") -> None:

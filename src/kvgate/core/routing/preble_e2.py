@@ -119,7 +119,7 @@ class PrebleE2Policy:
         if left > 0:
             self._count[node_id] = left
             self._load[node_id] -= cost
-        else:  # nothing of it in the window: forget it (removed nodes too)
+        else:  # nothing of it in the window: forget it
             del self._count[node_id], self._load[node_id]
 
     def _expire(self, now: float) -> None:
@@ -220,6 +220,10 @@ class PrebleE2Policy:
         self._active.end(node_id, request_id)
 
     def on_node_removed(self, node_id: NodeId) -> None:
-        # its window entries expire; _drop_oldest forgets it then
+        # its window goes now (rare: one pass): a node added back under its id within the
+        # window inherited the removed one's prefill load
+        if self._count.pop(node_id, None) is not None:
+            del self._load[node_id]
+            self._window = deque(e for e in self._window if e[1] != node_id)
         self._active.forget(node_id)
         self._decode.pop(node_id, None)

@@ -8,14 +8,15 @@ SGLang's router (``sgl-router`` → SGLang Model Gateway → SMG,
 1. Load is the router-local in-flight request count per worker. Over the healthy
    workers take ``max`` and ``min``; the fleet is **imbalanced** iff
    ``max - min > balance_abs_threshold`` **and** ``max > balance_rel_threshold * min``.
-   Imbalanced → the least-loaded worker (ties: fewest processed requests, then
-   index), whatever the cache holds.
+   Imbalanced → the least-loaded worker (ties: the first, ``min_by_key`` over the
+   workers in order), whatever the cache holds.
 2. Otherwise prefix-match the prompt in the approximate tree:
    ``match_rate = matched / input`` (characters in HTTP mode, tokens in gRPC mode).
    If ``match_rate > cache_threshold`` (strictly) → the tenant at the deepest
    matched node; when several workers hold that node the pick is arbitrary
    (the first tenant), **not** load-aware. Otherwise → the least-loaded worker
-   (the Dec-2025 fix, sglang PR #14305/#14532, after a "death spiral" report;
+   (ties: the first, as above; the Dec-2025 fix, sglang PR #14305/#14532, after a
+   "death spiral" report;
    older builds and the doc comment send a miss to the worker with the
    **smallest tree**: ``fallback="smallest_tree"`` reproduces that).
 3. Insert the prompt under the chosen worker (the "learning").
@@ -27,14 +28,16 @@ struct defaults for library use are 0.5 / 32 / 1.1).
 Mapping onto kvgate
 -------------------
 * Load = ``state.inflight`` (this gateway's in-flight requests on the node), the
-  same router-local counter. ``processed`` is this policy's own count of requests
-  routed to each node (SGLang's per-worker ``processed`` counter).
+  same router-local counter; "the first" of equally loaded workers = the lowest slot
+  (an earlier version broke ties by fewest requests routed, which no SGLang does:
+  it spread misses more evenly than the real router).
 * SGLang's tree is learned from its own routing and knows nothing of the engine's
   eviction: ``cache_view = "routed"`` (``tree="routed"``, the default) has the
   controller match the prompt against what it routed to each node, never evicted
   short of SGLang's 2^26 bound (:mod:`kvgate.core.routed_tree`), not against
-  kvgate's cache location table, which mirrors each node's KV capacity. In precise
-  mode the engines' events feed both, as in SGLang's gRPC mode. ``tree="index"``
+  kvgate's cache location table, which mirrors each node's KV capacity; in precise
+  mode too (the HTTP router reads no KV events; SGLang's gRPC mode, which does,
+  selects by overlap without this policy's threshold). ``tree="index"``
   hands it kvgate's table (what SGLang would do knowing each node's evictions).
   ``match_rate = min(1, matches[node] * tokens_per_block / prompt_tokens)``.
   Only candidates count (SGLang skips unhealthy tenants the same way).
@@ -92,7 +95,6 @@ class SglangCacheAwarePolicy:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.fallback = fallback
-        self._processed: dict[NodeId, int] = {}
         self._tree_tokens: dict[NodeId, int] = {}
 
     def is_imbalanced(self, max_load: int, min_load: int) -> bool:
@@ -121,14 +123,11 @@ class SglangCacheAwarePolicy:
         def inflight(state: NodeState) -> float:
             return float(state.inflight)
 
-        def processed(state: NodeState) -> float:
-            return float(self._processed.get(state.node_id, 0))
-
         def tree(state: NodeState) -> float:
             return float(self._tree_tokens.get(state.node_id, 0))
 
         if imbalanced:
-            chosen = least_loaded(candidates, inflight, processed)
+            chosen = least_loaded(candidates, inflight)
             reason = RouteReason.LOAD
         elif best_rate > self.cache_threshold:
             holders = [s for s in candidates if match_of(matches, s.node_id) == best]
@@ -138,12 +137,11 @@ class SglangCacheAwarePolicy:
             chosen = least_loaded(candidates, tree)
             reason = RouteReason.LOAD
         else:
-            chosen = least_loaded(candidates, inflight, processed)
+            chosen = least_loaded(candidates, inflight)
             reason = RouteReason.LOAD
 
         node_id = chosen.node_id
         matched = match_of(matches, node_id)
-        self._processed[node_id] = self._processed.get(node_id, 0) + 1
         self._tree_tokens[node_id] = self._tree_tokens.get(node_id, 0) + uncached_tokens(
             ctx, matched
         )
@@ -168,8 +166,7 @@ class SglangCacheAwarePolicy:
         return None
 
     def on_finished(self, node_id: NodeId, now: float, request_id: str = "") -> None:
-        return None  # load is the NodeTable's in-flight count; `processed` never decreases
+        return None  # load is the NodeTable's in-flight count
 
     def on_node_removed(self, node_id: NodeId) -> None:
-        self._processed.pop(node_id, None)
         self._tree_tokens.pop(node_id, None)
