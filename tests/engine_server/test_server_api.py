@@ -170,9 +170,12 @@ async def test_metrics_use_vllm_names(start_server: Any, http: aiohttp.ClientSes
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:request_success_total", "vllm:cache_config_info"):
+                 "vllm:request_success_total"):
         assert name in samples, name
         assert f'model_name="{MODEL}"' in samples[name][0]
+    # vLLM's cache_config_info labels: the cache config and the engine, no model_name
+    info = samples["vllm:cache_config_info"][0]
+    assert "model_name" not in info and 'engine="0"' in info and 'block_size="' in info
     success = {line.split('finished_reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                for line in text.splitlines() if line.startswith("vllm:request_success_total")}
     assert success == {"length": 2, "stop": 0, "abort": 0}  # vLLM's three, from 0

@@ -298,9 +298,14 @@ async def test_a_crash_mid_step_fails_what_that_step_finished(
     while server.engine.metrics().num_requests_finished == 0:  # planned, being slept out
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
+    # not answered yet: not counted finished (a crash would take it back: a counter down)
+    assert server.metrics().num_requests_finished == 0
     await _fault(http, server, action="crash")
     async with await task as resp:  # a stream too: its first token never came
         assert resp.status == 503
         assert (await resp.json())["error"]["code"] == "engine_crashed"
-    metrics = server.engine.metrics()
+    metrics = server.metrics()
     assert (metrics.num_requests_finished, metrics.num_requests_failed) == (0, 1)
+    async with http.get(f"{server.url}/metrics") as resp:
+        text = await resp.text()
+    assert 'finished_reason="length"} 0' in text or "request_success_total" not in text

@@ -49,3 +49,12 @@ def test_timer_observes_finished_requests_in_wall_seconds_and_forgets_the_rest()
     assert 'vllm:e2e_request_latency_seconds_count{model_name="m"} 1.0' in lines
     assert 'vllm:request_params_max_tokens_sum{model_name="m"} 16.0' in lines
     assert 'vllm:iteration_tokens_total_bucket{model_name="m",le="16384.0"} 1.0' in lines
+
+
+def test_bounds_are_written_as_prometheus_client_writes_them() -> None:
+    """Past six integer digits prometheus_client (vLLM's exporter) writes 1e+06: a
+    max_model_len of a million gave le="1000000.0", a series vLLM's never matches."""
+    h = Histogram((0.005, 1, 2560, 999_999, 1_000_000, 1_500_000, 25_000_000))
+    les = [le for le, _ in h.samples()]
+    assert les == ["0.005", "1.0", "2560.0", "999999.0", "1e+06", "1.5e+06", "2.5e+07",
+                   "+Inf"]

@@ -401,14 +401,6 @@ class SimEngine:
         self._num_failed += len(failed)
         return failed
 
-    def void_retired(self, out: StepOutput) -> None:
-        """A crash came while ``out``'s step ran (a driver sleeping the step out): what
-        it retired, finished or refused, never left the node, so it counts as failed."""
-        finished, refused = len(out.finished), len(out.rejected)
-        self._num_finished -= finished
-        self._num_rejected -= refused
-        self._num_failed += finished + refused
-
     # A decode run in progress (run_decodes) was planned under the faults in force when
     # it began: like anything else reaching the engine mid-run, a fault is injected
     # after settle(now), or the steps planned beyond now keep the old speed

@@ -44,7 +44,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -63,6 +63,7 @@ from kvgate.edge import (
 from kvgate.edge import json_response as _json  # the gateway's compact JSON answers
 from kvgate.engine.api import (
     EngineConfig,
+    EngineMetrics,
     EngineRequest,
     FinishedRequest,
     RejectedRequest,
@@ -223,6 +224,10 @@ class EngineServer:
         self._task: asyncio.Task[None] | None = None
         self._driver_error: BaseException | None = None
         self._crashes = 0  # crash actions so far: a step's sleep that saw one is void
+        # finished requests the engine counted and no client has had: those of the step
+        # being slept out, and those of steps a crash voided (see metrics())
+        self._answering = 0
+        self._voided = 0
         self.app = self._build_app()
 
     # ------------------------------------------------------------ lifecycle
@@ -328,8 +333,10 @@ class EngineServer:
                     if (q := pending.get(res.request_id)) is not None:
                         owners[res.request_id] = q
                 crashes = self._crashes
+                self._answering = len(out.finished)
                 if out.duration_s > 0:
                     await self._sleep_until(out.end)
+                self._answering = 0
                 if self._crashes != crashes:
                     self._void(out, results, owners)
                     continue
@@ -366,7 +373,7 @@ class EngineServer:
         engine, but what the step retired (finished or refused) had left it, and its
         answer never leaves the node either: it fails too, and the step's tokens go
         nowhere (the simulator's driver does the same, ``SimCluster._step_done``)."""
-        self.engine.void_retired(out)
+        self._voided += len(out.finished)
         for res in results:
             rid = res.request_id
             queue = owners.get(rid)
@@ -415,6 +422,19 @@ class EngineServer:
         queue = self._pending.pop(rid, None)
         if queue is not None:
             queue.put_nowait(_Failed(message, code))
+
+    def metrics(self) -> EngineMetrics:
+        """The engine's counters as this node's clients see them. The engine counts a
+        request finished when it plans the step that ends it; until the step has been
+        slept out it is not answered, and a crash meanwhile fails it: counted finished
+        only once answered, a counter never goes down (Prometheus reads a drop as a
+        reset)."""
+        m = self.engine.metrics()
+        unanswered = self._answering + self._voided
+        if not unanswered:
+            return m
+        return replace(m, num_requests_finished=m.num_requests_finished - unanswered,
+                       num_requests_failed=m.num_requests_failed + self._voided)
 
     # -------------------------------------------------------------- faults
     @property
@@ -643,7 +663,7 @@ class EngineServer:
         if self._publisher is not None:
             extra["kvgate:kv_event_batches"] = ("KV-event batches published.",
                                                 self._publisher.encoder.seq)
-        text = render_metrics(self.engine.metrics(), model=self.config.model,
+        text = render_metrics(self.metrics(), model=self.config.model,
                               extra_counters=extra, started_at=self._started_at,
                               timer=self.timer)
         return web.Response(body=text.encode("utf-8"),

@@ -68,7 +68,15 @@ class Histogram:
 
 
 def _le(bound: float) -> str:
-    return repr(float(bound))  # prometheus_client writes 1.0, 0.005, 2560.0
+    """A bucket bound as prometheus_client (vLLM's exporter) writes it: 1.0, 0.005,
+    2560.0, and past six integer digits an exponent, 1e+06, 1.5e+06 (Prometheus 2 keeps
+    ``le`` as written: vLLM's series and ours must spell it alike)."""
+    text = repr(float(bound))
+    dot = text.find(".")
+    if bound > 0 and dot > 6:
+        mantissa = f"{text[0]}.{text[1:dot]}".rstrip("0.")
+        return f"{mantissa}e+0{dot - 1}"
+    return text
 
 
 @dataclass(slots=True)

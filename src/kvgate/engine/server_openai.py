@@ -276,9 +276,12 @@ def render_metrics(
            m.num_requests_finished, {**base, "finished_reason": FINISH_REASON},
            more=(({**base, "finished_reason": "stop"}, 0),
                  ({**base, "finished_reason": "abort"}, m.num_requests_aborted)))
+    # vLLM's labels: CacheConfig.metrics_info() and the engine, no model_name; its hash
+    # algorithm names the family (the simulated engine's block hashes are xxh3, not vLLM's)
     metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
-           1, {**base, "block_size": str(m.block_size), "num_gpu_blocks": str(m.num_gpu_blocks),
-               "enable_prefix_caching": "True", "prefix_caching_hash_algo": "xxh3"})
+           1, {"engine": base["engine"], "block_size": str(m.block_size),
+               "num_gpu_blocks": str(m.num_gpu_blocks), "enable_prefix_caching": "True",
+               "prefix_caching_hash_algo": "xxhash"})
     metric("kvgate:num_requests_queued", "gauge",
            "Requests in the node's admission queue (part of vllm:num_requests_waiting).",
            m.num_requests_queued)

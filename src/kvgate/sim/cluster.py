@@ -534,7 +534,6 @@ class SimCluster:
             # all the same): what this step retired (finished or refused) had already
             # left the engine, so the crash did not fail it; its answer never leaves the
             # node either, so it fails here.
-            node.engine.void_retired(out)
             retired = [f.request_id for f in out.finished] + [r.request_id for r in out.rejected]
             for eid in retired:
                 self.loop.after(
