@@ -95,7 +95,7 @@ from kvgate.core.hashing import Hasher, make_hasher
 from kvgate.core.ids import BlockChain, NodeId, RequestId
 from kvgate.core.index import ClusterIndex
 from kvgate.core.index_learning import IndexLearning, Learned
-from kvgate.core.node_ejection import NodeEjections
+from kvgate.core.node_ejection import EJECTING_FAULTS, NodeEjections
 from kvgate.core.nodes import NodeSpec, NodeState, NodeTable, fleet_order
 from kvgate.core.refusals import REFUSALS, RefusalBackoff
 from kvgate.core.request_context import RouteContexts, prompt_chain
@@ -114,16 +114,8 @@ _NEVER_RAN = NOT_RUN_FAILURES | {
 # client's own bad request says nothing of the cluster, and a node refusing for load
 # is working: its refusals are backpressure, which admission answers (the budget, the
 # class rules). Counted, a P2 flood refused at the nodes opened the breaker for every
-# class, P0 included.
-_FAULTS = frozenset(
-    {
-        FailureKind.CONNECT_ERROR,
-        FailureKind.NODE_DOWN,
-        FailureKind.UPSTREAM_ERROR,
-        FailureKind.TIMEOUT,
-        FailureKind.NODE_AUTH,
-    }
-)
+# class, P0 included. Those that eject a node, and a node marked down.
+_FAULTS = EJECTING_FAULTS | {FailureKind.NODE_DOWN}
 # a queued request turned away for waiting too long, or pushed out of a full queue
 _GAVE_UP_WAITING = frozenset({RejectReason.QUEUE_TIMEOUT, RejectReason.QUEUE_FULL})
 

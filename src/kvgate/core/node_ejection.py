@@ -15,8 +15,9 @@ from kvgate.core.ids import NodeId
 from kvgate.core.nodes import NodeState
 
 # The failures that count toward ejecting a node: faults of the node or of the way to
-# it, but not NODE_DOWN (it is down already), nor a client's bad request or a busy
-# node's refusal (backpressure, which admission answers).
+# it (the controller's breaker counts these and NODE_DOWN), but not NODE_DOWN (it is
+# down already), nor a client's bad request or a busy node's refusal (backpressure,
+# which admission answers).
 EJECTING_FAULTS = frozenset(
     {
         FailureKind.CONNECT_ERROR,
