@@ -129,17 +129,11 @@ class ClusterBreaker:
 
     def allow(self, now: float) -> bool:
         """May one more request be admitted now? Consumes a probe when half-open."""
-        if self.state is BreakerState.CLOSED:
-            return True
-        self.tick(now)
-        if self._no_healthy or self._state is BreakerState.OPEN:
+        if self.refusing(now):
             return False
         if self._state is BreakerState.HALF_OPEN:
-            if self._probes_left <= 0:
-                return False
             self._probes_left -= 1
             self._probed_at = now
-            return True
         return True
 
     # ----------------------------------------------------------------- views
