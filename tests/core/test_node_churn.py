@@ -94,9 +94,11 @@ def test_a_request_outliving_its_node_leaves_the_kvgate_score_of_its_successor_m
     d = ctl.on_arrival(RequestArrived(request_id=RequestId("new"), block_ids=(4, 5, 6),
                                       prompt_tokens=20_000), 0.2)
     assert isinstance(d, Dispatch)
-    ctl.on_finished(RequestId("old"), 0.3)
     ctx = ctl._requests[RequestId("new")].ctx
-    ctl.route(ctx, 1.2)  # syncs the policy's scores
+    ctl.route(ctx, 0.25)  # syncs the policy's scores: the new node's prefill drains
+    ctl.on_finished(RequestId("old"), 0.3)
+    ctl.route(ctx, 0.3)
+    ctl.route(ctx, 1.2)
     loads = ctl.policy._loads  # type: ignore[attr-defined]
     fresh = LoadScores()
     fresh.rebuild(ctl.nodes, list(ctl.nodes), 1.2, loads.params)

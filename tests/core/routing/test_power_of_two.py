@@ -94,3 +94,14 @@ def test_single_candidate_and_none(make_cluster, make_ctx, scripted):
 def test_bad_load_signal():
     with pytest.raises(ConfigError):
         PowerOfTwoPolicy(load="kv")
+
+
+def test_a_tie_keeps_the_first_sample(make_cluster, make_ctx):
+    """SGLang keeps the first sample on ``load1 <= load2``; taking the lower slot made
+    slot 0 win every tie it was drawn into and the last slot none."""
+    c = make_cluster(8)
+    p = PowerOfTwoPolicy()
+    for seed in range(100):
+        rng = Recording(seed)
+        d = p.select(make_ctx(), c.candidates(), {}, c.table, rng, c.now)
+        assert d.node_id == f"n{pick_index(_Fixed(rng.draws[0]), 8)}"
