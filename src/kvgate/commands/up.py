@@ -30,7 +30,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -59,6 +58,7 @@ from kvgate.core.hashing import make_hasher
 from kvgate.gateway.app import GatewayServer, start_gateway
 from kvgate.gateway.config import GatewayConfig, ServerConfig
 from kvgate.gateway.config_load import build_config
+from kvgate.gateway.serve import on_stop_signals
 
 log = logging.getLogger("kvgate.up")
 
@@ -440,13 +440,7 @@ async def _up(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # SIGHUP too: the terminal closing must stop the cluster, not kill us mid-run
-    hup = getattr(signal, "SIGHUP", None)
-    if hup is not None and signal.getsignal(hup) is signal.SIG_IGN:
-        hup = None  # started under nohup: a closed terminal must not stop it
-    for sig in (signal.SIGINT, signal.SIGTERM, hup):
-        if sig is not None:
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
+    on_stop_signals(loop, lambda _name: stop.set())
     starting = asyncio.ensure_future(
         start_cluster(
             nodes=args.nodes,

@@ -552,11 +552,12 @@ def _is_error_body(body: bytes) -> bool:
 
 
 def _stream_error_kind(filt: StreamFilter) -> FailureKind:
-    """What an engine's error event mid-stream says failed: a 4xx it states (vLLM streams
-    a request it finds invalid only once generating) is the client's own bad request,
-    which must not eject the node nor open the breaker for every tenant."""
+    """What an engine's error event mid-stream says failed: the status it states read as
+    an answer's status would be (vLLM streams a request it finds invalid only once
+    generating: the client's own bad request, which must not eject the node nor open the
+    breaker for every tenant); anything else after the first byte is the node's."""
     status = filt.error_status
-    if status is not None and 400 <= status < 500 and status != 429:
+    if status is not None and classify_status(status, {}) is FailureKind.CLIENT_ERROR:
         return FailureKind.CLIENT_ERROR
     return FailureKind.UPSTREAM_ERROR
 

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvgate.core.errors import ConfigError
@@ -119,6 +120,20 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def on_stop_signals(loop: asyncio.AbstractEventLoop, callback: Callable[[str], None]) -> None:
+    """Call ``callback(signal name)`` on SIGINT, SIGTERM and SIGHUP (a closed terminal, a
+    supervisor's reload: as for SIGTERM, where Python's default ended the process at
+    once, cutting every stream), but not SIGHUP under nohup (it is ignored there: a
+    closed terminal must not stop the process). ``kvgate serve`` and ``kvgate up``."""
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is not None and signal.getsignal(hup) is signal.SIG_IGN:
+        hup = None
+    for sig in (signal.SIGINT, signal.SIGTERM, hup):
+        if sig is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, callback, sig.name)
+
+
 async def _serve(config: GatewayConfig) -> None:
     from kvgate.gateway.app import start_gateway
 
@@ -132,15 +147,7 @@ async def _serve(config: GatewayConfig) -> None:
         log.info("%s: stopping", name)
         stop.set()
 
-    # SIGHUP too (a closed terminal, a supervisor's reload): drain as for SIGTERM, where
-    # Python's default ended the process at once, cutting every stream
-    hup = getattr(signal, "SIGHUP", None)
-    if hup is not None and signal.getsignal(hup) is signal.SIG_IGN:
-        hup = None  # started under nohup: a closed terminal must not stop it
-    for sig in (signal.SIGINT, signal.SIGTERM, hup):
-        if sig is not None:
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, on_signal, sig.name)
+    on_stop_signals(loop, on_signal)
     server = await start_gateway(config)
     print(f"kvgate gateway serving on {server.url} ({len(server.nodes)} node(s))", flush=True)
     try:

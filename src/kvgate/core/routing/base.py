@@ -35,8 +35,8 @@ class RouteReason(StrEnum):
 
 
 # Where a cache-aware policy's ``matches`` come from: the cache location table
-# ("index", the default), or in approximate mode only what this gateway routed, never
-# evicted ("routed": kvgate.core.routed_tree, SGLang's HTTP-mode tree).
+# ("index", the default), or only what this gateway routed, never evicted, in either
+# index mode ("routed": kvgate.core.routed_tree, SGLang's HTTP-mode tree).
 CacheView = Literal["index", "routed"]
 
 

@@ -75,7 +75,8 @@ class PowerOfTwoPolicy:
             return float(nodes.queue(state, now))
 
         key = inflight if self.load == "inflight" else queue
-        chosen, other = (pair[0], pair[-1]) if key(pair[0]) <= key(pair[-1]) else (pair[1], pair[0])
+        first, second = pair[0], pair[-1]
+        chosen, other = (first, second) if key(first) <= key(second) else (second, first)
         load = key(chosen)
         return RouteDecision(
             node_id=chosen.node_id,
