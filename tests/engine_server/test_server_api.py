@@ -203,6 +203,32 @@ async def test_tokenize_refuses_a_model_that_is_not_a_string(
     assert (error["code"], error["param"]) == ("invalid_type", "model")
 
 
+async def test_a_long_tokenize_runs_off_the_event_loop(
+        start_server: Any, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM tokenizes any length at /tokenize; a prompt of many MB took the simulated
+    tokenizer seconds on the event loop, stalling every stream and /health."""
+    import threading
+
+    from kvgate.engine import server as server_module
+
+    threads: list[str] = []
+    real = server_module.tokenize_body
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(server_module, "tokenize_body", recording)
+    server = await start_server()
+    for prompt in ("short", "w" * 200_000):
+        async with http.post(f"{server.url}/tokenize",
+                             json={"model": MODEL, "prompt": prompt}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["count"] == -(-len(prompt) // 4)
+    main = threading.main_thread().name
+    assert threads[0] == main and threads[1] != main
+
+
 async def test_tokenize_matches_usage(start_server: Any, http: aiohttp.ClientSession) -> None:
     server = await start_server()
     async with http.post(f"{server.url}/tokenize",
@@ -260,6 +286,22 @@ async def test_token_id_prompt(start_server: Any, http: aiohttp.ClientSession) -
         ("/v1/completions",
          b'{"model": "kvgate-sim", "prompt": "x", "max_tokens": 2, "min_tokens": 5}', 400,
          "min_tokens"),
+        # min_tokens against the max_tokens the request runs with (16 by default), and
+        # its type and sign, as vLLM checks them
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "min_tokens": 100}', 400,
+         "min_tokens"),
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "min_tokens": -3}', 400,
+         "min_tokens"),
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": "x", "min_tokens": "abc"}',
+         400, "min_tokens"),
+        ("/v1/chat/completions", b'{"model": "kvgate-sim", "min_tokens": 300, '
+         b'"messages": [{"role": "user", "content": "x"}]}', 400, "min_tokens"),
+        # an id past the vocabulary has no embedding: vLLM's 400
+        ("/v1/completions", b'{"model": "kvgate-sim", "prompt": [5, 32000]}', 400, "prompt"),
+        # a media part is a real engine's to read; the simulator names it
+        ("/v1/chat/completions", b'{"model": "kvgate-sim", "messages": [{"role": "user", '
+         b'"content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}', 400,
+         "messages[0].content[0].image_url"),
         ("/v1/chat/completions", b'{"model": "kvgate-sim", "logprobs": true, '
          b'"messages": [{"role": "user", "content": "x"}]}', 400, "logprobs"),
         ("/v1/chat/completions", b'{"model": "kvgate-sim", "top_logprobs": 2, '

@@ -120,8 +120,12 @@ MALFORMED: list[tuple[Parser, bytes, type[ProtocolError], str | None]] = [
     (C, _chat(messages=[{"role": "user", "content": 5}]), InvalidTypeError,
      "messages[0].content"),
     (C, _chat(messages=[{"role": "user", "content": "a"},
-                        {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+                        {"role": "user", "content": [{"type": "hologram", "hologram": {}}]}]),
      UnsupportedContentError, "messages[1].content[0].type"),
+    (C, _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+     MissingParameterError, "messages[0].content[0].image_url"),
+    (C, _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]),
+     InvalidTypeError, "messages[0].content[0].image_url"),
     (C, _chat(messages=[{"role": "user", "content": [{"text": "x"}]}]), MissingParameterError,
      "messages[0].content[0].type"),
     (C, _chat(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]),
@@ -150,6 +154,12 @@ MALFORMED: list[tuple[Parser, bytes, type[ProtocolError], str | None]] = [
     (C, _chat(stop=5), InvalidTypeError, "stop"),
     (C, _chat(stop=["a", 5]), InvalidTypeError, "stop[1]"),
     (C, _chat(cache_salt=1), InvalidTypeError, "cache_salt"),
+    (C, _chat(cache_salt=""), InvalidValueError, "cache_salt"),  # vLLM refuses it too
+    # an integer too large for a float is out of range, not a server error
+    (C, b'{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":1'
+        + b"0" * 400 + b"}", InvalidValueError, "temperature"),
+    (C, b'{"model":"m","messages":[{"role":"user","content":"x"}],"top_p":-1'
+        + b"0" * 400 + b"}", InvalidValueError, "top_p"),
     (P, _body(model="m"), MissingParameterError, "prompt"),
     (P, _completion(prompt=5), InvalidTypeError, "prompt"),
     (P, _completion(prompt=[]), InvalidValueError, "prompt"),
@@ -164,6 +174,8 @@ MALFORMED: list[tuple[Parser, bytes, type[ProtocolError], str | None]] = [
     (P, _completion(prompt=[[1, "x"]]), InvalidTypeError, "prompt[0][1]"),
     (P, _completion(prompt=[{"x": 1}]), InvalidTypeError, "prompt[0]"),
     (P, _completion(prompt=[True]), InvalidTypeError, "prompt[0]"),
+    (P, _completion(prompt=[1, 2, 3.0]), InvalidTypeError, "prompt[2]"),
+    (P, _completion(prompt=[[5, 2**32 + 1]]), InvalidValueError, "prompt[0][1]"),
 ]
 
 
@@ -182,6 +194,49 @@ def test_malformed_bodies(parse: Parser, body: bytes, error: type[ProtocolError]
     assert body_out["error"]["type"] == "invalid_request_error"
     assert body_out["error"]["param"] == param
     assert body_out["error"]["message"] == exc.message == str(exc)
+
+
+def test_media_parts_pass_as_markers_of_their_content() -> None:
+    """An image (audio, a file) is a real engine's to read: the gateway accepts it, and
+    it stands in the routing text as a marker of its content, so the same image keys the
+    same prefix and another image does not."""
+
+    def chat(url: str) -> Any:
+        return parse_chat_request(_chat(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": url}}]}]))
+
+    a, again, b = chat("http://x/cat.png"), chat("http://x/cat.png"), chat("http://x/dog.png")
+    assert a.media == ("messages[0].content[1].image_url",)
+    assert a.messages == again.messages != b.messages
+    assert a.messages[0][1].startswith("what is this?\n\x00image_url:")
+    audio = parse_chat_request(_chat(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]))
+    assert audio.media == ("messages[0].content[0].input_audio",)
+    assert parse_chat_request(_chat()).media == ()
+
+
+def test_token_id_prompts_are_checked_in_bulk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Valid ids (millions in a 16 MB body) are checked without a Python call per id,
+    which held the event loop for seconds; a bad id is still named."""
+    from kvgate.protocol import openai_schema
+
+    calls = 0
+    real = openai_schema._is_int
+
+    def counting(value: object) -> bool:
+        nonlocal calls
+        calls += 1
+        return real(value)
+
+    monkeypatch.setattr(openai_schema, "_is_int", counting)
+    ids = list(range(5000))
+    req = parse_completion_request(_completion(prompt=ids))
+    assert req.prompt_token_ids == tuple(ids)
+    assert calls < 10  # the prompt's first element, not every id
+    with pytest.raises(InvalidValueError) as info:
+        parse_completion_request(_completion(prompt=[*ids, -1]))
+    assert info.value.param == "prompt[5000]"
 
 
 def test_body_size_limit() -> None:
@@ -212,7 +267,8 @@ def test_openai_messages_look_like_openai() -> None:
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
         st.sampled_from(["model", "messages", "role", "content", "type", "text", "prompt",
-                         "stream", "stream_options", "include_usage", "n", "stop"]),
+                         "stream", "stream_options", "include_usage", "n", "stop",
+                         "temperature", "top_p", "max_tokens", "cache_salt", "image_url"]),
         inner, max_size=4),
     max_leaves=12))
 def test_any_json_raises_only_protocol_errors(value: Any) -> None:

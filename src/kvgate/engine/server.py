@@ -118,6 +118,8 @@ __all__ = [
 log = logging.getLogger("kvgate.engine.server")
 
 _MIN_SLEEP_S = 0.001
+# a /tokenize body past this is tokenized on a worker thread (about 4 ms of work inline)
+_INLINE_TOKENIZE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -675,8 +677,14 @@ class EngineServer:
             body = await self._read_json(request)
             obj = parse_json_object(body, max_body_bytes=self.config.max_body_bytes)
             # validated first (a model that is no string is a 400), then the model named
-            # (404), as the generation routes do
-            tokens = tokenize_body(body, obj, self._tokens, self.config.model)
+            # (404), as the generation routes do. vLLM tokenizes any length here (no
+            # max_model_len check), off the event loop: a 16 MB prompt takes the
+            # simulated tokenizer over a second, which would stall every stream
+            tokenize = partial(tokenize_body, body, obj, self._tokens, self.config.model)
+            if len(body) > _INLINE_TOKENIZE_BYTES:
+                tokens = await asyncio.get_running_loop().run_in_executor(None, tokenize)
+            else:
+                tokens = tokenize()
         except ProtocolError as exc:
             return _json(exc.http_status, exc.body())
         model = obj.get("model")

@@ -19,12 +19,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from kvgate.core.hashing.sim_tokens import SIM_VOCAB_SIZE
 from kvgate.engine.api import EngineMetrics, FinishedRequest
 from kvgate.engine.server_histograms import RequestTimer
 from kvgate.engine.server_tokens import PromptTokenizer, SimTokens
 from kvgate.protocol import (
     ChatRequest,
     CompletionRequest,
+    InvalidTypeError,
     InvalidValueError,
     ProtocolError,
     UnsupportedParameterError,
@@ -32,6 +34,7 @@ from kvgate.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from kvgate.protocol.errors import type_name
 
 __all__ = [
     "GenerateInput",
@@ -98,14 +101,36 @@ def parse_generate(kind: Kind, body: bytes, *, tokens: PromptTokenizer, model: s
         raise ProtocolError(
             f"prompt ({num_tokens}) + max_tokens ({max_tokens}) exceeds max_model_len "
             f"({max_model_len})", code="context_length_exceeded")
+    _check_min_tokens(parsed.raw.get("min_tokens"), max_tokens)
+    if not isinstance(source, str) and max(source) >= SIM_VOCAB_SIZE:
+        # vLLM's words: an id the model has no embedding for
+        raise InvalidValueError(f"Token id {max(source)} is out of vocabulary", param="prompt")
     sim = tokens.for_source(source, salt=parsed.cache_salt)
     return GenerateInput(request=parsed, tokens=sim, max_tokens=max_tokens)
+
+
+def _check_min_tokens(low: object, max_tokens: int) -> None:
+    """vLLM's checks of ``min_tokens``: an integer, >= 0, at most the ``max_tokens`` the
+    request runs with (the default when it gives none)."""
+    if low is None:
+        return
+    if not isinstance(low, int) or isinstance(low, bool):
+        raise InvalidTypeError(
+            f"Invalid type for 'min_tokens': expected an integer, but got {type_name(low)} "
+            "instead.", param="min_tokens")
+    if low < 0:
+        raise InvalidValueError(f"min_tokens must be greater than or equal to 0, got {low}.",
+                                param="min_tokens")
+    if low > max_tokens:
+        raise InvalidValueError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {low}.",
+            param="min_tokens")
 
 
 def _refuse_unsimulated(parsed: CompletionRequest | ChatRequest, kind: Kind) -> None:
     """A 400 naming a parameter whose answer the simulator cannot give in the shape it
     asks for (logprobs, an echoed prompt, a required tool call, JSON output), or that
-    vLLM refuses too (``suffix``, ``min_tokens`` above ``max_tokens``): a client reading
+    vLLM refuses too (``suffix``): a client reading
     ``choices[0].logprobs`` or ``message.tool_calls[0]`` would otherwise get None and
     text. Sampling settings and ``stop`` are accepted and do not change the random
     words it generates."""
@@ -118,6 +143,8 @@ def _refuse_unsimulated(parsed: CompletionRequest | ChatRequest, kind: Kind) -> 
     if kind == "chat":
         if raw.get("logprobs") or raw.get("top_logprobs") is not None:
             refuse("logprobs" if raw.get("logprobs") else "top_logprobs", "return logprobs")
+        if isinstance(parsed, ChatRequest) and parsed.media:
+            refuse(parsed.media[0], "read images, audio, video or files")
         choice = raw.get("tool_choice")
         if choice is not None and choice not in ("auto", "none"):
             refuse("tool_choice", "call tools")
@@ -132,10 +159,6 @@ def _refuse_unsimulated(parsed: CompletionRequest | ChatRequest, kind: Kind) -> 
     fmt = raw.get("response_format")
     if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
         refuse("response_format", "produce structured output")
-    low, high = raw.get("min_tokens"), parsed.max_tokens  # max_completion_tokens first
-    if isinstance(low, int) and high is not None and low > high:
-        raise InvalidValueError(
-            f"min_tokens ({low}) must be at most max_tokens ({high})", param="min_tokens")
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
+import xxhash
+
 try:  # orjson is ~10x faster; the stdlib json is the fallback and the reference
     import orjson as _orjson
 except ImportError:  # pragma: no cover - orjson is a declared dependency
@@ -55,6 +57,9 @@ DEFAULT_MAX_BODY_BYTES: Final = 16 * 1024 * 1024
 CHAT_ROLES: Final = ("system", "developer", "user", "assistant", "tool", "function")
 #: Content-part separator; vLLM joins text parts with a newline for string-format templates.
 TEXT_PART_SEPARATOR: Final = "\n"
+#: chat content parts that carry media (OpenAI's and vLLM's): accepted and passed on
+MEDIA_PART_TYPES: Final = ("image_url", "input_audio", "audio_url", "video_url", "file",
+                           "image_embeds")
 
 
 class _Remove:
@@ -92,9 +97,11 @@ class CompletionRequest(_Common):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChatRequest(_Common):
-    """``POST /v1/chat/completions``. ``messages`` is ``((role, text), ...)``."""
+    """``POST /v1/chat/completions``. ``messages`` is ``((role, text), ...)``, a media
+    part standing in its text as a marker; ``media`` names those parts' params."""
 
     messages: tuple[tuple[str, str], ...]
+    media: tuple[str, ...] = ()
     raw: Mapping[str, Any]
 
 
@@ -244,19 +251,29 @@ def _opt_number(d: Mapping[str, Any], name: str, low: float, high: float, *,
         return None
     if not _is_number(value):
         raise _bad_type(name, "a number", value)
-    number = float(value)
-    if not math.isfinite(number):  # JSON like 1e309 parses to inf: not a bound question
+    if isinstance(value, float) and not math.isfinite(value):
+        # JSON like 1e309 parses to inf: not a bound question
         raise InvalidValueError(f"Invalid '{name}': must be a finite number.", param=name)
-    if number < low or (low_open and number <= low):
+    # the bounds are checked on the value as sent (Python compares an int with a float
+    # exactly): an integer of 400 digits is out of range, not too large for float()
+    if value < low or (low_open and value <= low):
         bound = f"> {low:g}" if low_open else f">= {low:g}"
         raise InvalidValueError(
             f"Invalid '{name}': decimal below minimum value. Expected a value {bound}, "
-            f"but got {value} instead.", param=name, code="decimal_below_min_value")
-    if number > high:
+            f"but got {_shown(value)} instead.", param=name, code="decimal_below_min_value")
+    if value > high:
         raise InvalidValueError(
             f"Invalid '{name}': decimal above maximum value. Expected a value <= {high:g}, "
-            f"but got {value} instead.", param=name, code="decimal_above_max_value")
-    return number
+            f"but got {_shown(value)} instead.", param=name, code="decimal_above_max_value")
+    return float(value)
+
+
+def _shown(value: float) -> str:
+    """A number as an error message quotes it: a huge integer by its size, not its
+    hundreds of digits."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return str(value)
 
 
 def _opt_bool(d: Mapping[str, Any], name: str, param: str | None = None) -> bool | None:
@@ -315,8 +332,16 @@ def _common(d: Mapping[str, Any]) -> _Common:
         priority=_opt_int(d, "priority"),
         user=_opt_str(d, "user"),
         stop=_stop(d.get("stop")),
-        cache_salt=_opt_str(d, "cache_salt"),
+        cache_salt=_cache_salt(d),
     )
+
+
+def _cache_salt(d: Mapping[str, Any]) -> str | None:
+    salt = _opt_str(d, "cache_salt")
+    if salt == "":  # vLLM refuses it too: an empty salt would key apart from no salt
+        raise InvalidValueError("Invalid 'cache_salt': must be a non-empty string if provided.",
+                                param="cache_salt", code="empty_string")
+    return salt
 
 
 def _stop(value: object) -> tuple[str, ...]:
@@ -336,6 +361,11 @@ _TOKEN_ID_LIMIT = 2**32  # token ids are hashed as unsigned 32-bit ints (vLLM's 
 
 
 def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
+    # the usual case checked at C speed (a 16 MB body holds millions of ids, and one
+    # Python call per id held the event loop for seconds); the loop below names the
+    # first bad id
+    if set(map(type, value)) == {int} and min(value) >= 0 and max(value) < _TOKEN_ID_LIMIT:
+        return tuple(value)
     for i, tok in enumerate(value):
         if not _is_int(tok):
             raise _bad_type(f"{param}[{i}]", "an integer", tok)
@@ -393,7 +423,11 @@ def _completion_request(d: dict[str, Any]) -> CompletionRequest:
     )
 
 
-def _content(message: Mapping[str, Any], role: str, where: str) -> str:
+def _content(message: Mapping[str, Any], role: str, where: str, media: list[str]) -> str:
+    """A message's text: a string, or its parts' texts joined. A media part (an image,
+    audio, a video, a file) stands in the text as a marker made from its content, so the
+    same image keys the same prefix for routing and another image does not; its param
+    is added to ``media`` (the simulated engine refuses them, a real one reads them)."""
     content = message.get("content")
     if content is None:
         if role == "assistant":  # tool-call turns may carry no content
@@ -411,11 +445,16 @@ def _content(message: Mapping[str, Any], role: str, where: str) -> str:
         kind = part.get("type")
         if kind is None:
             raise _missing(f"{at}.type")
+        if kind in MEDIA_PART_TYPES:
+            texts.append(_media_marker(part, kind, at))
+            media.append(f"{at}.{kind}")
+            continue
         # an assistant turn's refusal is text the model wrote, as vLLM renders it
         if kind not in ("text", "refusal"):
             raise UnsupportedContentError(
                 f"Invalid '{at}.type': content parts of type {kind!r} are not supported; "
-                "only 'text' (and an assistant's 'refusal') parts are.", param=f"{at}.type")
+                f"only 'text', an assistant's 'refusal' and the media types "
+                f"{', '.join(map(repr, MEDIA_PART_TYPES))} are.", param=f"{at}.type")
         text = part.get(kind)  # the part's text is under its type's name
         if text is None:
             raise _missing(f"{at}.{kind}")
@@ -425,7 +464,23 @@ def _content(message: Mapping[str, Any], role: str, where: str) -> str:
     return TEXT_PART_SEPARATOR.join(texts)
 
 
-def _messages(d: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+def _media_marker(part: Mapping[str, Any], kind: str, at: str) -> str:
+    """The text a media part stands as: its type and a hash of its content (a URL, a
+    data URL, base64 audio), which is under the part's type's name."""
+    value = part.get(kind)
+    if value is None:
+        raise _missing(f"{at}.{kind}")
+    if not isinstance(value, dict | str):
+        raise _bad_type(f"{at}.{kind}", "an object", value)
+    try:
+        text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError as exc:
+        raise _too_deep() from exc
+    digest = xxhash.xxh3_64_hexdigest(text.encode("utf-8", "backslashreplace"))
+    return f"\x00{kind}:{digest}\x00"
+
+
+def _messages(d: Mapping[str, Any], media: list[str]) -> tuple[tuple[str, str], ...]:
     messages = d.get("messages")
     if messages is None:
         raise _missing("messages")
@@ -451,7 +506,7 @@ def _messages(d: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
             raise InvalidValueError(f"Invalid '{where}.role': empty string. Expected a role "
                                     f"such as {', '.join(map(repr, CHAT_ROLES))}.",
                                     param=f"{where}.role")
-        out.append((role, _content(message, role, where)))
+        out.append((role, _content(message, role, where, media)))
     return tuple(out)
 
 
@@ -463,11 +518,12 @@ def parse_chat_request(body: bytes, *,
 
 def _chat_request(d: dict[str, Any]) -> ChatRequest:
     c = _common(d)
-    messages = _messages(d)
+    media: list[str] = []
+    messages = _messages(d, media)
     return ChatRequest(
         model=c.model, max_tokens=c.max_tokens, stream=c.stream, include_usage=c.include_usage,
         temperature=c.temperature, top_p=c.top_p, n=c.n, priority=c.priority, user=c.user,
-        stop=c.stop, cache_salt=c.cache_salt, messages=messages, raw=d,
+        stop=c.stop, cache_salt=c.cache_salt, messages=messages, media=tuple(media), raw=d,
     )
 
 
