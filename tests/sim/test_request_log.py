@@ -42,6 +42,11 @@ def test_every_request_of_every_run_is_a_line_that_adds_up_to_the_report(
         ttfts = [float(r["ttft_s"]) for r in done]  # type: ignore[arg-type]
         assert pct(ttfts, 0.99) == pytest.approx(summary["ttft_p99_s"], abs=1e-4)
         assert sum(ttfts) / len(ttfts) == pytest.approx(summary["ttft_mean_s"], abs=1e-4)
+        # to 4 decimals, as every rate (it was rounded to 1: 10 % off on small runs)
+        tokens = sum(int(r["output_tokens"]) for r in done)  # type: ignore[call-overload]
+        first = min(float(r["arrived_s"]) for r in mine)  # type: ignore[arg-type]
+        last = max(float(r["arrived_s"]) + float(r["e2e_s"]) for r in done)  # type: ignore[arg-type]
+        assert summary["output_tokens_per_s"] == pytest.approx(tokens / (last - first), abs=1e-3)
         for r in done:
             assert r["route_reason"] in reasons and r["node"] in {"node-0", "node-1", "node-2"}
             assert 0 <= r["matched_blocks"] <= r["best_matched_blocks"]  # type: ignore[operator]
@@ -117,3 +122,35 @@ def test_the_log_never_overwrites_the_trace_nor_an_old_log_when_the_run_cannot_s
     assert main(["simulate", "--no-progress", "--trace", str(missing), "--requests", str(old)]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
     assert old.read_text() == "kept\n"
+
+
+def test_rows_keep_the_workloads_order_in_a_closed_loop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A closed loop's requests arrive out of the plan's order; the rows of two
+    policies still line up request by request (they followed the arrivals)."""
+    log = tmp_path / "requests.jsonl"
+    argv = ["simulate", "--workload", "chat", "--closed-loop", "--limit", "80", "--speedup",
+            "2", "--nodes", "3", "--no-progress", "--policies", "kvgate,round_robin",
+            "--requests", str(log)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    rows = _rows(log)
+    for policy in ("kvgate", "round_robin"):
+        ids = [r["request_id"] for r in rows if r["policy"] == policy]
+        assert ids == [f"chat-{i}" for i in range(80)]
+
+
+def test_a_failed_request_names_the_node_it_failed_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under nodes_fail the log said which route a failed request took but not where."""
+    log = tmp_path / "requests.jsonl"
+    argv = ["simulate", "--workload", "zipf", "--limit", "300", "--rate", "8", "--nodes", "4",
+            "--scenario", "nodes_fail", "--policies", "round_robin", "--no-progress",
+            "--requests", str(log)]
+    main(argv)
+    capsys.readouterr()
+    failed = [r for r in _rows(log) if r["status"] == "failed"]
+    assert failed
+    assert all(r["node"] in {f"node-{i}" for i in range(4)} for r in failed if r["attempts"])

@@ -335,7 +335,9 @@ def test_funnel_evicted_counts_only_blocks_a_node_had_cached() -> None:
     cluster.run()
     cluster.check_outcomes()
     assert cluster.outcomes["huge"].status == "rejected"
-    assert dict(cluster.funnel) == {"hit": 0, "never_seen": 8, "never_cached": 8, "evicted": 8}
+    # after_evicted's 8th block is the last of a prompt of whole blocks: no cache could
+    # give it, so it is never_cached, not evicted
+    assert dict(cluster.funnel) == {"hit": 0, "never_seen": 8, "never_cached": 9, "evicted": 7}
 
 
 def test_funnel_adds_up_when_a_request_hits_blocks_a_later_arrival_computed() -> None:
@@ -441,9 +443,26 @@ def test_funnel_keeps_the_targets_own_prefix_apart(
         stored=8,
         got=got,
         route_reason=reason,
+        usable=9,
     )
     assert {k: v for k, v in funnel.items() if v} == {"never_seen": 2, **expected}
     assert set(funnel) <= set(FUNNEL_KINDS)
+
+
+def test_the_last_block_of_a_prompt_of_whole_blocks_is_never_cached_not_evicted() -> None:
+    """The engine computes at least a prompt's last token, so the second of two
+    identical 2-block prompts hits one block: the other was filed as evicted from a
+    1 000-block pool that evicted nothing."""
+    w = Workload(name="aligned", block_tokens=512, requests=tuple(
+        SimRequest(request_id=rid, arrival_s=t, prompt_tokens=1024, output_tokens=4,
+                   block_ids=(1, 2))
+        for rid, t in (("a", 0.0), ("b", 10.0))))
+    cluster = SimCluster(small_config(nodes=1), w, rng=SeededRng(0))
+    cluster.run()
+    cluster.check_outcomes()
+    assert cluster.outcomes["b"].cached_tokens == 512
+    f = {k: v for k, v in cluster.funnel.items() if v}
+    assert f == {"never_seen": 2, "hit": 1, "never_cached": 1}
 
 
 @pytest.mark.parametrize(

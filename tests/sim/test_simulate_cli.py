@@ -360,6 +360,14 @@ def test_scenario_prints_its_name_once_and_its_pass_criteria(
         mark = "ok  " if check["ok"] else "FAIL"
         assert f"  {mark} p0_ttft_p99_s " in text
         assert f"p2_flood pass criteria, {policy}: " in text
+    # a variant's report has a single run's keys, its speed-up too
+    variant = rep["variants"]["p2_flood"]
+    assert variant["speedup"] == rep["speedup"] == 1.0
+    # every class is there, one without requests too (p2_flood sends no P1)
+    row = variant["policies"]["kvgate"]
+    assert list(row["by_priority"]) == ["P0", "P1", "P2"]
+    assert row["by_priority"]["P1"]["requests"] == 0
+    assert row["by_priority"]["P1"]["ttft_p99_s"] is None
 
 
 WALL_CLOCK_KEYS = ("wall_s", "sim_requests_per_wall_s")  # the README names these

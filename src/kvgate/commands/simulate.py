@@ -367,6 +367,7 @@ def _run_once(
                 "max_tenant_inflight": dict(sorted(plan.probe.max_tenant_inflight.items())),
                 "budget": plan.probe.budget,
             }
+        rep["speedup"] = speedup  # each variant's report has a single run's keys
         out["variants"][variant or args.scenario] = rep
     out["criteria"] = criteria(out)
     return out

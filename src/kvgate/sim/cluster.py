@@ -390,6 +390,7 @@ class SimCluster:
         out = self.outcomes[d.request_id]
         out.attempts = d.attempt
         out.route_reason = d.route.reason.value
+        out.node = str(d.node_id)  # the last attempt's node, whatever becomes of it
         out.matched_blocks = d.route.matched_blocks
         out.best_matched_blocks = d.route.best_matched_blocks
         node_index = int(d.node_id.rsplit("-", 1)[1])
@@ -603,7 +604,6 @@ class SimCluster:
         out.cached_tokens, out.output_tokens, out.finished_s = cached, fin.output_tokens, now
         if fin.scheduled_at >= 0.0:  # the engine's clock is the simulation's
             out.prefill_started_s = fin.scheduled_at
-        out.node = self.nodes[att.node].node_id
         self._count_funnel(att, cached // self.block_tokens)
         rid = RequestId(out.req.request_id)
         decisions = self.gateways[att.gateway].on_finished(rid, now, cached_tokens=cached)
@@ -638,6 +638,7 @@ class SimCluster:
             stored=att.stored_blocks,
             got=got,
             route_reason=att.outcome.route_reason,
+            usable=(req.prompt_tokens - 1) // self.block_tokens,
         )
 
     # ------------------------------------------------------------------ faults (scenarios)

@@ -252,8 +252,9 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
     groups: defaultdict[int, list[RequestOutcome]] = defaultdict(list)
     for o in outs:
         groups[o.req.priority].append(o)
-    for p in sorted(groups):
-        by_priority[f"P{p}"] = latency_summary(groups[p])
+    # every class P0-P2, an empty one with no latencies, so a reader's key is always there
+    for p in sorted({0, 1, 2} | set(groups)):
+        by_priority[f"P{p}"] = latency_summary(groups.get(p, []))
     tenants: defaultdict[str, list[RequestOutcome]] = defaultdict(list)
     for o in outs:
         tenants[o.req.tenant].append(o)
@@ -275,7 +276,7 @@ def policy_report(cluster: SimCluster, *, slo: Slo, wall_s: float) -> dict[str, 
         "e2e_p99_s": _r(pct(e2es, 0.99)),
         "ttft_parts": ttft_parts(done, get_profile(cluster.config.profile)),
         "throughput_rps": _r(len(done) / span),
-        "output_tokens_per_s": _r(out_tokens / span, 1),
+        "output_tokens_per_s": _r(out_tokens / span),
         "goodput_rps": _r((len(outs) - misses.total()) / span),
         "goodput_strict_rps": _r(sum(1 for o in outs if meets(o, STRICT_SLO)) / span),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},

@@ -57,7 +57,9 @@ def request_rows(cluster: SimCluster, labels: Mapping[str, object]) -> Iterator[
     """The log's rows of one finished run, in the workload's order; ``labels`` are the
     run's (``policy``, ``speedup``, ``seed``, ``variant``)."""
     profile = get_profile(cluster.config.profile)
-    for o in cluster.outcomes.values():
+    outcomes = cluster.outcomes  # filled in arrival order (a closed loop's is not the plan's)
+    for req in cluster.workload.requests:
+        o = outcomes[req.request_id]
         yield {key: labels.get(key) for key in RUN_KEYS} | _request_fields(o, profile)
 
 
