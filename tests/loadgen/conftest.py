@@ -6,7 +6,10 @@ later, the usage chunk and ``[DONE]``), reports usage with a prefix cache of its
 rounded down to 64-character blocks), can fail chosen requests with an HTTP status or
 a mid-stream error, can answer ``GET /v1/models`` with HTML or not at all, can stream
 a script of raw bytes instead (then reset the connection if asked), and records what it
-received.
+received and on how many connections.
+
+:class:`Raw` answers with bytes aiohttp's server will not write (a body ended by closing
+the connection, one that never ends).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Stub:
     models_mode: str = "ok"  # GET /v1/models: "ok", "html" (200 text/html) or "hang"
     models_calls: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
+    peers: set[object] = field(default_factory=set)  # (host, port) of each connection
     prompts: list[str] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -81,6 +85,8 @@ class Stub:
         body = await request.json()
         index = len(self.received)
         self.received.append(body)
+        if request.transport is not None:
+            self.peers.add(request.transport.get_extra_info("peername"))
         chat = request.path.endswith("/chat/completions")
         status = self.fail(index)
         if status is not None:
@@ -164,5 +170,63 @@ def stub_server() -> Callable[..., AbstractAsyncContextManager[Stub]]:
 
     def make(**kw: Any) -> AbstractAsyncContextManager[Stub]:
         return serve(Stub(**kw))
+
+    return make
+
+
+@dataclass
+class Raw:
+    """Answers every request with ``reply`` as it is, then: ``"close"`` the connection
+    (a body without length ends there), ``"hang"`` (send nothing more until the client
+    goes: an endless body) or ``"keep"`` (read the next request)."""
+
+    reply: bytes
+    then: str = "close"
+    requests: int = 0
+    base_url: str = ""
+
+
+@asynccontextmanager
+async def serve_raw(raw: Raw) -> AsyncIterator[Raw]:
+    open_writers: set[asyncio.StreamWriter] = set()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        open_writers.add(writer)
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+                length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
+                               if line.startswith("content-length:")), 0)
+                await reader.readexactly(length)
+                raw.requests += 1
+                writer.write(raw.reply)
+                await writer.drain()
+                if raw.then == "hang":
+                    await reader.read()  # until the client closes
+                if raw.then != "keep":
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away
+        finally:
+            open_writers.discard(writer)
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        raw.base_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        yield raw
+    finally:
+        server.close()
+        for writer in list(open_writers):
+            writer.transport.abort()
+        await server.wait_closed()
+
+
+@pytest.fixture
+def raw_server() -> Callable[..., AbstractAsyncContextManager[Raw]]:
+    """``async with raw_server(reply, then="close") as raw:`` on 127.0.0.1, port 0."""
+
+    def make(reply: bytes, then: str = "close") -> AbstractAsyncContextManager[Raw]:
+        return serve_raw(Raw(reply, then))
 
     return make

@@ -301,3 +301,72 @@ def test_a_garbled_models_answer_is_one_line(capsys: pytest.CaptureFixture[str])
     line = _one_setup_error(capsys)
     assert line.startswith("kvgate bench: ClientResponseError: 400, message=")
     assert "Bad\\x01Header" in line and "\\n" not in line  # the message, not its repr
+
+
+def _bucketed_trace(path: Path) -> str:
+    """Two timestamps 1 s apart, four requests each (a bucketed trace)."""
+    path.write_text("".join(
+        json.dumps({"timestamp": 1000 * (i // 4), "input_length": 700, "output_length": 3,
+                    "hash_ids": [0, 1, 100 + i]}) + "\n" for i in range(8)))
+    return str(path)
+
+
+def test_bucket_places_the_requests_sharing_a_timestamp(tmp_path: Path) -> None:
+    """--schedule trace spread a bucket's requests over the gap to the next timestamp,
+    unsaid and with no way to replay them at once, as kvgate simulate --bucket burst
+    does; the mode is an option now, and the report records it."""
+    trace = _bucketed_trace(tmp_path / "b.jsonl")
+    spread = config_from_args(_parse("--trace", trace, "--schedule", "trace"))
+    assert [r.arrival_s for r in spread.workload.requests] == pytest.approx(
+        [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75])
+    assert spread.settings("m")["bucket"] == "spread"
+    burst = config_from_args(_parse("--trace", trace, "--schedule", "trace",
+                                    "--bucket", "burst"))
+    assert [r.arrival_s for r in burst.workload.requests] == [0.0] * 4 + [1.0] * 4
+    assert burst.settings("m")["bucket"] == "burst"
+    # the timestamps are not replayed under --schedule rate: nothing placed, nothing said
+    assert config_from_args(_parse("--trace", trace)).settings("m")["bucket"] is None
+
+
+@pytest.mark.parametrize("argv", [
+    ["--bucket", "burst"],  # a synthetic workload has no shared timestamps
+    ["--bucket", "burst", "--workload", "chat", "--schedule", "trace"],
+    ["--bucket", "spread", "--trace", "TRACE"],  # --schedule rate ignores the timestamps
+])
+def test_bucket_without_a_replayed_trace_is_a_usage_error(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _bucketed_trace(tmp_path / "b.jsonl")
+    assert run_bench(_parse(*[trace if a == "TRACE" else a for a in argv])) == 2
+    assert "--bucket places the requests that share a trace timestamp" in \
+        _one_setup_error(capsys)
+
+
+def test_nothing_sent_before_the_time_bound_returns_1(stub_server: Callable[..., Any]) -> None:
+    """The bound came before the first send: no request succeeded, yet it exited 0."""
+    async def go() -> tuple[int, Any]:
+        async with stub_server() as stub:
+            argv = ["--base-url", stub.base_url, "--num-requests", "3", "--no-progress",
+                    "--model", "m", "--max-seconds", "1e-9"]
+            return await asyncio.to_thread(main, argv), stub
+
+    code, stub = asyncio.run(go())
+    assert stub.received == [] and code == 1
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("127.0.0.1:9", "must start with http:// or https://"),
+    ("ftp://127.0.0.1:9", "must start with http:// or https://"),
+    ("http://127.0.0.1:99999", "Port out of range"),
+    ("http://127.0.0.1:0", "port 0"),
+    ("http://:9", "has no host"),
+    ("http://127.0.0.1:9/?x=1", "must not have a query or fragment"),
+])
+def test_a_malformed_base_url_exits_2_before_any_request(
+        url: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --model they became one 'connection' failure per request (exit 1); without
+    it, a setup error. One line and exit 2 either way, before anything is sent."""
+    for model in (["--model", "m"], []):
+        assert run_bench(_parse("--base-url", url, "--num-requests", "2", "--no-progress",
+                                *model)) == 2
+        line = _one_setup_error(capsys)
+        assert line.startswith("kvgate bench: --base-url") and says in line, line

@@ -78,8 +78,9 @@ def test_aggregates_on_hand_built_timings() -> None:
     assert rep.output_throughput == pytest.approx(8.5)
     assert rep.total_token_throughput == pytest.approx(208.5)
     # cached over the requests with a usage: "c" states no cached tokens, as vLLM and
-    # SGLang answer a miss (no prompt_tokens_details), so 50 / (100 + 200 + 100)
-    assert rep.total_cached_tokens == 50 and rep.cached_tokens_reported == 3
+    # SGLang answer a miss (no prompt_tokens_details), so 50 / (100 + 200 + 100); two
+    # answers stated cached tokens
+    assert rep.total_cached_tokens == 50 and rep.cached_tokens_reported == 2
     assert rep.cache_hit_ratio == pytest.approx(50 / 400)
     ttft = rep.metrics["ttft"]
     assert ttft.mean == pytest.approx(200.0) and ttft.median == pytest.approx(200.0)
@@ -181,3 +182,12 @@ def test_table_shows_the_first_failure_of_each_kind_under_a_status() -> None:
         "    first: timeout after HTTP 200 headers:",
     ]
     assert lines[row + 3] == "    TimeoutError()"
+
+
+def test_cached_tokens_reported_counts_the_answers_that_stated_them() -> None:
+    """It counted every answer in the hit ratio, the misses whose usage left the
+    details out included, where its documentation says the answers that had them."""
+    rep = build_report([_ok("a", 0.0, 0.1, 0.5, 5, 100, 40), _ok("b", 0.0, 0.1, 0.5, 5, 100, None),
+                        _ok("c", 0.0, 0.1, 0.5, 5, 100, None)], duration_s=1.0)
+    assert rep.cached_tokens_reported == 1
+    assert rep.cache_hit_ratio == pytest.approx(40 / 300)  # b and c are misses

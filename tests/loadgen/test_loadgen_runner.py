@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import math
@@ -14,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from kvgate.loadgen import client as client_mod
+from kvgate.loadgen import runner as runner_mod
+from kvgate.loadgen.prompts import PromptSpec
 from kvgate.loadgen.report import LoadReport
 from kvgate.loadgen.runner import LoadConfig, run_load, send_offsets
 from kvgate.sim.workload import SimRequest, Workload
@@ -369,3 +373,138 @@ def test_burstiness_shapes_the_gaps_as_a_gamma() -> None:
     assert cv(1.0) == pytest.approx(1.0, rel=0.1)
     assert cv(4.0) == pytest.approx(0.5, rel=0.1)
     assert LoadConfig(workload=wl, burstiness=0.5).settings("m")["burstiness"] == 0.5
+
+
+def _run_raw(raw_server: Serve, reply: bytes, then: str = "close",
+             **kw: Any) -> tuple[LoadReport, Any]:
+    """run_load against a :class:`Raw` server answering ``reply`` (model "m")."""
+    async def go() -> tuple[LoadReport, Any]:
+        async with raw_server(reply, then) as raw:
+            return await run_load(LoadConfig(base_url=raw.base_url, model="m", **kw)), raw
+    return asyncio.run(go())
+
+
+_SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+
+
+@pytest.mark.parametrize("end", ["chunked", "close"])
+def test_a_stream_that_ends_before_done_is_truncated(
+        stub_server: Serve, raw_server: Serve, end: str) -> None:
+    """2 of 4 tokens, then the body ends cleanly (the chunked terminator, or the close
+    of a body without length) without [DONE]: it was a success with 2 tokens; the
+    gateway fails it, and so does the bench now, under status 0 (no complete answer)."""
+    cut = _sse(_text("a"), _text("b"))
+    if end == "chunked":
+        rep, _ = _run(stub_server, dict(script=(cut,)), workload=_workload(2),
+                      num_requests=2, model="m")
+    else:
+        rep, _ = _run_raw(raw_server, _SSE_HEAD + b"Connection: close\r\n\r\n" + cut,
+                          workload=_workload(1), num_requests=1)
+    assert rep.completed == 0 and rep.failed == rep.sent
+    assert rep.failed_by_status == {"0": rep.sent}
+    assert rep.errors_by_type == {"truncated": rep.sent}
+    assert rep.results[0].error_detail == (
+        "the body ended after HTTP 200 headers and 2 token chunks, before data: [DONE]")
+    assert rep.total_output_tokens == 0  # failed: its tokens count nowhere
+
+
+def test_a_done_without_its_newline_at_the_end_still_ends_the_stream(
+        stub_server: Serve) -> None:
+    rep, _ = _run(stub_server, dict(script=(_sse(_text("a"), _usage(1)) + b"data: [DONE]",)),
+                  workload=_workload(2), num_requests=2, model="m")
+    assert rep.completed == 2 and rep.failed == 0
+
+
+def test_sent_requests_do_not_keep_their_prompts(
+        stub_server: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sent request's PromptSpec (its whole prompt) stayed referenced until the
+    run ended: memory grew with the requests sent, not with those in flight. With one
+    in flight, at most one may be alive when a request is sent."""
+    alive: list[int] = []
+    real = runner_mod.send_request
+
+    async def spy(session: Any, **kw: Any) -> Any:
+        alive.append(sum(1 for o in gc.get_objects()
+                         if isinstance(o, PromptSpec) and o.request_id.startswith("mem")))
+        return await real(session, **kw)
+
+    monkeypatch.setattr(runner_mod, "send_request", spy)
+    reqs = tuple(SimRequest(request_id=f"mem{i}", arrival_s=0.0, prompt_tokens=64,
+                            output_tokens=2, block_ids=(5000 + i,)) for i in range(6))
+    rep, _ = _run(stub_server, dict(tokens=2), model="m", concurrency=1,
+                  workload=Workload(name="unit", block_tokens=16, requests=reqs))
+    assert rep.completed == 6 and len(alive) == 6
+    assert max(alive) <= 1, alive
+
+
+def test_the_connection_is_reused_after_done(
+        stub_server: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stub ends each body (the chunked terminator) 20 ms after [DONE]: reading
+    stopped at [DONE], so aiohttp closed the connection and the next request opened a
+    new one. The rest of the body is read now; one connection serves them all. (The
+    drain's bound is raised so a loaded machine cannot make the test flaky.)"""
+    monkeypatch.setattr(client_mod, "DRAIN_TIMEOUT_S", 10.0)
+    script = (_sse(_text("a"), _text("b"), _usage(2), b"[DONE]"),)
+    rep, stub = _run(stub_server, dict(script=script, delay_s=0.02), workload=_workload(4),
+                     num_requests=4, concurrency=1, model="m")
+    assert rep.completed == 4 and len(stub.received) == 4
+    assert len(stub.peers) == 1, stub.peers
+
+
+def test_a_body_that_goes_on_after_done_does_not_hold_the_request(
+        raw_server: Serve) -> None:
+    """After [DONE] the rest of the body is read only briefly: an answer whose chunked
+    body never ends is complete at [DONE], not held until --request-timeout."""
+    events = _sse(_text("a"), _usage(1), b"[DONE]")
+    reply = (_SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+             + b"%x\r\n" % len(events) + events + b"\r\n")
+    rep, _ = _run_raw(raw_server, reply, then="hang", workload=_workload(1),
+                      num_requests=1, request_timeout_s=5.0)
+    r = rep.results[0]
+    assert r.success and r.end_s - r.start_s < 4.0
+
+
+def test_a_line_without_an_end_fails_past_the_bound(raw_server: Serve) -> None:
+    """A data line that never ends was buffered without limit (and searched again on
+    every read) until --request-timeout; past MAX_LINE_BYTES it is a bad_response."""
+    reply = (_SSE_HEAD + b"Connection: close\r\n\r\n" + _sse(_text("a"))
+             + b"data: " + b"x" * (client_mod.MAX_LINE_BYTES + 65536))
+    rep, _ = _run_raw(raw_server, reply, then="hang", workload=_workload(1),
+                      num_requests=1, request_timeout_s=5.0)
+    assert rep.errors_by_type == {"bad_response": 1} and rep.failed_by_status == {"200": 1}
+    assert "an SSE line longer than" in rep.results[0].error_detail
+
+
+def test_a_refusal_is_not_held_by_an_endless_body(raw_server: Serve) -> None:
+    """A 503 whose body never ends: resp.text() waited for all of it, so the request
+    ran to --request-timeout and its detail said only that the body was not read. The
+    start of the body is its detail now."""
+    reply = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+             b"Content-Length: 100000000\r\n\r\n" + b"overloaded " * 100)
+    rep, _ = _run_raw(raw_server, reply, then="hang", workload=_workload(1),
+                      num_requests=1, request_timeout_s=5.0)
+    assert rep.failed_by_status == {"503": 1} and rep.errors_by_type == {"http": 1}
+    detail = rep.results[0].error_detail
+    assert detail.startswith("HTTP 503: overloaded overloaded ") and len(detail) <= 320
+
+
+def test_a_whole_answer_without_choices_is_empty_output(raw_server: Serve) -> None:
+    """Without streaming, a 200 with "choices": [] was a success (with its usage's 7
+    tokens) where a stream without choices fails: both are empty_output now."""
+    body = json.dumps({"choices": [], "usage": {"prompt_tokens": 5,
+                                                "completion_tokens": 7}}).encode()
+    reply = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    rep, _ = _run_raw(raw_server, reply, then="keep", workload=_workload(2),
+                      num_requests=2, stream=False)
+    assert (rep.completed, rep.failed) == (0, 2)
+    assert rep.failed_by_status == {"200": 2} and rep.errors_by_type == {"empty_output": 2}
+    assert rep.results[0].error_detail == "the response carried no choices"
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:9", "http://127.0.0.1:99999", "ftp://127.0.0.1:9",
+                                 "http://:9", "http://127.0.0.1:0",
+                                 "http://127.0.0.1:9/?x=1"])
+def test_a_malformed_base_url_is_refused_before_the_run(url: str) -> None:
+    with pytest.raises(ValueError, match=r"^base_url"):
+        LoadConfig(workload=_workload(1), base_url=url)

@@ -2,7 +2,8 @@
 
 :func:`add_bench_parser` adds the ``bench`` subcommand to an ``argparse`` subparsers
 object and :func:`run_bench` runs it from the parsed arguments (exit code 0 when any
-request succeeded, 1 when all failed, 2 on a usage or setup error, 130 when
+request succeeded, 1 when none did: all failed, or the time bound came before any was
+sent; 2 on a usage or setup error, a malformed ``--base-url`` included; 130 when
 interrupted: one line, no report; ``--max-seconds`` bounds a run). The table goes to
 stdout, the progress bar to stderr; ``--json FILE`` writes :meth:`LoadReport.to_dict`
 (keys documented in :mod:`kvgate.loadgen.report`). ``python -m kvgate.loadgen.cli``
@@ -29,7 +30,7 @@ from kvgate.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from kvgate.loadgen.client import one_line
+from kvgate.loadgen.client import check_base_url, one_line
 from kvgate.loadgen.prompts import (
     MIN_BLOCK_CHARS,
     SYNTHETIC_WORKLOADS,
@@ -108,6 +109,13 @@ def _fill_parser(p: argparse.ArgumentParser) -> None:
         help="divide workload timestamps by this (--schedule trace; default 1)",
     )
     wl.add_argument(
+        "--bucket",
+        choices=("spread", "burst"),
+        help="--trace with --schedule trace: replay the requests sharing a bucketed trace "
+        "timestamp at once (burst) or evenly spread to the next timestamp (spread), as "
+        "kvgate simulate --bucket (default spread)",
+    )
+    wl.add_argument(
         "--limit", type=positive_int, metavar="N", help="read only the first N requests of --trace"
     )
     wl.add_argument(
@@ -162,7 +170,8 @@ def _fill_parser(p: argparse.ArgumentParser) -> None:
         "--schedule",
         choices=("rate", "trace"),
         default="rate",
-        help="rate: --rate; trace: the workload's own timestamps (default rate)",
+        help="rate: --rate; trace: the workload's own timestamps over --speedup (a trace's "
+        "requests that share one placed by --bucket) (default rate)",
     )
     ld.add_argument(
         "--concurrency",
@@ -276,6 +285,11 @@ def check_block_size(block_tokens: int, chars_per_token: int) -> None:
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
     """The :class:`LoadConfig` for parsed ``bench`` arguments (reads ``--trace``; one
     line on stderr when ``--num-requests`` leaves out part of the trace)."""
+    check_base_url(args.base_url, "--base-url")  # it failed every request instead
+    if args.bucket is not None and (args.trace is None or args.schedule != "trace"):
+        # the trace's timestamps are replayed only then; elsewhere it was ignored unsaid
+        raise ValueError("--bucket places the requests that share a trace timestamp: it "
+                         "applies to --trace with --schedule trace")
     if args.schedule == "trace" and args.rate is not None:
         raise ValueError(
             "--rate does not apply to --schedule trace (use --speedup, or "
@@ -299,7 +313,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         if args.workload_size is not None or args.arrival_rate is not None:
             raise ValueError("--workload-size and --arrival-rate shape a synthetic workload; "
                              "a trace has its own size and timestamps")
-        workload = trace_workload(args.trace, limit=args.limit, block_tokens=args.block_tokens)
+        workload = trace_workload(args.trace, limit=args.limit, block_tokens=args.block_tokens,
+                                  bucket_mode=args.bucket or "spread")
         total = len(workload.requests)
         if not total:  # an all-zero table and exit 0 said nothing was wrong
             raise ValueError(f"--trace {args.trace}: the trace holds no requests")
@@ -348,7 +363,9 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         goodput_slos_ms=parse_goodput(args.goodput),
         progress=args.progress,
         source=(
-            {"trace": str(args.trace), "limit": args.limit}
+            # bucket: null when the trace's timestamps are not replayed (--schedule rate)
+            {"trace": str(args.trace), "limit": args.limit,
+             "bucket": (args.bucket or "spread") if args.schedule == "trace" else None}
             if args.trace
             else {"workload_size": args.workload_size, "arrival_rate": args.arrival_rate}
         ),
@@ -390,7 +407,8 @@ def run_bench(args: argparse.Namespace) -> int:
         except OSError as e:  # checked before the run; the disk or folder changed since
             print(f"kvgate bench: cannot write --json {args.json}: {e}", file=sys.stderr)
             return 2
-    return 0 if report.completed or not report.sent else 1
+    # nothing sent (the time bound came first) is no success either: it exited 0
+    return 0 if report.completed else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,36 +10,82 @@ chunk carries ``usage`` (prompt, completion and ``prompt_tokens_details.cached_t
 vLLM reports the last one only when started with ``--enable-prompt-tokens-details``).
 A stream without any chunk with choices (say only ``{"choices": [], "usage": ...}``)
 fails with ``empty_output``, as vLLM's bench fails it (no TTFT), whatever its usage
-says. Lines may end in ``\n``, ``\r\n`` or a lone ``\r`` (the SSE spec's three).
+says. Lines may end in ``\n``, ``\r\n`` or a lone ``\r`` (the SSE spec's three); a line
+longer than :data:`MAX_LINE_BYTES` fails with ``bad_response``. A stream whose body ends
+before ``data: [DONE]`` (or an error event) fails with ``truncated``, as the gateway
+fails it: the server stopped mid-answer, so its tokens so far are no answer. After
+``[DONE]`` the rest of the body (the chunked terminator) is read, within
+:data:`DRAIN_TIMEOUT_S`, so the connection goes back to the pool.
 
 E2E latency ends, as in ``vllm bench serve``, at the last chunk with choices (the
 trailing usage chunk, ``[DONE]`` and the end of the body do not count). So
 ``E2E - TTFT`` is the sum of the ITL gaps. Without streaming the body is the one data
 chunk: E2E ends when it has been read, before it is parsed. There is no TTFT or ITL
-then.
+then; a body without choices fails with ``empty_output``, as a stream without any does.
 
 Without usage the output tokens are estimated from the text (``chars_per_token``
 characters each, at least one), where vLLM's bench re-tokenizes it; a stream counts at
 least one per token chunk.
 
 A request that times out (``--request-timeout``) fails with error ``timeout``, one whose
-connection fails (refused, or reset mid-stream) with ``connection``; both have status
-0, as when no response arrived: headers without the rest of the answer are no answer
-(they were counted under their 200). The detail says whether headers had come.
+connection fails (refused, or reset mid-stream) with ``connection``, a stream cut short
+(above) with ``truncated``; all have status 0, as when no response arrived: headers
+without the rest of the answer are no answer (they were counted under their 200). The
+detail says whether headers had come. A refusal's error detail is the start of its body
+(:data:`ERROR_BODY_BYTES`), not waited for whole.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from kvgate.loadgen.report import RequestResult
+from kvgate.protocol.sse import DEFAULT_MAX_EVENT_BYTES
 
 ENDPOINTS = ("completions", "chat")
+
+MAX_LINE_BYTES = DEFAULT_MAX_EVENT_BYTES
+"""Longest SSE line read: the gateway's bound on an event, so whatever it relays is read
+whole; past it the request fails (a line without an end was buffered without limit)."""
+
+ERROR_BODY_BYTES = 512
+"""Bytes of a refusal's body read for its error detail: the status is the answer, and an
+endless body must not hold the request until its timeout."""
+
+DRAIN_TIMEOUT_S = 0.1
+"""How long the rest of a body after ``[DONE]`` is waited for (the gateway's bound too)."""
+
+DRAIN_BYTES = 64 * 1024
+"""The most of it read; a server still sending past it loses the connection instead."""
+
+
+def check_base_url(base_url: str, name: str = "base_url") -> None:
+    """ValueError (one line, naming ``name``) unless ``base_url`` is http(s)://host[:port]
+    with a port in 1..65535 and no query or fragment: a malformed one failed every
+    request as a ``connection`` failure instead of stopping the run before it began."""
+    try:
+        parts = urlsplit(base_url)
+        port = parts.port
+    except ValueError as e:  # a port out of range or not a number
+        raise ValueError(f"{name}: {e} (expected http://host:port)") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{name} must start with http:// or https:// "
+                         "(e.g. http://127.0.0.1:8000)")
+    if not parts.hostname:
+        raise ValueError(f"{name} has no host (expected http://host:port)")
+    if port == 0:
+        raise ValueError(f"{name}: port 0 is no port to connect to")
+    if parts.query or parts.fragment or "?" in base_url or "#" in base_url:
+        # /v1/... is appended to it: a query or fragment would swallow the path
+        raise ValueError(f"{name} must not have a query or fragment")
 
 
 def v1_base(base_url: str) -> str:
@@ -65,7 +111,7 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
     answer is not a 200 JSON list of models."""
     async with session.get(v1_base(base_url) + "/models") as resp:
         if resp.status != 200:
-            body = one_line(await resp.text(errors="replace"))
+            body = one_line(await _error_body(resp))
             raise RuntimeError(f"GET /v1/models returned HTTP {resp.status}: {body}")
         raw = await resp.read()
         try:
@@ -111,8 +157,8 @@ def build_payload(
 @dataclass(slots=True)
 class _StreamState:
     sent: float
-    last: float | None = None  # the last chunk with choices
-    body_read: float | None = None  # without streaming: when the whole body had come
+    # the last chunk with choices; without streaming, when a body with choices was read
+    last: float | None = None
     ttft: float | None = None
     chunks: int = 0  # token chunks
     chars: int = 0  # characters of text in them (or in the whole body)
@@ -138,7 +184,8 @@ def _choice_text(choice: object) -> str:
 
 
 def _on_event(st: _StreamState, data: bytes, now: float) -> bool:
-    """Handle one ``data:`` payload; False at ``[DONE]``."""
+    """Handle one ``data:`` payload; False when it ends the stream: ``[DONE]`` or an
+    error event."""
     if data == b"[DONE]":
         return False
     obj = json.loads(data)
@@ -174,30 +221,71 @@ def _cached(usage: dict[str, object] | None) -> int | None:
     return _usage_int(details, "cached_tokens") if isinstance(details, dict) else None
 
 
+async def _read_at_most(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """Up to ``limit`` bytes of a body (fewer when it ends first)."""
+    buf = bytearray()
+    while len(buf) < limit:
+        chunk = await content.read(limit - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
 async def _error_body(resp: aiohttp.ClientResponse) -> str:
     """The start of a refusal's body, best effort: the status is the answer, so a body
-    that times out or is not UTF-8 must not turn it into a timeout or bad_response."""
+    that times out or is not UTF-8 must not turn it into a timeout or bad_response, and
+    one that never ends must not hold the request (it was read whole)."""
     try:
-        return (await resp.text(errors="replace"))[:300]
+        head = await _read_at_most(resp.content, ERROR_BODY_BYTES)
     except (TimeoutError, aiohttp.ClientError) as e:
         return f"(body not read: {type(e).__name__})"
+    return head.decode("utf-8", errors="replace")[:300]
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, st: _StreamState) -> None:
-    buf = bytearray()
+async def _drain(content: aiohttp.StreamReader) -> None:
+    """Read what follows ``[DONE]`` (the chunked terminator), briefly: aiohttp reuses a
+    connection only when its body was read to the end, and closed about half of them.
+    Best effort: the answer is complete and timed already."""
+    if content.at_eof():
+        return
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            await _read_at_most(content, DRAIN_BYTES)
+
+
+def _check_line(size: int) -> None:
+    if size > MAX_LINE_BYTES:
+        raise ValueError(f"an SSE line longer than {MAX_LINE_BYTES} bytes")
+
+
+def _on_line(st: _StreamState, line: bytes, now: float) -> bool:
+    """Handle one SSE line; False when it ends the stream (``[DONE]``, an error event)."""
+    line = line.strip()
+    return not line.startswith(b"data:") or _on_event(st, line[5:].strip(), now)
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, st: _StreamState) -> bool:
+    """Read events until ``[DONE]`` or an error event (True) or the end of the body
+    (False: cut short). ValueError on a line past :data:`MAX_LINE_BYTES`."""
+    partial = bytearray()  # a line whose end has not come yet
     async for data in resp.content.iter_any():
         now = time.perf_counter()
         if b"\r" in data:  # CRLF or a lone CR ends a line too (SSE); one scan when not
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        buf.extend(data)
-        while (nl := buf.find(b"\n")) >= 0:
-            line = bytes(buf[:nl]).strip()
-            del buf[: nl + 1]
-            if line.startswith(b"data:") and not _on_event(st, line[5:].strip(), now):
-                return
-    tail = bytes(buf).strip()
-    if tail.startswith(b"data:"):
-        _on_event(st, tail[5:].strip(), time.perf_counter())
+        # only the new bytes are searched for line ends (the whole buffer was, each read)
+        *lines, rest = data.split(b"\n")
+        if lines:
+            lines[0] = bytes(partial) + lines[0]
+            partial.clear()
+        partial += rest
+        for line in lines:
+            _check_line(len(line))
+            if not _on_line(st, line, now):
+                return True
+        _check_line(len(partial))  # bounded before the next read, not once the line ends
+    # a last line without its newline still counts (a [DONE] there ends the stream)
+    return not _on_line(st, bytes(partial), time.perf_counter())
 
 
 async def send_request(
@@ -227,10 +315,16 @@ async def send_request(
                 res.error = "http"
                 res.error_detail = f"HTTP {resp.status}: {await _error_body(resp)}"
             elif stream:
-                await _read_stream(resp, st)
+                if await _read_stream(resp, st):
+                    await _drain(resp.content)
+                else:  # EOF before [DONE]: the server stopped mid-answer (gateway: failure)
+                    res.status = 0
+                    res.error = "truncated"
+                    res.error_detail = (f"the body ended after HTTP {resp.status} headers "
+                                        f"and {st.chunks} token chunks, before data: [DONE]")
             else:
                 raw = await resp.read()
-                st.body_read = time.perf_counter()  # the whole body: its one data chunk
+                read_at = time.perf_counter()  # the whole body: its one data chunk
                 body = json.loads(raw)
                 if not isinstance(body, dict):
                     raise ValueError("response is not a JSON object")
@@ -239,7 +333,8 @@ async def send_request(
                 usage = body.get("usage")
                 st.usage = usage if isinstance(usage, dict) else None
                 choices = body.get("choices")
-                if isinstance(choices, list):
+                if isinstance(choices, list) and choices:
+                    st.last = read_at
                     # one body, no chunks to count: the text's estimated tokens (it was
                     # 1 whatever the length when the server sent no usage)
                     st.chars = sum(len(_choice_text(c)) for c in choices)
@@ -276,20 +371,21 @@ async def send_request(
     # tokens shorter than chars_per_token, which a chunk each still proves.
     estimate = max(st.chunks, math.ceil(st.chars / chars_per_token))
     res.output_tokens = completion if completion is not None else estimate
-    if stream and st.last is None:
-        # vLLM's bench fails it too ("Never received a valid chunk to calculate TTFT"):
-        # usage alone is no answer to time, and it was a success without a TTFT
+    if st.last is None:
+        # vLLM's bench fails a stream so ("Never received a valid chunk to calculate
+        # TTFT"): usage alone is no answer to time, and it was a success without a TTFT.
+        # A whole body without choices is none either (it was a success).
         res.error = "empty_output"
-        res.error_detail = "the stream carried no chunk with choices (no TTFT)"
+        res.error_detail = ("the stream carried no chunk with choices (no TTFT)" if stream
+                            else "the response carried no choices")
         return res
     if estimate == 0 and not res.output_tokens:
         res.error, res.error_detail = "empty_output", "the response carried no tokens"
         return res
     res.success = True
-    # vLLM's latency: to the last chunk with choices (a stream's success needs one), the
-    # body without streaming; `end` came later, after [DONE] or EOF and the release
-    last = st.last if stream else st.body_read
-    res.e2e_s = (last if last is not None else end) - st.sent
+    # vLLM's latency: to the last chunk with choices, the body without streaming; `end`
+    # came later, after [DONE], the drain and the release
+    res.e2e_s = st.last - st.sent
     if stream:
         res.ttft_s = st.ttft
         res.itl_s = st.itl

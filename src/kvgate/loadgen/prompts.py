@@ -44,7 +44,7 @@ from kvgate.sim.synthetic import (
     shared_prefix_groups,
     zipf_prefixes,
 )
-from kvgate.sim.workload import SimRequest, Workload, load_mooncake_trace
+from kvgate.sim.workload import BucketMode, SimRequest, Workload, load_mooncake_trace
 
 SYNTHETIC_WORKLOADS = ("gsp", "chat", "agent", "zipf")
 
@@ -265,7 +265,12 @@ def trace_workload(
     *,
     limit: int | None = None,
     block_tokens: int = 512,
+    bucket_mode: BucketMode = "spread",
 ) -> Workload:
     """A Mooncake JSONL trace at its own timestamps (``speedup`` is applied by the
-    runner). Lines whose id count disagrees with ``input_length`` are accepted."""
-    return load_mooncake_trace(path, limit=limit, block_tokens=block_tokens, strict=False)
+    runner). Requests sharing a bucketed timestamp are placed by ``bucket_mode`` as
+    ``kvgate simulate --bucket`` places them: ``"spread"`` evenly over the gap to the
+    next timestamp, ``"burst"`` all at it (see :mod:`kvgate.sim.workload_mooncake`).
+    Lines whose id count disagrees with ``input_length`` are accepted."""
+    return load_mooncake_trace(path, limit=limit, block_tokens=block_tokens, strict=False,
+                               bucket_mode=bucket_mode)

@@ -15,9 +15,11 @@ Definitions (``vllm bench serve``, research/workloads.md section 4):
   A TPOT SLO is met by a request with one output token (TPOT taken as 0, as vLLM does);
   a TTFT SLO is never met without a measured TTFT (``--no-stream``).
 * Cache hit ratio: ``usage.prompt_tokens_details.cached_tokens`` summed over the
-  successful requests that report it, divided by their prompt tokens. vLLM and SGLang
-  leave the details out when nothing was cached: once any answer of the run states
-  cached tokens, an answer with a usage but without them counts as 0 cached.
+  successful requests that report it, divided by the prompt tokens of the requests it
+  covers. vLLM and SGLang leave the details out when nothing was cached: once any
+  answer of the run states cached tokens, an answer with a usage but without them is
+  covered too, as 0 cached (a miss). So the ratio covers more requests than
+  ``cached_tokens_reported`` counts (those whose usage stated cached tokens).
 
 JSON keys (:meth:`LoadReport.to_dict`, ``kvgate bench --json``); times in seconds unless
 the key ends in ``_ms``; absent values are ``null``:
@@ -28,16 +30,20 @@ the key ends in ``_ms``; absent values are ``null``:
   ``concurrency``, ``speedup``, ``num_requests``,
   ``max_seconds``, ``seed``, ``chars_per_token``, ``max_prompt_tokens``,
   ``output_tokens_cap``, ``ignore_eos``, ``temperature``; from ``kvgate bench``, also
-  ``trace`` and ``limit`` for a trace, ``workload_size`` and ``arrival_rate`` for a
-  synthetic workload).
+  ``trace``, ``limit`` and ``bucket`` (``"spread"`` or ``"burst"``, how requests sharing
+  a timestamp were placed; null under ``schedule`` ``"rate"``) for a trace,
+  ``workload_size`` and ``arrival_rate`` for a synthetic workload).
 * Counts: ``sent``, ``completed``, ``failed``, ``incomplete`` (cancelled at the time
   bound), ``failed_by_status`` (HTTP status as a string -> count; ``"0"`` = no
-  complete response: a connection failure or a timeout, even one after the headers),
+  complete response: a connection failure, a timeout or a stream cut short before
+  ``[DONE]``, even after the headers),
   ``errors_by_type`` (``RequestResult.error`` -> count, failed only). Both sum to
   ``failed``.
 * ``duration``; tokens of successful requests: ``total_input_tokens``,
   ``total_output_tokens``, ``total_cached_tokens``, ``cached_tokens_reported``
-  (requests whose usage had cached tokens), ``cache_hit_ratio`` (0..1).
+  (successful requests whose usage stated ``prompt_tokens_details.cached_tokens``),
+  ``cache_hit_ratio`` (0..1, null until an answer states cached tokens; see above for
+  the requests it covers).
 * Throughput: ``request_throughput`` (req/s), ``output_throughput`` and
   ``total_token_throughput`` (tok/s), ``peak_concurrency``.
 * Goodput: ``goodput_slos_ms`` (name -> ms), ``good_requests``, ``request_goodput``
@@ -81,8 +87,9 @@ class RequestResult:
     the start of the benchmark.
 
     ``status`` is the HTTP status, 0 when no complete response arrived (a connection
-    failure or a timeout, even after the headers came). ``error`` is ``""`` on
-    success, else one of ``http``, ``connection``, ``timeout``, ``stream_error``,
+    failure, a timeout or a truncated stream, even after the headers came). ``error``
+    is ``""`` on success, else one of ``http``, ``connection``, ``timeout``,
+    ``truncated`` (the stream's body ended before ``data: [DONE]``), ``stream_error``,
     ``bad_response``, ``empty_output``, ``internal`` (a loadgen bug) or ``cancelled``
     (still running at the time bound; such requests are *incomplete*, not failed).
     """
@@ -368,7 +375,8 @@ def build_report(
         total_input_tokens=n_in,
         total_output_tokens=n_out,
         total_cached_tokens=n_cached,
-        cached_tokens_reported=len(with_cache),
+        # the answers that stated them, as documented (it counted the misses too)
+        cached_tokens_reported=sum(1 for r in ok if r.cached_tokens is not None),
         cache_hit_ratio=cache_ratio,
         request_throughput=per_s(len(ok)),
         output_throughput=per_s(n_out),

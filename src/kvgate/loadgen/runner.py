@@ -9,7 +9,9 @@ Schedules (:class:`LoadConfig`):
   rescaled, as vLLM does, so their mean is exactly ``1 / rate`` (the realised rate
   does not depend on the seed). ``rate=inf`` sends all at once.
 * ``schedule="trace"``: at the workload's own arrival times (relative to its first
-  request) divided by ``speedup``.
+  request) divided by ``speedup``. A Mooncake trace's requests that share a bucketed
+  timestamp arrive as its loader placed them (``kvgate bench --bucket``: spread evenly
+  to the next timestamp, or all at it).
 * ``concurrency=N`` caps requests in flight in either schedule (a request due while N
   are running waits for a slot, as vLLM's ``--max-concurrency``). With ``rate=inf``
   this is a closed loop of N users.
@@ -41,12 +43,29 @@ from typing import Literal, TextIO
 
 import aiohttp
 
-from kvgate.loadgen.client import build_payload, endpoint_url, first_model, send_request
-from kvgate.loadgen.prompts import PromptSpec, check_block_chars, make_spec
+from kvgate.loadgen.client import (
+    build_payload,
+    check_base_url,
+    endpoint_url,
+    first_model,
+    send_request,
+)
+from kvgate.loadgen.prompts import check_block_chars, make_spec
 from kvgate.loadgen.report import SLO_METRICS, LoadReport, RequestResult, build_report
 from kvgate.sim.workload import SimRequest, Workload
 
 Schedule = Literal["rate", "trace"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """What the report needs of a sent request besides its task's result (the prompt
+    is not kept: every prompt of the run was, until its end)."""
+
+    task: asyncio.Task[RequestResult]
+    request_id: str
+    prompt_tokens: int
+    at: float  # perf_counter() when sent
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +98,7 @@ class LoadConfig:
     source: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_base_url(self.base_url)
         if self.endpoint not in ("completions", "chat"):
             raise ValueError("endpoint must be 'completions' or 'chat'")
         if self.schedule not in ("rate", "trace"):
@@ -203,29 +223,25 @@ async def _drive(
     url = endpoint_url(config.base_url, config.endpoint)
     sem = asyncio.Semaphore(config.concurrency) if config.concurrency else None
     progress = Progress(len(reqs), enabled=config.progress)
-    sent: list[tuple[asyncio.Task[RequestResult], PromptSpec, float]] = []
+    sent: list[_Sent] = []
     # Closed loop: the requests others wait for, each with an event set when it ends
     # (the workload orders a predecessor before its followers, so it is in this slice).
     waits = config.workload.waits()
     ended = {waits[r.request_id]: asyncio.Event() for r in reqs if r.request_id in waits}
     t0 = time.perf_counter()
 
-    async def one(spec: PromptSpec) -> RequestResult:
+    async def one(payload: dict[str, object], request_id: str,
+                  prompt_tokens: int) -> RequestResult:
         try:
-            payload = build_payload(endpoint=config.endpoint, model=model, prompt=spec.prompt,
-                                    max_tokens=spec.max_tokens, stream=config.stream,
-                                    ignore_eos=config.ignore_eos,
-                                    temperature=config.temperature)
             res = await send_request(session, url=url, payload=payload,
-                                     request_id=spec.request_id,
-                                     prompt_tokens=spec.prompt_tokens, t0=t0,
-                                     chars_per_token=config.chars_per_token)
+                                     request_id=request_id, prompt_tokens=prompt_tokens,
+                                     t0=t0, chars_per_token=config.chars_per_token)
             progress.update(res.success)
             return res
         finally:
             if sem is not None:
                 sem.release()
-            if (event := ended.get(spec.request_id)) is not None:
+            if (event := ended.get(request_id)) is not None:
                 event.set()
 
     deadline = t0 + config.max_seconds
@@ -243,7 +259,12 @@ async def _drive(
                          chars_per_token=config.chars_per_token, seed=config.seed,
                          max_prompt_tokens=config.max_prompt_tokens,
                          output_tokens_cap=config.output_tokens_cap)
-        sent.append((asyncio.create_task(one(spec)), spec, time.perf_counter()))
+        # the prompt lives in the payload while the request runs, not in `sent`
+        payload = build_payload(endpoint=config.endpoint, model=model, prompt=spec.prompt,
+                                max_tokens=spec.max_tokens, stream=config.stream,
+                                ignore_eos=config.ignore_eos, temperature=config.temperature)
+        task = asyncio.create_task(one(payload, spec.request_id, spec.prompt_tokens))
+        sent.append(_Sent(task, spec.request_id, spec.prompt_tokens, time.perf_counter()))
         return True
 
     async def follow(req: SimRequest, previous: asyncio.Event) -> None:
@@ -266,7 +287,7 @@ async def _drive(
             if followers:
                 await asyncio.gather(*followers)
             if sent:
-                await asyncio.wait([task for task, _, _ in sent])
+                await asyncio.wait([s.task for s in sent])
         finally:
             for task in followers:  # at the time bound: nothing more is sent
                 task.cancel()
@@ -278,24 +299,24 @@ async def _drive(
     finally:
         dispatcher.cancel()
         await asyncio.gather(dispatcher, return_exceptions=True)  # stops the followers
-        for task, _, _ in sent:
-            task.cancel()
-        await asyncio.gather(*(task for task, _, _ in sent), return_exceptions=True)
+        for s in sent:
+            s.task.cancel()
+        await asyncio.gather(*(s.task for s in sent), return_exceptions=True)
         progress.close()
     end = time.perf_counter()
     results: list[RequestResult] = []
-    for task, spec, at in sent:
-        if task.cancelled():
+    for s in sent:
+        if s.task.cancelled():
             error, detail = "cancelled", "still running at the time bound"
-        elif (exc := task.exception()) is not None:  # a bug, not a server problem
+        elif (exc := s.task.exception()) is not None:  # a bug, not a server problem
             error, detail = "internal", f"{type(exc).__name__}: {exc}"[:300]
         else:
-            results.append(task.result())
+            results.append(s.task.result())
             continue
         results.append(RequestResult(
-            request_id=spec.request_id, success=False, status=0, error=error,
-            error_detail=detail, start_s=at - t0, end_s=end - t0,
-            prompt_tokens=spec.prompt_tokens))
+            request_id=s.request_id, success=False, status=0, error=error,
+            error_detail=detail, start_s=s.at - t0, end_s=end - t0,
+            prompt_tokens=s.prompt_tokens))
     return results, end - t0
 
 
