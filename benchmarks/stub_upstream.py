@@ -16,8 +16,9 @@ It speaks just enough of vLLM's OpenAI server for kvgate's gateway and for wrk:
 It is a raw :class:`asyncio.Protocol` HTTP/1.1 server (uvloop when installed) with
 keep-alive, not kvgate's engine server: every answer is precomputed bytes, so the
 stub costs a few microseconds per request and the gateway's cost stands out. It
-reads Content-Length and chunked bodies; it does not do pipelining tricks beyond
-answering requests on one connection in order. It prints one line,
+reads Content-Length and chunked bodies (a malformed one is a 400 and the connection
+closed); it does not do pipelining tricks beyond answering requests on one connection
+in order. It prints one line,
 ``stub upstream listening on http://HOST:PORT``, once it accepts connections (port 0
 picks a free port), and stops on SIGINT or SIGTERM.
 """
@@ -43,6 +44,7 @@ MAX_HEAD = 64 * 1024
 MAX_BODY = 64 * 1024 * 1024
 
 _STREAM_RE = re.compile(rb'"stream"\s*:\s*true')
+_CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _USAGE_RE = re.compile(rb'"include_usage"\s*:\s*true')
 
 
@@ -207,7 +209,11 @@ class StubProtocol(asyncio.Protocol):
                 close = v == b"close" or (close and v != b"keep-alive")
         start = end + 4
         if chunked:
-            decoded = _dechunk(buf, start)
+            try:
+                decoded = _dechunk(buf, start)
+            except BadChunk:
+                self._fail()
+                return None
             if decoded is None:
                 if len(buf) - start > MAX_BODY:
                     self._fail()
@@ -253,14 +259,27 @@ class StubProtocol(asyncio.Protocol):
             self.transport = None
 
 
+class BadChunk(ValueError):
+    """A malformed chunked body: answered 400 and the connection closed."""
+
+
 def _dechunk(buf: bytearray, pos: int) -> tuple[bytes, int] | None:
-    """A complete chunked body from ``pos``: (body, end offset), else None."""
+    """A complete chunked body from ``pos``: (body, end offset), else None (more to
+    come). BadChunk for a size line that is not hex digits (optionally followed by
+    ``;extensions``), a body over MAX_BODY, or chunk data not followed by CRLF."""
     out = bytearray()
     while True:
         eol = buf.find(b"\r\n", pos)
         if eol < 0:
+            if len(buf) - pos > 1024:  # a size line does not run this long
+                raise BadChunk("chunk size line too long")
             return None
-        size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
+        field = bytes(buf[pos:eol]).split(b";", 1)[0].strip(b" \t")
+        if _CHUNK_SIZE_RE.fullmatch(field) is None:
+            raise BadChunk(f"bad chunk size {field[:40]!r}")
+        size = int(field, 16)
+        if len(out) + size > MAX_BODY:
+            raise BadChunk("chunked body too large")
         pos = eol + 2
         if size == 0:
             # trailers (none expected) end with an empty line
@@ -271,6 +290,8 @@ def _dechunk(buf: bytearray, pos: int) -> tuple[bytes, int] | None:
             return (bytes(out), end + 2) if end >= 0 else None
         if len(buf) < pos + size + 2:
             return None
+        if buf[pos + size:pos + size + 2] != b"\r\n":
+            raise BadChunk("chunk data not followed by CRLF")
         out += buf[pos:pos + size]
         pos += size + 2
 

@@ -10,6 +10,7 @@ import http.client
 import json
 import select
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -113,6 +114,35 @@ def test_stub_completion_stream(stub_port: int) -> None:
         conn.close()
 
 
+def _raw(port: int, request: bytes) -> bytes:
+    """Everything the stub sends back on one connection for ``request``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+        return got
+
+
+@pytest.mark.parametrize("body", [
+    b"zz\r\nab\r\n0\r\n\r\n",  # not hex
+    b"-2\r\nab\r\n0\r\n\r\n",  # int(..., 16) takes a sign
+    b"2\r\nabcd\r\n0\r\n\r\n",  # more data than the size said
+])
+def test_stub_answers_a_malformed_chunked_body_400(stub_port: int, body: bytes) -> None:
+    """A malformed chunk size raised ValueError in data_received: a traceback in the
+    stub's log and a connection dropped without an answer, instead of its 400."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: stub\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    got = _raw(stub_port, head + body)
+    assert got.startswith(b"HTTP/1.1 400 Bad Request\r\n"), got
+    assert b"Connection: close" in got
+    # a well-formed chunked body still gets its answer
+    good = _raw(stub_port, head.replace(b"HTTP/1.1", b"HTTP/1.0")
+                + b"2\r\n{}\r\n0\r\n\r\n")
+    assert good.startswith(b"HTTP/1.1 200 OK\r\n"), good
+
+
 WRK_TEXT = """Running 2s test @ http://127.0.0.1:8100/v1/completions
   1 threads and 8 connections
   Thread Stats   Avg      Stdev     Max   +/- Stdev
@@ -169,7 +199,7 @@ def _wrk_run(p50: float, *, rps: float = 500.0, requests: int = 5000,
 def _summary(max_rps_run: dict[str, object], **via: dict[str, object]) -> dict[str, object]:
     runs = {"direct_unary": _wrk_run(1.0), "via_unary": _wrk_run(1.5),
             "direct_stream": _wrk_run(2.0), "via_stream": _wrk_run(2.5),
-            "via_max_rps": {**max_rps_run, "gw_cpu_s": 1.0, "stub_cpu_s": 0.5},
+            "via_max_rps": {**max_rps_run, "proxy_cpu_s": 1.0, "stub_cpu_s": 0.5},
             "direct_max_rps": _wrk_run(1.0, rps=6000.0, requests=60000), **via}
     args = argparse.Namespace(latency_connections=1, rps_connections=64, prompt_chars=1500,
                               repeat=1)
