@@ -80,3 +80,32 @@ def test_dashboard_renders_live_numbers_in_chromium(e2e: Any, chromium: str) -> 
             assert SCREENSHOT.stat().st_size > 10_000
 
     e2e.run(body(), timeout=90)
+
+
+def test_a_drained_node_that_goes_down_reads_down(e2e: Any, chromium: str) -> None:
+    """A node being drained whose engine then dies showed amber "draining": an operator
+    waiting for its in-flight work to finish did not see that it had crashed."""
+
+    async def body() -> None:
+        async with e2e.stack(2) as s:
+            auth = {"Authorization": f"Bearer {e2e.TOKEN}"}
+            async with s.session.post(s.url + "/admin/nodes/e1/drain", headers=auth) as r:
+                assert r.status == 200, await r.text()
+            page = s.url + "/dashboard"
+            assert _number(await _chromium(chromium, "--dump-dom", page),
+                           "node-e1-health") == "draining"
+            await s.engine("e1").stop()
+
+            async def down() -> bool:
+                async with s.session.get(s.url + "/dashboard/state") as r:
+                    nodes = (await r.json())["nodes"]
+                return not next(n for n in nodes if n["id"] == "e1")["healthy"]
+
+            await e2e.eventually(down, timeout=10.0)
+            dom = await _chromium(chromium, "--dump-dom", page)
+            assert _number(dom, "node-e1-health") == "down (draining)"
+            assert re.search(r'class="l bad"[^>]*id="node-e1-health"|'
+                             r'id="node-e1-health"[^>]*class="l bad"', dom)
+            assert _number(dom, "node-e0-health") == "healthy"
+
+    e2e.run(body(), timeout=90)
