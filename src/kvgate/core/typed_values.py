@@ -30,51 +30,74 @@ def strip_optional(tp: Any) -> Any:
     return args[0] if len(args) == 1 else tp
 
 
-def coerce(value: Any, tp: Any, where: str) -> Any:
+def coerce(value: Any, tp: Any, where: str, *, secret: bool = False) -> Any:
     """``value`` as annotation ``tp`` asks (an int for a float becomes a float); else a
-    ConfigError saying ``where`` must be what."""
+    ConfigError saying ``where`` must be what. ``secret``: the message names the value's
+    type, never the value (a token, a key, a URL with a password)."""
     if is_optional(tp):
-        return None if value is None else coerce(value, strip_optional(tp), where)
+        return None if value is None else coerce(value, strip_optional(tp), where, secret=secret)
     origin = typing.get_origin(tp)
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
+        raise ConfigError(f"{where} must be true or false, got {_shown(value, secret)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
+        raise ConfigError(f"{where} must be an integer, got {_shown(value, secret)}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where} must be a number, got {value!r}")
+            return _as_float(value, where)
+        raise ConfigError(f"{where} must be a number, got {_shown(value, secret)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{where} must be a string, got {value!r}")
+        raise ConfigError(f"{where} must be a string, got {_shown(value, secret)}")
     if origin is typing.Literal:
         if value in typing.get_args(tp):
             return value
-        raise ConfigError(f"{where} must be one of {typing.get_args(tp)}, got {value!r}")
+        raise ConfigError(f"{where} must be one of {typing.get_args(tp)}, "
+                          f"got {_shown(value, secret)}")
     if origin is tuple:
         if isinstance(value, tuple):  # already parsed (nodes.static)
             return value
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
+            raise ConfigError(f"{where} must be a list, got {_shown(value, secret)}")
         item_tp = typing.get_args(tp)[0]
-        return tuple(coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(coerce(v, item_tp, f"{where}[{i}]", secret=secret)
+                     for i, v in enumerate(value))
     if origin is Mapping or origin is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+            raise ConfigError(f"{where} must be a mapping, got {_shown(value, secret)}")
         _, val_tp = typing.get_args(tp)
         out: dict[str, Any] = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise ConfigError(f"{where}: keys must be strings, got {k!r}")
-            out[k] = v if val_tp is object else coerce(v, val_tp, f"{where}.{k}")
+                raise ConfigError(f"{where}: keys must be strings, got {_shown(k, secret)}")
+            out[k] = v if val_tp is object else coerce(v, val_tp, f"{where}.{k}", secret=secret)
         return out
     if isinstance(tp, type) and isinstance(value, tp):  # an already built value
         return value
-    raise ConfigError(f"{where}: unsupported value {value!r}")  # pragma: no cover
+    raise ConfigError(f"{where}: unsupported value {_shown(value, secret)}")  # pragma: no cover
+
+
+def _as_float(value: int | float, where: str) -> float:
+    """A float; an integer beyond a float's range (400 digits in a YAML file) is a
+    ConfigError, not the OverflowError ``float()`` raises."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ConfigError(f"{where} must be a finite number, got {_shown(value, False)}"
+                          ) from None
+
+
+def _shown(value: Any, secret: bool) -> str:
+    """``value`` for an error message: its type alone when secret, else its repr (a
+    huge integer by its size: its digits would fill the terminal)."""
+    if secret:
+        return f"a value of type {type(value).__name__}"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return repr(value)

@@ -38,7 +38,7 @@ from kvgate.core.nodes import NodeState
 from kvgate.core.stats import DecisionRecord
 from kvgate.edge import expect_handler, get_route_adder, json_response
 from kvgate.gateway.body import read_body
-from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.config import GatewayConfig, url_key
 from kvgate.gateway.config_load import parse_node
 from kvgate.gateway.errors import refusing
 from kvgate.gateway.redact import REDACTED, redact_url
@@ -295,9 +295,11 @@ class AdminApi:
                            param="id", code="node_exists")
         # one engine under two ids: its capacity counted twice, its cache split (the
         # static config refuses it too)
-        if same := next((rt for rt in gw.watcher.nodes.values() if rt.url == config.url), None):
-            raise Conflict(f"node {same.node_id!r} already has url {config.url}; DELETE it "
-                           "first", param="url", code="node_exists")
+        key = url_key(config.url)  # however it is spelt (LOCALHOST, :08000)
+        if same := next((rt for rt in gw.watcher.nodes.values() if url_key(rt.url) == key),
+                        None):
+            raise Conflict(f"node {same.node_id!r} already has url {redact_url(same.url)}; "
+                           "DELETE it first", param="url", code="node_exists")
         # the watcher completes the add even if this handler is cancelled (client gone)
         rt = await gw.watcher.add(config)
         state = gw.controller.nodes.get(NodeId(config.id))

@@ -22,7 +22,8 @@ Sources, lowest precedence first (``config_load.load_config`` merges them):
    ``KVGATE_NODES_STATIC='[http://a:8000, http://b:8000]'``. The value is read as
    a YAML scalar or flow collection (``true``, ``1.5``, ``[a, b]``, ``{k: v}``),
    except for string keys, which take the text as is. Only the sections below are
-   read; an unknown key inside one of them is an error;
+   read; an unknown key inside one of them is an error, Kubernetes' service links
+   (``KVGATE_SERVER_PORT=tcp://...`` for a Service ``kvgate-server``) are ignored;
 4. command-line flags (``--host``, ``--port``, ``--node`` ...), see ``serve.py``.
 
 Bad values raise :class:`~kvgate.core.errors.ConfigError` naming the key.
@@ -30,6 +31,8 @@ Bad values raise :class:`~kvgate.core.errors.ConfigError` naming the key.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -188,7 +191,7 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         if not self.id:
-            raise ConfigError(f"node {self.url}: id must be non-empty")
+            raise ConfigError(f"node {redact_url(self.url)}: id must be non-empty")
         if self.kv_events is not None and not all(
             _zmq_endpoint(e) for e in self.kv_events_endpoints
         ):
@@ -257,15 +260,34 @@ class NodesConfig:
                   startup_probe_timeout_s=self.startup_probe_timeout_s,
                   unhealthy_after=self.unhealthy_after, healthy_after=self.healthy_after)
         seen: set[str] = set()
-        urls: dict[str, str] = {}
+        urls: dict[tuple[str, str, int, str], str] = {}
         for node in self.static:
             if node.id in seen:
                 raise ConfigError(f"nodes.static: duplicate node id {node.id!r}")
             seen.add(node.id)
             # one engine under two ids: its capacity counted twice, its cache split
-            if (other := urls.setdefault(node.url, node.id)) != node.id:
+            # (however its url is spelt: LOCALHOST, :08000, :80 or none)
+            if (other := urls.setdefault(url_key(node.url), node.id)) != node.id:
                 raise ConfigError(f"nodes.static: nodes {other!r} and {node.id!r} have the "
                                   "same url")
+
+
+def url_key(url: str) -> tuple[str, str, int, str]:
+    """What tells two node URLs apart: scheme, host (lower case, an IP address in its
+    canonical form), port (80 / 443 when left out) and path (no trailing slash).
+    Credentials are no part of it: the same engine with two keys is one engine."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").rstrip(".")
+    with contextlib.suppress(ValueError):
+        host = ipaddress.ip_address(host).compressed
+    try:
+        port = parts.port
+    except ValueError:  # not from normalise_url: compared as written
+        return scheme, url, -1, ""
+    if port is None:
+        port = 443 if scheme == "https" else 80
+    return scheme, host, port, parts.path.rstrip("/")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -454,8 +476,23 @@ class AuthConfig:
         for name in ("default_priority", "anonymous_max_priority"):
             if getattr(self, name) not in (0, 1, 2):
                 raise ConfigError(f"auth.{name} must be 0, 1 or 2")
-        if any(not k for k in self.keys):
-            raise ConfigError("auth.keys: an API key must be non-empty")
+        for i, (key, spec) in enumerate(self.keys.items()):
+            _check_client_key(key, f"auth.keys: the key of tenant {spec.tenant!r} (#{i + 1})")
+
+
+def _check_client_key(key: str, which: str) -> None:
+    """A key a client can send: clients' Authorization headers are trimmed and carry no
+    control characters, so such a key was accepted and then never matched. The message
+    names the key's tenant, never the key."""
+    if not key:
+        raise ConfigError("auth.keys: an API key must be non-empty", param="keys")
+    if key != key.strip():
+        raise ConfigError(f"{which} starts or ends with whitespace (no client could send "
+                          "it: HTTP trims header values; a key read from a file keeps its "
+                          "trailing newline)", param="keys")
+    if not key.isprintable():
+        raise ConfigError(f"{which} holds a control character (no client could send it in "
+                          "a header)", param="keys")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,9 +14,12 @@ Per node, three small loops on the gateway's event loop, each bounded by a timeo
 * **evictions** every ``nodes.evictions_interval_s``: ``GET /kvgate/evictions?since=N``
   -> ``on_eviction_warning`` / ``on_eviction_done``; a 404 stops polling that node.
 
-Models come from ``GET /v1/models`` (ids and vLLM's ``max_model_len``) at start-up
-and whenever a node comes back. All controller calls happen on the loop thread,
-between awaits.
+Models come from ``GET /v1/models`` (ids and vLLM's ``max_model_len``) at start-up,
+whenever a node comes back or is seen to have restarted (a new process may serve
+another model), and every ``MODELS_EVERY_CHECKS`` passed health checks (30 s at the
+default interval: a model swapped faster than any signal shows). Probe bodies above
+``MAX_PROBE_BYTES`` are refused, counted as that probe's error. All controller calls
+happen on the loop thread, between awaits.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ log = logging.getLogger("kvgate.gateway.nodes")
 
 DEFAULT_MAX_MODEL_LEN = 131_072
 DEFAULT_CACHE_BLOCKS = 4_000  # index capacity of a node that says nothing of its cache
+MODELS_EVERY_CHECKS = 30  # re-read /v1/models after this many passed health checks
+# a probe's answer above this is no node's (vLLM's /metrics is a few hundred KB): read
+# whole, a broken or hostile node could take the gateway's memory
+MAX_PROBE_BYTES = 8 * 1024 * 1024
+SCRAPE_WARN_AFTER = 3  # failed scrapes in a row, the node healthy, before a warning
+SCRAPE_WARN_EVERY_S = 60.0  # at most one such warning per node this often
 
 
 @dataclass(slots=True)
@@ -67,6 +76,12 @@ class NodeRuntime:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     kv: NodeKvWatch | None = None  # precise mode, with the node's kv_events
     last_health: str = ""  # what its last failed health check got, for the log line
+    last_scrape: str = ""  # what its last failed scrape got, for the log line
+    scrape_fails: int = 0  # failed scrapes in a row
+    scrape_warned: bool = False  # those were logged (once, until a scrape works)
+    scrape_warned_at: float | None = None
+    models_due: bool = False  # /v1/models to be read again (a restart, or periodically)
+    checks_since_models: int = 0  # passed health checks since /v1/models was read
 
     @property
     def node_id(self) -> NodeId:
@@ -264,10 +279,13 @@ class NodeWatcher:
                 rt.url + path, headers=rt.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False,
             ) as resp:
-                return resp.status, await resp.read()
+                body = await _read_capped(resp, MAX_PROBE_BYTES)
+                if body is None:
+                    _note_failure(rt, path, f"an answer over {MAX_PROBE_BYTES >> 20} MB")
+                    return None
+                return resp.status, body
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            if path == "/health":
-                rt.last_health = _probe_error(exc, timeout)
+            _note_failure(rt, path, _probe_error(exc, timeout))
             return None
 
     async def check_health(self, rt: NodeRuntime, *, first: bool = False) -> None:
@@ -275,11 +293,14 @@ class NodeWatcher:
         if got is not None and got[0] == 200:
             rt.fails = 0
             rt.passes += 1
+            rt.checks_since_models += 1
+            if rt.checks_since_models >= MODELS_EVERY_CHECKS:
+                rt.models_due = True  # a model swapped without any restart signal
             if not rt.watch_healthy and rt.passes >= self.config.healthy_after:
                 await self.discover(rt)
                 self._mark(rt, healthy=True)
-            elif rt.models is None and not first:
-                await self.discover(rt)
+            elif (rt.models is None or rt.models_due) and not first:
+                await self.discover(rt)  # retried each check until it succeeds
             return
         rt.errors["health"] += 1
         if got is not None:
@@ -311,6 +332,11 @@ class NodeWatcher:
         if info is None:
             rt.errors["models"] += 1
             return
+        rt.models_due = False
+        rt.checks_since_models = 0
+        if rt.models is not None and set(rt.models.ids) != set(info.ids):
+            log.warning("node %s now serves %s (was %s)", rt.node_id,
+                        ", ".join(info.ids) or "no model", ", ".join(rt.models.ids) or "none")
         missing = sorted(set(rt.config.models) - set(info.ids)) if info.ids else []
         if missing and (rt.models is None or set(rt.models.ids) != set(info.ids)):
             # its configured models route there anyway, and every such request gets the
@@ -331,7 +357,13 @@ class NodeWatcher:
             sample = parse_load(got[1].decode("utf-8", "replace"))
         if sample is None:
             rt.errors["metrics"] += 1
+            if got is not None:
+                rt.last_scrape = f"HTTP {got[0]}" if got[0] != 200 else "no load gauges in it"
+            self._scrape_failed(rt)
             return
+        if rt.scrape_warned:
+            log.warning("scrapes of node %s work again", rt.node_id)
+        rt.scrape_fails, rt.scrape_warned = 0, False
         if not self._current(rt):
             return
         if rt.kv is not None:  # precise mode: routing stops teaching once orphans stop
@@ -357,6 +389,23 @@ class NodeWatcher:
             rt.node_id, waiting=sample.waiting, running=sample.running, kv_util=sample.kv_util,
             now=self.clock(),
         )
+
+    def _scrape_failed(self, rt: NodeRuntime) -> None:
+        """A warning when a healthy node's scrapes keep failing (its load stays unknown,
+        seen before only in kvgate_node_scrape_errors_total): once until a scrape works,
+        at most once per node every SCRAPE_WARN_EVERY_S. A node going down is the
+        health check's to report."""
+        rt.scrape_fails += 1
+        if (rt.scrape_warned or rt.scrape_fails < SCRAPE_WARN_AFTER or rt.fails
+                or not rt.watch_healthy or not self._current(rt)):
+            return
+        now = self.clock()
+        if rt.scrape_warned_at is not None and now - rt.scrape_warned_at < SCRAPE_WARN_EVERY_S:
+            return
+        rt.scrape_warned, rt.scrape_warned_at = True, now
+        log.warning("node %s: %d scrapes of /metrics in a row failed (last: %s); its load "
+                    "is unknown until one works", rt.node_id, rt.scrape_fails,
+                    rt.last_scrape or "no answer")
 
     async def poll_evictions(self, rt: NodeRuntime) -> None:
         if not rt.evictions_supported:
@@ -398,6 +447,7 @@ class NodeWatcher:
         drop what the new process has cached since."""
         now = self.clock()
         window = self._restart_window_s
+        rt.models_due = True  # the new process may serve another model: the next check reads
         if rt.kv is not None and rt.kv.restarted_within(now, window):
             rt.restarted_at = now  # its events said so first; the index follows it
             return
@@ -470,6 +520,26 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body, or None when it is longer than ``limit`` (read no further)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def _note_failure(rt: NodeRuntime, path: str, why: str) -> None:
+    """Keep why a health check or scrape failed, for its log line."""
+    if path == "/health":
+        rt.last_health = why
+    elif path == "/metrics":
+        rt.last_scrape = why
 
 
 def _probe_error(exc: BaseException, timeout: float) -> str:
