@@ -8,6 +8,7 @@ import json
 import socket
 from typing import Any
 
+from kvgate.core.ids import NodeId
 from kvgate.testing import raw_exchange
 
 PATHS = [
@@ -417,3 +418,87 @@ def test_a_node_with_url_credentials_and_an_api_key_is_refused(admin_kit: Any) -
             assert s.gw.nodes.get("both") is None
 
     admin_kit.run(body())
+
+
+def test_admin_delete_refuses_expect_continue_without_the_token(admin_kit: Any) -> None:
+    """DELETE answered 'Expect: 100-continue' with a 100 for anyone, as POST once did."""
+
+    async def body() -> None:
+        async with admin_kit.stack(1) as s:
+            head = (b"DELETE /admin/nodes/e0 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                    b"Expect: 100-continue\r\nConnection: close\r\n\r\n")
+            data, _ = await raw_exchange(s.url, head, timeout=3)
+            assert data.startswith(b"HTTP/1.1 401"), data[:80]
+            assert s.gw.nodes.get("e0") is not None
+
+    admin_kit.run(body())
+
+
+def test_an_absurd_max_model_len_is_refused_and_a_node_reporting_one_harms_nobody(
+    admin_kit: Any,
+) -> None:
+    """A node added with max_model_len 10**400 made every request of its model a 500
+    (admission's float check overflowed), the node down or not."""
+    from kvgate.gateway.node_probe import parse_models
+
+    async def body() -> None:
+        async with admin_kit.stack(1) as s:
+            for key in ("max_model_len", "capacity", "cache_blocks"):
+                status, err, _ = await s.call("POST", "/admin/nodes", {
+                    "id": "c", "url": "http://127.0.0.1:1", key: 10**400})
+                assert status == 400, (key, err)
+                assert err["error"]["param"] == key
+            assert s.gw.nodes.get("c") is None
+
+    admin_kit.run(body())
+    # an engine reporting one: taken as not said (the default applies)
+    info = parse_models({"data": [{"id": "m", "max_model_len": 10**400}]})
+    assert info is not None and info.max_model_len is None
+
+
+def test_a_node_being_added_is_out_of_the_budget_until_its_probe_passes(
+    admin_kit: Any,
+) -> None:
+    """A node that never answers counted as healthy, and in C_eff, for the whole first
+    probe (up to startup_probe_timeout_s)."""
+
+    async def body() -> None:
+        # a server that accepts connections and never answers
+        done = asyncio.Event()
+        writers: list[asyncio.StreamWriter] = []
+
+        async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.append(writer)
+            await done.wait()
+
+        server = await asyncio.start_server(hang, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with admin_kit.stack(1) as s:
+                ctl = s.gw.controller
+                before = ctl.admission.c_eff
+                seen: list[tuple[bool, int]] = []
+
+                async def watch() -> None:
+                    while True:
+                        state = ctl.nodes.get(NodeId("hung"))
+                        if state is not None:
+                            seen.append((state.healthy, ctl.admission.c_eff))
+                        await asyncio.sleep(0.02)
+
+                watcher = asyncio.ensure_future(watch())
+                status, _, _ = await s.call("POST", "/admin/nodes", {
+                    "id": "hung", "url": f"http://127.0.0.1:{port}", "capacity": 64})
+                watcher.cancel()
+                assert status == 201
+                assert seen, "the probe ended before the node could be seen"
+                assert all(not healthy for healthy, _ in seen), seen[:5]
+                assert all(c_eff == before for _, c_eff in seen)
+        finally:
+            done.set()
+            for w in writers:
+                w.close()
+            server.close()
+            await server.wait_closed()
+
+    admin_kit.run(body(), timeout=30)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Final
 
 from xxhash import xxh3_64_intdigest
 
@@ -43,6 +44,8 @@ _LOAD_LOG_MAX = 4096
 # Distinct model names whose eligible lists are cached (names come from requests, so
 # the cache is bounded; past it the cache starts over).
 _ELIGIBLE_MODELS_MAX = 64
+# the most any of a node's sizes may be (a context of 2**31 tokens is no model's)
+NODE_INT_LIMIT: Final = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +63,10 @@ class NodeSpec:
             raise ConfigError("node_id must be non-empty")
         if self.capacity < 1 or self.max_model_len < 1 or self.cache_blocks < 0:
             raise ConfigError(f"node {self.node_id}: capacity, max_model_len must be >= 1")
+        if max(self.capacity, self.max_model_len, self.cache_blocks) > NODE_INT_LIMIT:
+            # no node's; and float arithmetic on them (admission's length check) overflows
+            raise ConfigError(f"node {self.node_id}: capacity, max_model_len and "
+                              f"cache_blocks must be <= {NODE_INT_LIMIT}")
 
 
 @dataclass(slots=True, eq=False)

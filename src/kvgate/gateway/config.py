@@ -50,6 +50,7 @@ from kvgate.core.admission import (
 from kvgate.core.config import INDEX_MODES, ControllerConfig
 from kvgate.core.errors import ConfigError
 from kvgate.core.finite import first_nonfinite
+from kvgate.core.nodes import NODE_INT_LIMIT
 from kvgate.gateway.redact import redact_url
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -228,6 +229,11 @@ class NodeConfig:
                               f"{self.cache_blocks}", param="cache_blocks")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"node {self.id}: max_model_len must be >= 1")
+        for key in ("capacity", "cache_blocks", "max_model_len"):
+            value = getattr(self, key)
+            if value is not None and value > NODE_INT_LIMIT:
+                raise ConfigError(f"node {self.id}: {key} must be <= {NODE_INT_LIMIT}",
+                                  param=key)
 
     @property
     def kv_events_endpoints(self) -> tuple[str, ...]:

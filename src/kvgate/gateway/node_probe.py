@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.core.nodes import NODE_INT_LIMIT
+
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage", "vllm:gpu_cache_usage_perc")
@@ -160,7 +162,8 @@ def parse_models(obj: Any) -> ModelInfo | None:
         ids.append(item["id"])
         entries.append(item)
         mml = item.get("max_model_len")
-        if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0:
+        # an absurd length (past NODE_INT_LIMIT) is no model's: taken as not said
+        if isinstance(mml, int) and not isinstance(mml, bool) and 0 < mml <= NODE_INT_LIMIT:
             best = mml if best is None else max(best, mml)
     return ModelInfo(ids=tuple(ids), max_model_len=best, entries=tuple(entries))
 

@@ -144,6 +144,9 @@ class NodeWatcher:
             await self.remove(NodeId(config.id))
         rt = self._register(config)
         self.controller.add_node(self._spec(rt), self.clock())
+        # out of rotation and of the budget until its first probe passes (a node that
+        # never answers counted in C_eff for the probe's whole timeout)
+        self.controller.set_healthy(rt.node_id, False, self.clock())
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.startup_probe_timeout_s):
@@ -158,6 +161,8 @@ class NodeWatcher:
             if self._current(rt) and not self._stopped:
                 if not rt.passes:
                     self._mark(rt, healthy=False)
+                else:
+                    self.controller.set_healthy(rt.node_id, True, self.clock())
                 self._spawn(rt)
         if self._current(rt):
             await self._kv_connected([rt])
