@@ -347,10 +347,15 @@ async def start_gateway(
             # the connection's own answers (a head timeout, a request line it refused)
             responses[("connection", status)] += 1
 
+        def count_expect_answer(endpoint: str, status: int) -> None:
+            # answers to an Expect given before the middleware (417, 413, 401 ...)
+            responses[(endpoint, status)] += 1
+
         runner = EdgeRunner(
             app,
             header_timeout_s=srv.header_timeout_s,
             on_answer=count_own_answer,
+            on_route_answer=count_expect_answer,
             handler_cancellation=True,
             access_log=logging.getLogger("kvgate.access") if srv.access_log else None,
             access_log_class=AccessLog,

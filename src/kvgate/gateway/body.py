@@ -1,9 +1,12 @@
 """Reading a request body at the edge: every way it can fail is a 4xx, never a 500.
 
-aiohttp reports a body it cannot decode (a gzip/deflate body that is not gzip or
-deflate, a broken chunked framing) as ``RequestPayloadError`` from ``request.read()``;
-a body that trickles in is bounded by ``server.body_timeout_s``. Both handlers that
-read bodies (the proxy and the admin API) go through :func:`read_body`.
+``edge.read_body_within`` reads it: a body it cannot decode (a gzip/deflate body that
+is not gzip or deflate, a broken chunked framing) is a ``RequestPayloadError`` (400
+here), a Content-Encoding other than identity, gzip, x-gzip or deflate a 415, a body
+past ``server.client_max_size`` once decoded a 413 (both aiohttp ``HTTPException``
+answered by the error middleware); a body that trickles in is bounded by
+``server.body_timeout_s``. Both handlers that read bodies (the proxy and the admin
+API) go through :func:`read_body`.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def _timed_out() -> RequestTimeoutError:
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body; 408 past ``timeout_s``, 400 when it is badly encoded or framed
-    (413 past ``client_max_size`` comes from aiohttp as ``HTTPRequestEntityTooLarge``)."""
+    (413 past ``client_max_size`` and 415 for an unsupported Content-Encoding come as
+    aiohttp's ``HTTPRequestEntityTooLarge`` / ``HTTPUnsupportedMediaType``)."""
     try:
         return await read_body_within(request, timeout_s, _timed_out)
     except web.RequestPayloadError as exc:

@@ -32,6 +32,7 @@ from kvgate.edge import (
     REQUEST_ID_HEADER,
     ExpectCheck,
     client_request_id,
+    endpoint_of,
     http_exception_response,
     json_response,
 )
@@ -177,8 +178,7 @@ def edge_middleware(responses: Counter[tuple[str, int]]) -> Any:
 
     @web.middleware
     async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
-        resource = request.match_info.route.resource
-        endpoint = resource.canonical if resource is not None else "unmatched"
+        endpoint = endpoint_of(request)
         status = 500
         try:
             try:

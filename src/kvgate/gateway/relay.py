@@ -90,6 +90,7 @@ _USAGE_OBJECT = re.compile(r'"usage"\s*:\s*\{')
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error body passed through
 FAST_WRITE_MAX = 16 * 1024  # a write this small to an empty send buffer never blocks
+UNARY_CHUNK = 64 * 1024  # a whole answer is written in writes this large, each bounded
 
 
 @dataclass(slots=True)
@@ -188,7 +189,8 @@ class Relay:
         self.route_headers = route_headers
         self.max_response_bytes = upstream.config.max_response_bytes
         # a stream is idle on either side past this: the node sends nothing, or the
-        # client takes nothing (it stopped reading but keeps the connection open)
+        # client takes nothing (it stopped reading but keeps the connection open); a
+        # whole answer's writes are bounded by it too
         self.write_timeout_s = upstream.config.stream_idle_timeout_s
         # keep-alive comments reset the idle timer: this bounds the wait for real data
         self.first_event_timeout_s = upstream.config.first_event_timeout_s
@@ -231,23 +233,7 @@ class Relay:
         self, request: web.Request, flight: Flight, arrived: RequestArrived
     ) -> web.StreamResponse:
         try:
-            decision = await self.driver.admit(arrived)
-            while True:
-                if isinstance(decision, Reject):
-                    flight.done = True
-                    headers = self._headers(flight)
-                    if flight.node is not None:  # the retry found no node: name the failed one
-                        headers[NODE_HEADER] = flight.node
-                    return reject_response(decision.rejected, headers)
-                if isinstance(decision, Fail):
-                    flight.done = True
-                    return fail_response(decision, {REQUEST_ID_HEADER: flight.client_rid})
-                if not isinstance(decision, Dispatch):
-                    raise InvariantViolation(f"unexpected decision {decision!r}")
-                result = await self._attempt(request, flight, decision)
-                if isinstance(result, web.StreamResponse):
-                    return result
-                decision = result
+            return await self._deliver(request, await self._answer(request, flight, arrived))
         except asyncio.CancelledError:  # the client went away (handler cancellation)
             if ANSWERED not in request:  # not after its whole answer: that is no loss
                 self.metrics.client_disconnects += 1
@@ -258,6 +244,56 @@ class Relay:
                 self.driver.cancel(flight.rid)
             elif flight.priority == 2:  # a preemption that landed after the answer ended
                 self.driver.take_preempted(flight.rid)
+
+    async def _answer(
+        self, request: web.Request, flight: Flight, arrived: RequestArrived
+    ) -> web.StreamResponse:
+        """Admission, the attempts and their retry: the client's answer (a stream has
+        been relayed already, anything else is still to be written)."""
+        decision = await self.driver.admit(arrived)
+        while True:
+            if isinstance(decision, Reject):
+                flight.done = True
+                headers = self._headers(flight)
+                if flight.node is not None:  # the retry found no node: name the failed one
+                    headers[NODE_HEADER] = flight.node
+                return reject_response(decision.rejected, headers)
+            if isinstance(decision, Fail):
+                flight.done = True
+                return fail_response(decision, {REQUEST_ID_HEADER: flight.client_rid})
+            if not isinstance(decision, Dispatch):
+                raise InvariantViolation(f"unexpected decision {decision!r}")
+            result = await self._attempt(request, flight, decision)
+            if isinstance(result, web.StreamResponse):
+                return result
+            decision = result
+
+    async def _deliver(
+        self, request: web.Request, resp: web.StreamResponse
+    ) -> web.StreamResponse:
+        """Write a whole (not streamed) answer, each write bounded as a stream's are
+        (``stream_idle_timeout_s``): left to aiohttp, it waits without end for a client
+        that reads none of it, holding the connection and the answer (up to
+        ``max_response_bytes``). Such a client is dropped (a reset) and counted as gone."""
+        if resp.prepared or not isinstance(resp, web.Response):
+            return resp  # a stream: written already
+        body = resp.body
+        if not isinstance(body, bytes):
+            return resp
+        out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=resp.headers)
+        out.content_length = len(body)
+        send = _ClientWriter(request, out, self.write_timeout_s, self._stalled_log)
+        try:
+            await out.prepare(request)
+            for start in range(0, len(body), UNARY_CHUNK):
+                await send(body[start:start + UNARY_CHUNK])
+            await send(None)
+        except ConnectionResetError:  # the client is gone, or took nothing: a 499
+            self.metrics.client_disconnects += 1
+            request[CLIENT_GONE] = True
+            return out
+        request[ANSWERED] = out.status
+        return out
 
     def _headers(self, flight: Flight) -> dict[str, str]:
         # nosniff: a browser takes the answer as the JSON or event stream it is labelled
@@ -587,9 +623,10 @@ def _cut_error_body(status: int, kind: FailureKind) -> dict[str, Any]:
 
 
 class _ClientWriter:
-    """Writes to a streamed response, each bounded in time: a client that takes no
-    byte for ``timeout_s`` is dropped (its connection aborted) and reported as gone
-    with ``ConnectionResetError``, as one that closed its connection."""
+    """Writes to a response (a stream, or a whole answer in pieces), each bounded in
+    time: a client that takes no byte for ``timeout_s`` is dropped (its connection
+    aborted) and reported as gone with ``ConnectionResetError``, as one that closed its
+    connection."""
 
     __slots__ = ("_out", "_request", "_stalled", "_timeout_s")
 
@@ -621,9 +658,9 @@ class _ClientWriter:
                 # close() would wait for the client to read the buffer, then send a FIN
                 # that reads as the end of a complete (truncated) answer
                 reset_transport(transport)
-            self._stalled.info("dropped a client that took no byte of its stream for "
-                                  "%g s (%s)", self._timeout_s, self._request.remote)
-            raise ConnectionResetError("the client stopped reading the stream") from None
+            self._stalled.info("dropped a client that took no byte of its answer for "
+                               "%g s (%s)", self._timeout_s, self._request.remote)
+            raise ConnectionResetError("the client stopped reading its answer") from None
 
 
 def _node_retry_after(value: str | None) -> str:
