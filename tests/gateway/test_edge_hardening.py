@@ -17,7 +17,8 @@ import pytest
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine
 
-from kvgate.edge import EdgeRunner, parse_error, read_body_within
+from kvgate.edge import EdgeRunner, parse_error
+from kvgate.edge_body import read_body_within
 from kvgate.gateway import GatewayServer, start_gateway
 from kvgate.testing import raw_exchange as exchange
 

@@ -57,10 +57,10 @@ from kvgate.edge import (
     client_request_id,
     expect_handler,
     http_exception_response,
-    read_body_within,
     reset_transport,
 )
 from kvgate.edge import json_response as _json  # the gateway's compact JSON answers
+from kvgate.edge_body import read_body_within
 from kvgate.engine.api import (
     EngineConfig,
     EngineMetrics,

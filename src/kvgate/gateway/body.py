@@ -1,6 +1,6 @@
 """Reading a request body at the edge: every way it can fail is a 4xx, never a 500.
 
-``edge.read_body_within`` reads it: a body it cannot decode (a gzip/deflate body that
+``edge_body.read_body_within`` reads it: a body it cannot decode (a gzip/deflate body that
 is not gzip or deflate, a broken chunked framing) is a ``RequestPayloadError`` (400
 here), a Content-Encoding other than identity, gzip, x-gzip or deflate a 415, a body
 past ``server.client_max_size`` once decoded a 413 (both aiohttp ``HTTPException``
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from aiohttp import web
 
 from kvgate.core.errors import ClientRequestError
-from kvgate.edge import read_body_within
+from kvgate.edge_body import read_body_within
 
 
 class RequestTimeoutError(ClientRequestError):
